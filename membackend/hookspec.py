@@ -1,0 +1,124 @@
+"""The backend contract: pluggy hook specifications.
+
+A backend is an object (usually a class instance) with a ``name`` attribute
+(a lowercase identifier, unique among installed backends), an optional
+``version`` and ``capabilities`` (:class:`membackend.types.Capabilities`),
+and one ``@hookimpl`` method for each hook below. Third parties publish the
+object (or a class with a no-argument constructor) under the entry-point group
+``membackend.backends``::
+
+    [project.entry-points."membackend.backends"]
+    mybackend = "my_package.backend:MyBackend"
+
+Every verb except ``membackend_probe`` is called on the selected backend only,
+through a :class:`membackend.manager.Session`. The session has already checked
+the arguments (device served, reservation alive and owned by this backend,
+sizes positive, ranges inside the reservation, free ranges page aligned), so a
+backend only implements the mechanism. Observers (tracers, telemetry) add
+``wrapper=True`` hookimpls of the same names.
+
+All sizes are bytes; offsets are relative to the reservation's base.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from .types import Budget, Candidate, Device, Fault, Machine, Reservation
+
+PROJECT = "membackend"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: the six verbs a backend must implement, besides ``membackend_probe``
+VERBS = (
+    "membackend_reserve",
+    "membackend_fault",
+    "membackend_free",
+    "membackend_release_reservation",
+    "membackend_fence",
+    "membackend_budget_query",
+)
+HOOKS = ("membackend_probe",) + VERBS
+
+
+@hookspec
+def membackend_probe(machine: Machine) -> Candidate:
+    """Say how well this backend fits ``machine``.
+
+    Pre: none; must not create a GPU context or allocate memory.
+    Post: a ``Candidate(name, score, reason)``; ``score == 0`` means the
+    backend does not fit, and ``reason`` says why in words a user can act on.
+    The built-in ``host`` backend scores 1 so any fitting GPU backend wins.
+    Errors: an exception here marks the plugin broken; it is logged and skipped.
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_reserve(device: Device, size: int) -> Reservation:
+    """Reserve at least ``size`` bytes of address space on ``device``.
+
+    Pre: ``size > 0``; ``device`` is one the backend serves.
+    Post: a live ``Reservation`` whose ``size`` is ``size`` rounded up to whole
+    pages; no physical memory is committed yet.
+    Errors: ``WrongDevice`` for a device not served; ``DriverError`` when the
+    address space cannot be reserved (nothing is left reserved).
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_fault(reservation: Reservation, offset: int, size: int) -> Fault:
+    """Back every page the byte range ``[offset, offset+size)`` touches.
+
+    Pre: the reservation is alive; the range lies inside it.
+    Post: ``Fault(ok=True, generations, first_page, mapped)`` with one
+    generation per page of the range; a page's generation changes whenever it
+    gets new physical memory. Out of memory is ``Fault(ok=False)``, not an
+    exception, and the pages this call mapped are rolled back.
+    Errors: ``DriverError`` for failures other than out-of-memory, after rollback.
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_free(reservation: Reservation, offset: int, size: int) -> int:
+    """Drop the resident pages of ``[offset, offset+size)``, keeping the address range.
+
+    Pre: alive; range inside the reservation and page aligned (its end may be
+    the reservation's end); the session has fenced the reservation.
+    Post: returns the number of bytes that were resident and are now dropped
+    (0 when nothing was resident); those pages get new generations when faulted again.
+    Errors: ``DriverError``.
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_release_reservation(reservation: Reservation) -> int:
+    """Drop every page and return the address range.
+
+    Pre: alive; the session has fenced the reservation.
+    Post: returns the bytes that were resident; the address range is returned
+    to the platform. The session then marks the reservation released.
+    Errors: ``DriverError``; the backend frees what it can before raising.
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_fence(device: Device, reservation: Reservation | None) -> None:
+    """Wait until no asynchronous work the backend knows of touches the reservation.
+
+    ``reservation`` None means the whole device. The session has already
+    waited on the fence tokens recorded with it; a backend adds its own
+    (stream or event synchronisation) or does nothing.
+    Errors: ``DriverError``.
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_budget_query(device: Device) -> Budget:
+    """Report ``device``'s memory from this platform's real source.
+
+    Post: ``Budget(total, free, headroom, usable, source, unified)``;
+    ``source`` names where the numbers came from (for the doctor).
+    Errors: ``WrongDevice`` for a device not served; ``DriverError``.
+    """
