@@ -302,7 +302,7 @@ def load_settings(**kwargs: Any) -> Settings:
         err = exc.errors()[0]
         path = tuple(err["loc"])
         key = ".".join(str(p) for p in path) or "settings"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
             parent = _accepted(path[:-1] + ("__none__",)) if len(path) > 1 else "one of: " + ", ".join(Settings.model_fields)

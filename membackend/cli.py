@@ -1,0 +1,243 @@
+"""``membackend doctor | backends | budget`` — what membackend sees and whether it works.
+
+Exit codes: 0 ok; 1 the self-test failed; 2 a configuration error (its message
+is printed), including a forced backend that is not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Any
+
+import psutil
+
+from . import __version__
+from .machine import gather_machine
+from .manager import BackendManager, Selection
+from .session import Session
+from .settings import load_settings
+from .types import BackendDisabled, Budget, Device, Machine, MembackendError
+
+MiB = 1 << 20
+SELFTEST_RESERVE = 256 * MiB
+SELFTEST_FAULT = 128 * MiB
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MiB:,.0f} MiB"
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def machine_report(m: Machine) -> dict[str, Any]:
+    d = dataclasses.asdict(m)
+    d["devices"] = [{**dataclasses.asdict(i), "device": str(i.device)} for i in m.devices]
+    return d
+
+
+def backends_report(mgr: BackendManager, sel: Selection) -> list[dict[str, Any]]:
+    rows = []
+    for name, rec in sorted(mgr.records.items()):
+        c = sel.candidates.get(name)
+        rows.append({
+            "name": name, "version": rec.version, "origin": rec.origin,
+            "score": c.score if c else None,
+            "reason": c.reason if c else sel.broken.get(name, "not probed (membackend is disabled)"),
+            "blocked": name in sel.blocked, "selected": sel.record is rec,
+        })
+    for name, why in sorted(sel.broken.items()):
+        if name not in mgr.records:
+            rows.append({"name": name, "version": None, "origin": None, "score": None, "reason": why,
+                         "blocked": False, "selected": False, "broken": True})
+        elif name not in sel.candidates:
+            next(r for r in rows if r["name"] == name)["broken"] = True
+    return rows
+
+
+def budgets_report(session: Session) -> list[dict[str, Any]]:
+    rows = []
+    for dev in session.devices():
+        try:
+            b = session.budget_query(dev)
+            rows.append({"device": str(dev), **dataclasses.asdict(b)})
+        except MembackendError as exc:
+            rows.append({"device": str(dev), "error": str(exc)})
+    return rows
+
+
+def self_test(session: Session) -> dict[str, Any]:
+    """Reserve, fault, free and release on the selected backend, watching RSS and the ledger."""
+    dev = session.devices()[0]
+    budget: Budget = session.budget_query(dev)
+    fault_size = max(min(SELFTEST_FAULT, budget.usable // 4), 1)
+    steps: list[dict[str, Any]] = []
+    ok = True
+
+    def step(name: str, passed: bool, detail: str) -> None:
+        nonlocal ok
+        ok = ok and passed
+        acct = session.ledger.account(dev)
+        steps.append({"step": name, "ok": passed, "detail": detail, "rss": _rss(),
+                      "ledger_resident": acct.resident, "ledger_reserved": acct.reserved})
+
+    before_rss, before = _rss(), session.ledger.account(dev)
+    steps.append({"step": "baseline", "ok": True, "detail": "", "rss": before_rss,
+                  "ledger_resident": before.resident, "ledger_reserved": before.reserved})
+    r = None
+    try:
+        r = session.reserve(dev, SELFTEST_RESERVE)
+        step("reserve", session.ledger.account(dev).reserved == before.reserved + r.size,
+             f"{_mib(r.size)} of address space at {r.base:#x}")
+        f = session.fault(r, 0, fault_size)
+        grew = _rss() - before_rss
+        passed = f.ok and session.ledger.resident(r) >= fault_size
+        if dev.kind == "cpu":  # host memory must really be there
+            passed = passed and grew >= fault_size * 3 // 4
+        step("fault", passed, f"{_mib(fault_size)} backed, ok={f.ok}, RSS +{_mib(grew)}")
+        dropped = session.free(r)
+        passed = dropped >= fault_size and session.ledger.resident(r) == 0
+        if dev.kind == "cpu":
+            passed = passed and _rss() - before_rss <= 32 * MiB
+        step("free", passed, f"{_mib(dropped)} dropped, RSS {_rss() - before_rss:+,} bytes vs baseline")
+        session.release_reservation(r)
+        after = session.ledger.account(dev)
+        step("release", after.reserved == before.reserved and after.reservations_alive == before.reservations_alive,
+             "address range returned")
+    except MembackendError as exc:
+        step("error", False, f"{type(exc).__name__}: {exc}")
+        if r is not None and not r.released:
+            session.release_reservation(r)
+    return {"ok": ok, "backend": session.name, "device": str(dev), "steps": steps}
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _print_machine(m: Machine) -> None:
+    print(f"machine: {m.os}, {m.cpus} CPUs, RAM {_mib(m.ram_total)} ({_mib(m.ram_available)} available), "
+          f"cgroup limit {_mib(m.cgroup_limit) if m.cgroup_limit else 'none'}")
+    print(f"  torch: {m.torch_version or 'not installed'} ({m.torch_vendor or '-'} build)")
+    if not m.devices:
+        print("  GPUs: none found")
+    for d in m.devices:
+        extra = ", ".join(x for x in (d.driver_model, d.arch, "integrated" if d.integrated else "") if x)
+        print(f"  {d.device}: {d.name or '?'} {_mib(d.total_memory) if d.total_memory else ''} {extra} [{d.source}]")
+    if m.overridden:
+        print(f"  overridden by settings: {', '.join(m.overridden)}")
+
+
+def _print_backends(rows: list[dict[str, Any]], sel: Selection) -> None:
+    print("backends:")
+    for r in rows:
+        mark = "*" if r["selected"] else " "
+        state = "BROKEN" if r.get("broken") else ("blocked" if r["blocked"] else f"score {r['score']}")
+        print(f" {mark} {r['name']:<16} {r['version'] or '':<10} {state:<10} {r['reason']}")
+        if r["origin"]:
+            print(f"   {'':16} from {r['origin']}")
+    if sel.record is None:
+        print(f"selected: none ({sel.how}): {sel.reason}")
+    else:
+        print(f"selected: {sel.record.name} ({sel.how}): {sel.reason}")
+        others = [r["name"] for r in rows if r["name"] != sel.record.name and not r.get("broken")]
+        if others:
+            print(f"  to force another: MEMBACKEND_BACKEND={others[0]} (or backend = \"{others[0]}\" in membackend.toml); "
+                  f"choices: {', '.join(others)}")
+
+
+def _print_budgets(rows: list[dict[str, Any]]) -> None:
+    print("budgets:")
+    for b in rows:
+        if "error" in b:
+            print(f"  {b['device']}: error: {b['error']}")
+        else:
+            print(f"  {b['device']}: total {_mib(b['total'])}, free {_mib(b['free'])}, headroom {_mib(b['headroom'])}, "
+                  f"usable {_mib(b['usable'])}{' (unified pool)' if b['unified'] else ''} from {b['source']}")
+
+
+def _print_selftest(t: dict[str, Any]) -> None:
+    print(f"self-test on {t['backend']} ({t['device']}):")
+    base = t["steps"][0]["rss"]
+    for s in t["steps"]:
+        print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_mib(s['rss']):>10} ({(s['rss'] - base) / MiB:+8.1f} MiB)"
+              f"  ledger resident {_mib(s['ledger_resident'])}  {s['detail']}")
+    print("self-test: " + ("passed" if t["ok"] else "FAILED"))
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _setup() -> tuple[BackendManager, Machine, Selection]:
+    settings = load_settings()
+    mgr = BackendManager(settings)
+    machine = gather_machine(settings.machine)
+    return mgr, machine, mgr.select(machine)
+
+
+def run(command: str, as_json: bool) -> int:
+    mgr, machine, sel = _setup()
+    out: dict[str, Any] = {"version": __version__}
+    rows = backends_report(mgr, sel)
+    if command == "backends":
+        out.update(backends=rows, selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason)
+        print(json.dumps(out, indent=2)) if as_json else _print_backends(rows, sel)
+        return 0
+    session = None
+    if sel.record is not None:
+        session = mgr.session(machine)
+    if command == "budget":
+        out["budgets"] = budgets_report(session) if session else []
+        if as_json:
+            print(json.dumps(out, indent=2))
+        else:
+            _print_budgets(out["budgets"]) if session else print(f"membackend is disabled: {sel.reason}")
+        return 0
+    # doctor
+    out.update(machine=machine_report(machine), backends=rows,
+               selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason)
+    if session is not None:
+        out["budgets"] = budgets_report(session)
+        out["selftest"] = self_test(session)
+    if as_json:
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(f"membackend {__version__}")
+        _print_machine(machine)
+        _print_backends(rows, sel)
+        if session is not None:
+            _print_budgets(out["budgets"])
+            _print_selftest(out["selftest"])
+    return 0 if session is None or out["selftest"]["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="membackend", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"membackend {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("doctor", "machine facts, backends, budgets, then a self-test"),
+                            ("backends", "every backend found, its probe result and the selection"),
+                            ("budget", "each device's budget and its source")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args.command, args.json)
+    except BackendDisabled as exc:
+        print(f"membackend is disabled: {exc}")
+        return 0
+    except (MembackendError, ValueError) as exc:
+        print(f"membackend: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
