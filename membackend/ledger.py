@@ -38,6 +38,8 @@ class Ledger:
         self._devices: dict[Device, DeviceAccount] = {}
         self._resident: dict[int, int] = {}  # reservation id -> resident bytes
         self._pending: dict[int, tuple[Device, list[FenceToken]]] = {}  # reservation id -> (device, tokens)
+        #: ids of reservations with recorded tokens; read-only, for cheap membership tests
+        self.pending_ids = self._pending.keys()
         self._released_at: dict[int, str] = {}
         self._lock = threading.Lock()  # fence tokens arrive from copy threads
 

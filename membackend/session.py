@@ -72,6 +72,8 @@ class Session:
         self.device_kinds: tuple[str, ...] = tuple(getattr(backend, "device_kinds", ("cpu", "cuda", "hip")))
         self.machine = machine
         self.ledger = ledger or Ledger()
+        self._pending_ids = self.ledger.pending_ids  # membership tests on the hot path
+        self._sanitize = self.ledger.sanitize
         self.headroom = headroom
         self.candidate = candidate
         self.how = how
@@ -155,7 +157,7 @@ class Session:
 
     def fault(self, reservation: Reservation, offset: int, size: int) -> Fault:
         """Back every page of the range; ``Fault.ok`` false is out of memory (nothing changed)."""
-        if reservation.released or reservation.backend != self.name or reservation.__class__ is not Reservation:
+        if reservation.__class__ is not Reservation or reservation.released or reservation.backend != self.name:
             self._mine(reservation, "fault")
         offset, size = self._range(reservation, offset, size)
         f = self._fault(reservation, offset, size)
@@ -165,21 +167,23 @@ class Session:
 
     def free(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
         """Fence, then drop the resident pages of a page-aligned range (default: all). Returns bytes dropped."""
-        if reservation.released or reservation.backend != self.name or reservation.__class__ is not Reservation:
+        if reservation.__class__ is not Reservation or reservation.released or reservation.backend != self.name:
             self._mine(reservation, "free")
         if size is None:
             size = reservation.size - offset
         offset, size = self._range(reservation, offset, size)
         ps = reservation.page_size
         end = offset + size
-        if offset % ps or (end % ps and end < reservation.requested):
-            raise Misaligned(f"free range [{offset}, {end}) must start on a page boundary and end on one "
-                             f"(or at the end of the reservation); page size {ps}")
-        if reservation.id in self.ledger._pending:
+        if offset % ps or end % ps:
+            if offset % ps or end < reservation.requested:
+                raise Misaligned(f"free range [{offset}, {end}) must start on a page boundary and end on one "
+                                 f"(or at the end of the reservation); page size {ps}")
+            size = reservation.size - offset  # the tail page holds only this caller's bytes
+        if reservation.id in self._pending_ids:
             self._wait_tokens(reservation.device, reservation)
-        if self.ledger.sanitize:
+        if self._sanitize:
             self.ledger.check_quiet(reservation, "free")
-        dropped = self._free(reservation, offset, -(-size // ps) * ps)
+        dropped = self._free(reservation, offset, size)
         if dropped:
             self.ledger.on_free(reservation, dropped)
         return dropped

@@ -1,0 +1,1 @@
+raise ImportError("No module named 'hip_python_nonexistent'")

@@ -1,0 +1,20 @@
+"""The benchmark script keeps working (a smoke run: it asserts no timing, only that figures come out)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
+
+
+@pytest.mark.slow
+def test_bench_core_quick_prints_every_ratio(capsys):
+    spec = importlib.util.spec_from_file_location("bench_core", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ratios = [r["ratio"] for r in data["hot_path"]] + [data["throughput"]["ratio"], data["pages_alive"]["ratio"]]
+    assert len(ratios) == 4 and all(r > 0 for r in ratios)

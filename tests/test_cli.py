@@ -1,0 +1,73 @@
+"""``membackend doctor | backends | budget``: output, --json and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from membackend import cli
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_doctor_passes_its_self_test(capsys):
+    code, out, _ = run(capsys, "doctor")
+    assert code == 0
+    assert "selected: host (fallback)" in out and "self-test: passed" in out
+    assert "budgets:" in out and ("from psutil MemAvailable" in out or "cgroup" in out)
+    for step in ("baseline", "reserve", "fault", "free", "release"):
+        assert step in out
+
+
+def test_doctor_json(capsys):
+    code, out, _ = run(capsys, "doctor", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["selected"] == "host" and data["how"] == "fallback"
+    assert data["selftest"]["ok"] and [s["step"] for s in data["selftest"]["steps"]] == [
+        "baseline", "reserve", "fault", "free", "release"]
+    fault = data["selftest"]["steps"][2]
+    assert fault["rss"] - data["selftest"]["steps"][0]["rss"] >= 96 << 20
+    assert data["machine"]["cpus"] >= 1 and data["budgets"][0]["device"] == "cpu:0"
+
+
+def test_backends_and_budget(capsys):
+    code, out, _ = run(capsys, "backends", "--json")
+    assert code == 0 and json.loads(out)["backends"][0]["name"] == "host"
+    code, out, _ = run(capsys, "budget")
+    assert code == 0 and "cpu:0: total" in out
+
+
+def test_unknown_forced_backend_exits_2_with_the_choices(capsys, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "rocm_windows")
+    code, _, err = run(capsys, "doctor")
+    assert code == 2 and "backend 'rocm_windows' is not available; available: host" in err
+
+
+def test_bad_setting_exits_2_naming_the_key(capsys, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_SANITIZE", "perhaps")
+    code, _, err = run(capsys, "budget")
+    assert code == 2 and "sanitize (from env MEMBACKEND_SANITIZE)" in err
+
+
+def test_disabled_is_reported_not_an_error(capsys, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_DISABLE", "true")
+    code, out, _ = run(capsys, "doctor")
+    assert code == 0 and "selected: none (disabled)" in out
+
+
+def test_failed_self_test_exits_1(capsys, monkeypatch):
+    # a host pool too small for the self-test's fault: the fault is out of memory
+    monkeypatch.setenv("MEMBACKEND_HOST_CAPACITY", "1MiB")
+    monkeypatch.setenv("MEMBACKEND_HEADROOM", "0")
+    code, out, _ = run(capsys, "doctor")
+    assert code == 1 and "self-test: FAILED" in out
+
+
+def test_console_script_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "membackend.cli", "backends"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "host" in proc.stdout

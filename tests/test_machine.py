@@ -1,0 +1,73 @@
+"""Machine facts: detection helpers and overrides."""
+
+from __future__ import annotations
+
+import sys
+
+from membackend.machine import cgroup_memory, gather_machine, torch_build
+from membackend.settings import load_settings
+from membackend.types import Device
+
+
+def test_detects_this_machine_without_importing_torch():
+    m = gather_machine()
+    assert m.os in ("linux", "windows", "darwin")
+    assert m.cpus >= 1 and m.ram_total > m.ram_available > 0
+    assert "torch" not in sys.modules
+    assert m.overridden == ()
+
+
+def test_every_fact_can_be_overridden():
+    s = load_settings(machine={
+        "os": "windows", "cpus": 32, "ram_total": "64GiB", "ram_available": "40GiB", "cgroup_limit": "48GiB",
+        "torch_vendor": "rocm", "torch_version": "2.9.1+rocm6.4",
+        "devices": [{"kind": "hip", "index": 0, "name": "RX 9070 XT", "total_memory": "16GiB", "arch": "gfx1201"},
+                    {"kind": "hip", "index": 1, "name": "RX 9070 XT", "total_memory": "16GiB", "arch": "gfx1201"}],
+    })
+    m = gather_machine(s.machine)
+    assert (m.os, m.cpus, m.ram_total, m.cgroup_limit, m.torch_vendor) == ("windows", 32, 64 << 30, 48 << 30, "rocm")
+    assert [d.device for d in m.gpus("hip")] == [Device("hip", 0), Device("hip", 1)]
+    assert m.devices[0].arch == "gfx1201" and m.devices[0].source == "override"
+    assert "devices" in m.overridden and "os" in m.overridden
+
+
+def test_integrated_device_is_unified():
+    s = load_settings(machine={"devices": [{"kind": "cuda", "name": "NVIDIA GB10", "total_memory": "128GB",
+                                            "integrated": True}]})
+    d = gather_machine(s.machine).devices[0]
+    assert d.integrated and d.unified
+
+
+def test_cgroup_v2(tmp_path):
+    (tmp_path / "memory.max").write_text("8589934592\n")
+    (tmp_path / "memory.current").write_text("1073741824\n")
+    assert cgroup_memory(tmp_path) == (8 << 30, 1 << 30)
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_memory(tmp_path) == (None, 1 << 30)
+
+
+def test_cgroup_v1_unlimited_is_none(tmp_path):
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tmp_path / "memory" / "memory.usage_in_bytes").write_text("100\n")
+    assert cgroup_memory(tmp_path) == (None, 100)
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("4294967296\n")
+    assert cgroup_memory(tmp_path) == (4 << 30, 100)
+
+
+def test_no_cgroup(tmp_path):
+    assert cgroup_memory(tmp_path) == (None, None)
+
+
+def test_torch_build_from_metadata(monkeypatch):
+    import importlib.metadata
+
+    for version, vendor in (("2.13.0+cpu", "cpu"), ("2.9.1+rocm6.4", "rocm"), ("2.8.0+cu128", "cuda")):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=version: v)
+        assert torch_build() == (version, vendor)
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    assert torch_build() == (None, None)

@@ -1,0 +1,194 @@
+"""Discovery, validation and selection through faked entry points."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from membackend.machine import gather_machine
+from membackend.manager import BackendManager
+from membackend.settings import load_settings
+from membackend.types import BackendDisabled, BackendNotFound, ConfigError, PluginError
+
+GROUP = "membackend.backends"
+
+
+def ep(name, target):
+    return EntryPoint(name, target, GROUP)
+
+
+ALPHA = ep("alpha", "fakeplugins.backends:Alpha")
+BETA = ep("beta", "fakeplugins.backends:Beta")
+GAMMA = ep("gamma", "fakeplugins.backends:Gamma")
+UNFIT = ep("unfit", "fakeplugins.backends:Unfit")
+BROKEN = [
+    ep("importer", "fakeplugins.broken_import:Anything"),
+    ep("raiser", "fakeplugins.backends:RaisingProbe"),
+    ep("badresult", "fakeplugins.backends:BadProbeResult"),
+    ep("noverb", "fakeplugins.backends:MissingVerb"),
+    ep("wrongsig", "fakeplugins.backends:WrongSignature"),
+    ep("unmarked", "fakeplugins.backends:Unmarked"),
+    ep("missing", "fakeplugins.nowhere:Nothing"),
+]
+
+
+def manager(eps, **settings):
+    return BackendManager(load_settings(**settings), entry_points=eps)
+
+
+def test_auto_picks_the_highest_score():
+    sel = manager([ALPHA, GAMMA, UNFIT]).select()
+    assert sel.record.name == "gamma" and sel.how == "auto"
+    assert "gamma fits best" in sel.reason
+    assert sel.candidates["unfit"].score == 0
+
+
+def test_only_host_fits_means_fallback():
+    sel = manager([UNFIT]).select()
+    assert sel.record.name == "host" and sel.how == "fallback"
+    assert "no other backend fits" in sel.reason
+
+
+def test_forced_wins_over_a_higher_score():
+    mgr = manager([ALPHA, GAMMA], backend="alpha")
+    sel = mgr.select()
+    assert sel.record.name == "alpha" and sel.how == "forced"
+    session = mgr.session()
+    assert session.name == "alpha" and session.how == "forced"
+
+
+def test_forcing_the_host_works():
+    assert manager([GAMMA], backend="host").select().record.name == "host"
+
+
+def test_forcing_an_unfit_backend_is_honoured_with_its_reason():
+    sel = manager([UNFIT], backend="unfit").select()
+    assert sel.record.name == "unfit" and "needs a GB10" in sel.reason
+
+
+def test_forced_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "alpha")
+    assert manager([ALPHA, GAMMA]).select().record.name == "alpha"
+
+
+def test_unknown_forced_name_lists_available_and_why_others_are_not():
+    with pytest.raises(BackendNotFound) as info:
+        manager([ALPHA, *BROKEN], backend="nope", block=["gamma"]).select()
+    err = info.value
+    assert err.available == ["host", "alpha"]
+    text = str(err)
+    assert "backend 'nope' is not available; available: host, alpha" in text
+    assert "raiser: unavailable (probe raised RuntimeError: driver exploded while probing)" in text
+    assert "hip_python_nonexistent" in err.unavailable["importer"]
+    assert "missing membackend_fence" in err.unavailable["noverb"]
+
+
+def test_forcing_a_broken_backend_says_why():
+    with pytest.raises(BackendNotFound, match="raiser: unavailable \\(probe raised"):
+        manager([ep("raiser", "fakeplugins.backends:RaisingProbe")], backend="raiser").select()
+
+
+def test_a_tie_at_the_top_names_both():
+    with pytest.raises(PluginError, match="'alpha' and 'beta' tie with score 50"):
+        manager([ALPHA, BETA]).select()
+
+
+def test_a_tie_is_broken_by_blocking_one():
+    assert manager([ALPHA, BETA], block=["beta"]).select().record.name == "alpha"
+
+
+def test_blocked_backend_is_never_selected_even_forced():
+    sel = manager([ALPHA, GAMMA], block=["gamma"]).select()
+    assert sel.record.name == "alpha" and sel.blocked == ["gamma"]
+    with pytest.raises(BackendNotFound, match="gamma: unavailable \\(blocked by MEMBACKEND_BLOCK\\)"):
+        manager([ALPHA, GAMMA], block=["gamma"], backend="gamma").select()
+
+
+def test_block_from_env_is_a_comma_list(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_BLOCK", "gamma, alpha")
+    sel = manager([ALPHA, GAMMA]).select()
+    assert sel.record.name == "host" and sel.blocked == ["gamma", "alpha"]
+
+
+def test_host_cannot_be_blocked():
+    with pytest.raises(ConfigError, match="'host' is the fallback and cannot be blocked"):
+        load_settings(block=["host"])
+
+
+def test_broken_plugins_are_logged_and_skipped_never_fatal(caplog):
+    caplog.set_level(logging.WARNING)
+    mgr = manager([*BROKEN, ALPHA])
+    sel = mgr.select()
+    assert sel.record.name == "alpha"
+    assert set(sel.broken) == {"importer", "raiser", "badresult", "noverb", "wrongsig", "unmarked", "missing"}
+    assert "failed to load" in sel.broken["importer"] and "ImportError" in sel.broken["importer"]
+    assert "should be membackend_fault(reservation, offset, size)" in sel.broken["wrongsig"]
+    assert "not marked with membackend.hookimpl" in sel.broken["unmarked"]
+    assert "probe must return a Candidate" in sel.broken["badresult"]
+    assert "ModuleNotFoundError" in sel.broken["missing"]
+    logged = caplog.text
+    for name in sel.broken:
+        assert f"backend {name} skipped" in logged
+
+
+def test_duplicate_names_keep_the_first():
+    mgr = manager([ALPHA, ep("alpha2", "fakeplugins.backends:Alpha")])
+    assert mgr.records["alpha"].origin.startswith("entry point alpha =")
+    assert any("already used" in why for why in mgr.broken.values())
+
+
+def test_a_plugin_cannot_take_the_host_name():
+    from membackend.backends.host import HostBackend
+
+    class Impostor(HostBackend):
+        pass
+
+    mgr = BackendManager(load_settings(), builtins=[HostBackend(), Impostor()], entry_points=[])
+    assert isinstance(mgr.records["host"].plugin, HostBackend) and len(mgr.broken) == 1
+
+
+def test_plugins_built_from_settings_see_them():
+    mgr = manager([ep("configured", "fakeplugins.backends:Configured")], headroom="1GiB")
+    plugin = mgr.records["configured"].plugin
+    assert plugin.seen_settings.headroom == 1 << 30
+
+
+def test_version_comes_from_the_plugin():
+    assert manager([ALPHA]).records["alpha"].version == "1.2.3"
+
+
+def test_disable_switches_everything_off(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_DISABLE", "1")
+    mgr = manager([GAMMA])
+    sel = mgr.select()
+    assert sel.record is None and sel.how == "disabled"
+    with pytest.raises(BackendDisabled):
+        mgr.session()
+
+
+def test_real_entry_points_are_read_when_none_are_given():
+    mgr = BackendManager(load_settings())
+    assert "host" in mgr.records
+
+
+def test_selection_uses_machine_overrides():
+    from fakeplugins.backends import _Scored
+    from membackend.types import Candidate
+    from membackend import hookimpl
+
+    class NeedsWddm(_Scored):
+        name = "wddmonly"
+
+        @hookimpl
+        def membackend_probe(self, machine):
+            wddm = [d for d in machine.gpus() if d.driver_model == "wddm"]
+            return Candidate(self.name, 60 if wddm else 0, "WDDM GPU found" if wddm else "no WDDM GPU")
+
+    settings = load_settings(machine={"os": "windows", "devices": [{"kind": "cuda", "total_memory": "6GiB",
+                                                                    "driver_model": "wddm"}]})
+    mgr = BackendManager(settings, builtins=None, entry_points=[])
+    mgr._add(NeedsWddm(), "test", None)
+    assert mgr.select(gather_machine(settings.machine)).record.name == "wddmonly"
+    assert mgr.select(gather_machine()).record.name == "host"

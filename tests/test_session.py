@@ -1,0 +1,96 @@
+"""Session binding: direct calls without observers, pluggy wrappers with them; the tracer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from membackend import hookimpl
+from membackend.backends.host import HostBackend
+from membackend.machine import gather_machine
+from membackend.manager import BackendManager
+from membackend.session import Session
+from membackend.settings import load_settings
+from membackend.trace import TraceObserver
+from membackend.types import Device, PluginError, Reservation
+
+MiB = 1 << 20
+
+
+class Counter:
+    """A third-party observer: counts fault calls and their results."""
+
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl(wrapper=True)
+    def membackend_fault(self, reservation, offset, size):
+        result = yield
+        self.seen.append((offset, size, result.ok))
+        return result
+
+
+def test_without_observers_hot_verbs_are_the_backends_own_methods():
+    backend = HostBackend()
+    s = Session(backend, machine=gather_machine())
+    assert s._fault == backend.membackend_fault and s._free == backend.membackend_free
+
+
+def test_observers_wrap_only_the_verbs_they_implement():
+    backend = HostBackend()
+    counter = Counter()
+    s = Session(backend, machine=gather_machine(), observers=[counter])
+    assert s._fault != backend.membackend_fault and s._free == backend.membackend_free
+    r = s.reserve("cpu", 4 * MiB)
+    s.fault(r, 0, 3 * MiB)
+    assert counter.seen == [(0, 3 * MiB, True)]
+    assert s.ledger.resident(r) == 4 * MiB
+    s.close()
+
+
+def test_trace_file_gets_one_json_line_per_verb(tmp_path):
+    path = tmp_path / "run.trace.jsonl"
+    session = BackendManager(load_settings(trace=str(path))).session()
+    r = session.reserve("cpu", 4 * MiB)
+    session.fault(r, 0, 2 * MiB)
+    session.free(r)
+    session.budget_query("cpu")
+    session.release_reservation(r)
+    with pytest.raises(Exception):
+        session.fault(r, 0, 1)  # rejected by the session before any verb runs: not traced
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["event"] for x in lines] == ["reserve", "fault", "free", "budget_query", "release_reservation"]
+    assert lines[1] == {**lines[1], "reservation": r.id, "device": "cpu:0", "offset": 0, "bytes": 2 * MiB,
+                        "result": "ok"}
+    assert lines[2]["result"] == 2 * MiB
+    assert all({"time", "seconds"} <= set(x) for x in lines)
+
+
+def test_trace_records_errors_by_type(tmp_path):
+    tracer = TraceObserver(tmp_path / "t.jsonl")
+    backend = HostBackend(capacity=2 * MiB)
+    s = Session(backend, machine=gather_machine(), observers=[tracer])
+    r = s.reserve("cpu", 8 * MiB)
+    assert not s.fault(r, 0, 4 * MiB).ok
+    s.close()
+    events = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert events[1]["event"] == "fault" and events[1]["result"] == "oom"
+
+
+def test_headroom_setting_replaces_the_backends_own():
+    session = BackendManager(load_settings(headroom="1GiB")).session()
+    b = session.budget_query("cpu")
+    assert b.headroom == 1 << 30 and b.usable == max(0, b.free - (1 << 30))
+
+
+def test_a_backend_breaking_the_reserve_contract_is_a_plugin_error():
+    class Liar(HostBackend):
+        @hookimpl
+        def membackend_reserve(self, device, size):
+            return Reservation(device, 0x1000, size // 2, 4096, self.name)
+
+    s = Session(Liar(), machine=gather_machine())
+    with pytest.raises(PluginError, match="broke the contract"):
+        s.reserve(Device("cpu"), 1 << 20)
+    assert s.ledger.alive() == 0
