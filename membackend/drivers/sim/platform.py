@@ -1,0 +1,528 @@
+"""The state behind the simulated CUDA and HIP drivers.
+
+One :class:`SimPlatform` is one process on one simulated machine: devices with
+VRAM, a per-process GPU address space, physical handles, mappings, streams
+with pending asynchronous work, events, and host RAM with private-commit
+accounting. The API surfaces in ``cuda.py`` and ``hip.py`` translate driver
+calls into the methods here and the ``SimError`` kinds into each vendor's
+error codes.
+
+Where a behaviour comes from:
+
+* VMM call rules (granularity multiples, whole-mapping unmaps, access after
+  map, reservations freed only when unmapped): CUDA driver API reference,
+  "Virtual Memory Management" (cuMemAddressReserve, cuMemCreate, cuMemMap,
+  cuMemUnmap, cuMemSetAccess, cuMemRelease); HIP mirrors it (hip_runtime_api.h).
+* Events capture the work queued on their stream at record time; query says
+  not-ready until it is done (cuEventRecord / cuEventQuery).
+* WDDM deferred page-in and the bugcheck on release during page-in: ComfyUI
+  #16246. Sysmem fallback past the budget: ComfyUI PR #11845, aimdo
+  ``shmem-detect.c`` (DXGI QueryVideoMemoryInfo Budget).
+* ROCm/Windows commit-charged reservations: ComfyUI #15993. The 256 GiB
+  address quota and its access violation: rocm-systems #9823 / ComfyUI PR
+  #16199. The churn defect: rocm-systems #6191, aimdo PR #67. Operations on a
+  device that is not current: TheRock #6224.
+* Unified memory: MemFree excludes the page cache that MemAvailable counts
+  (proc(5), /proc/meminfo); device pages and host copies share the pool
+  (ComfyUI #15285, unsloth PR #11208).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from dataclasses import dataclass, field
+
+from .profiles import Profile, get_profile
+
+__all__ = ["SimPlatform", "SimError", "SimulatedBugcheck", "SimulatedCrash", "FaultPlan", "FaultRule"]
+
+
+class SimulatedBugcheck(BaseException):
+    """A kernel use-after-free (a Windows bluescreen). Not an Exception: nothing may catch it as one."""
+
+
+class SimulatedCrash(BaseException):
+    """The process died (an access violation). Not an Exception, for the same reason."""
+
+
+class SimError(Exception):
+    """A driver call failed; ``kind`` is one of oom, invalid, not_ready, invalid_device, injected."""
+
+    def __init__(self, kind: str, detail: str = "", code: object = None):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail, self.code = kind, detail, code
+
+
+# --------------------------------------------------------------------------- fault injection
+
+
+@dataclass
+class FaultRule:
+    """Fail ``call`` with ``error`` (a vendor error code) on its ``nth`` call, or with ``probability``."""
+
+    call: str
+    error: object
+    nth: int | None = None
+    probability: float = 0.0
+    times: int | None = None  # at most this many injections (None: unlimited)
+    fired: int = 0
+
+
+class FaultPlan:
+    """Deterministic fault injection: rules by API name, a seeded random source."""
+
+    def __init__(self, rules: list[FaultRule] | None = None, seed: int = 0):
+        self.rules = list(rules or [])
+        self.rng = random.Random(seed)
+        self.calls: dict[str, int] = {}
+        self.injected = 0
+
+    def add(self, call: str, error: object, nth: int | None = None, probability: float = 0.0,
+            times: int | None = None) -> FaultRule:
+        rule = FaultRule(call, error, nth, probability, times)
+        self.rules.append(rule)
+        return rule
+
+    def check(self, call: str) -> object | None:
+        n = self.calls[call] = self.calls.get(call, 0) + 1
+        for rule in self.rules:
+            if rule.call != call or (rule.times is not None and rule.fired >= rule.times):
+                continue
+            if (rule.nth is not None and rule.nth == n) or (rule.probability and self.rng.random() < rule.probability):
+                rule.fired += 1
+                self.injected += 1
+                return rule.error
+        return None
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class _Device:
+    index: int
+    name: str
+    vram: int
+    arch: str
+    integrated: bool
+    used: int = 0  # physical bytes in handles on this device
+
+    @property
+    def spilled(self) -> int:
+        """WDDM: bytes past VRAM that live in shared system memory now."""
+        return max(0, self.used - self.vram)
+
+
+@dataclass
+class _Handle:
+    id: int
+    device: int
+    size: int
+    mapped_at: set = field(default_factory=set)
+    released: bool = False
+
+
+@dataclass
+class _Mapping:
+    va: int
+    size: int
+    handle: int
+    device: int
+    access: bool = False
+
+
+@dataclass
+class _Reservation:
+    base: int
+    size: int
+    device: int
+
+
+@dataclass
+class _Op:
+    """Asynchronous work: a copy, a kernel, a WDDM page-in. Done once the clock passes ``end``."""
+
+    id: int
+    device: int
+    stream: int  # -1: the device's paging queue
+    end: float
+    handles: frozenset
+    kind: str
+    done: bool = False
+
+
+class SimPlatform:
+    """The simulated machine and process; see the module docstring for its sources."""
+
+    VA_BASE = 0x7F00_0000_0000
+
+    def __init__(self, profile: Profile | str, faults: FaultPlan | None = None):
+        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        p = self.profile
+        self.devices = [_Device(i, d.name, d.vram, d.arch, d.integrated) for i, d in enumerate(p.devices)]
+        self.faults = faults or FaultPlan()
+        self.clock = 0.0
+        self._ids = itertools.count(1)
+        self._next_va = self.VA_BASE
+        self.reservations: dict[int, _Reservation] = {}
+        self.handles: dict[int, _Handle] = {}
+        self.mappings: dict[int, _Mapping] = {}
+        self.ops: dict[int, _Op] = {}
+        self.streams: dict[int, int] = {}  # stream id -> device
+        self.events: dict[int, tuple[int, frozenset] | None] = {}  # event id -> (device, op ids) once recorded
+        self.host_used = 0
+        self.page_cache = p.page_cache
+        self.private_commit = 0
+        self.churn_frees = 0
+        self.spilled_bytes = 0  # WDDM: bytes ever placed past VRAM (sysmem fallback)
+        self.bugchecks = 0
+        self.crashes = 0
+        self.use_after_free = 0
+        self._current = threading.local()
+        self.initialized = False
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def current(self) -> int:
+        return getattr(self._current, "device", 0)
+
+    def set_current(self, device: int) -> None:
+        self._device(device)
+        self._current.device = device
+
+    def _device(self, index: int) -> _Device:
+        if not isinstance(index, int) or not 0 <= index < len(self.devices):
+            raise SimError("invalid_device", f"no device {index}")
+        return self.devices[index]
+
+    def _check_current(self, device: int, what: str) -> None:
+        if self.profile.current_device_checked and device != self.current:
+            raise SimError("invalid_device", f"{what} belongs to device {device} but device {self.current} is current")
+
+    def _granular(self, size: int, what: str) -> None:
+        g = self.profile.granularity
+        if size <= 0 or size % g:
+            raise SimError("invalid", f"{what} {size} is not a positive multiple of the granularity {g}")
+
+    def inject(self, call: str) -> None:
+        code = self.faults.check(call)
+        if code is not None:
+            raise SimError("injected", f"{call} failed by fault injection", code)
+
+    # ------------------------------------------------------------------ time and work
+
+    def advance(self, seconds: float) -> None:
+        """Let simulated time pass; work whose end is reached completes."""
+        self.clock += seconds
+        self._settle()
+
+    def _settle(self) -> None:
+        for op in self.ops.values():
+            if not op.done and op.end <= self.clock:
+                op.done = True
+        self.ops = {k: v for k, v in self.ops.items() if not v.done}
+
+    def _complete(self, ops: list[_Op]) -> None:
+        """Block until ``ops`` finish: the clock moves to the last one's end."""
+        if ops:
+            self.clock = max(self.clock, max(op.end for op in ops))
+        self._settle()
+
+    def _pending(self, handles: set[int]) -> list[_Op]:
+        self._settle()
+        return [op for op in self.ops.values() if op.handles & handles]
+
+    def _queue(self, device: int, stream: int, seconds: float, handles: frozenset, kind: str) -> _Op:
+        # work starts after what its stream queued before it, and after the page-ins of the
+        # memory it touches (VidMm makes an allocation resident before work that references it)
+        start = max((o.end for o in self.ops.values()
+                     if (o.stream == stream and o.device == device) or (o.stream == -1 and o.handles & handles)),
+                    default=self.clock)
+        op = _Op(next(self._ids), device, stream, max(start, self.clock) + seconds, handles, kind)
+        self.ops[op.id] = op
+        return op
+
+    def _handles_in(self, va: int, size: int, need_access: bool) -> frozenset:
+        found, pos = set(), va
+        for m in sorted(self.mappings.values(), key=lambda m: m.va):
+            if m.va + m.size <= va or m.va >= va + size:
+                continue
+            if m.va > pos:
+                break
+            if need_access and not m.access:
+                raise SimError("invalid", f"range at {m.va:#x} has no access set (cuMemSetAccess)")
+            found.add(m.handle)
+            pos = m.va + m.size
+        if pos < va + size:
+            raise SimError("invalid", f"range [{va:#x}, {va + size:#x}) is not fully mapped")
+        return frozenset(found)
+
+    def launch(self, stream: int, va: int, size: int, seconds: float) -> int:
+        """Sim-only: queue a kernel that reads ``[va, va+size)`` for ``seconds``; returns its op id."""
+        device = self._stream_device(stream)
+        return self._queue(device, stream, seconds, self._handles_in(va, size, True), "kernel").id
+
+    def _release_check(self, handles: set[int], what: str) -> None:
+        """Unmapping or releasing memory that asynchronous work still touches."""
+        pending = self._pending(handles)
+        if not pending:
+            return
+        if self.profile.unmap_synchronizes:
+            self._complete(pending)  # Linux CUDA: the unmap waits (cuMemUnmap docs)
+            return
+        self.use_after_free += 1
+        if self.profile.wddm:
+            self.bugchecks += 1
+            kinds = ", ".join(sorted({op.kind for op in pending}))
+            raise SimulatedBugcheck(f"{what} while {kinds} is pending: VIDEO_MEMORY_MANAGEMENT_INTERNAL (use after free)")
+
+    # ------------------------------------------------------------------ devices and contexts
+
+    def init(self) -> None:
+        self.inject("init")
+        self.initialized = True
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) as the driver reports them for the current device."""
+        d = self._device(self.current)
+        if self.profile.unified:
+            info = self.meminfo()
+            return info["MemFree"], info["MemTotal"]  # MemFree, not MemAvailable (#15285)
+        return max(0, d.vram - d.used), d.vram
+
+    def meminfo(self) -> dict[str, int]:
+        """The host's /proc/meminfo view: MemAvailable counts the reclaimable page cache."""
+        total = self.profile.host_ram
+        if self.profile.unified:
+            used = self.host_used + sum(d.used for d in self.devices)
+        else:  # WDDM spill lives in system memory
+            used = self.host_used + sum(d.spilled for d in self.devices)
+        free = max(0, total - used - self.page_cache)
+        return {"MemTotal": total, "MemFree": free, "MemAvailable": max(0, total - used)}
+
+    def wddm_budget(self, device: int) -> int:
+        """DXGI QueryVideoMemoryInfo(LOCAL).Budget: VRAM minus what the OS keeps."""
+        return self._device(device).vram - self.profile.wddm_budget_headroom
+
+    # ------------------------------------------------------------------ host memory
+
+    def host_alloc(self, size: int) -> None:
+        """Host memory (a pinned buffer, a host copy of weights); on unified memory it is the GPU pool."""
+        if self.meminfo()["MemAvailable"] < size:
+            raise SimError("oom", f"host allocation of {size} bytes")
+        take_cache = min(self.page_cache, max(0, size - self.meminfo()["MemFree"]))
+        self.page_cache -= take_cache  # the kernel reclaims page cache before failing
+        self.host_used += size
+
+    def host_free(self, size: int) -> None:
+        self.host_used = max(0, self.host_used - size)
+
+    # ------------------------------------------------------------------ address space
+
+    def quota_used(self) -> int:
+        return sum(r.size for r in self.reservations.values()) + sum(m.size for m in self.mappings.values())
+
+    def address_reserve(self, size: int, alignment: int) -> int:
+        self._granular(size, "reservation size")
+        p = self.profile
+        if p.address_quota is not None and self.quota_used() + size > p.address_quota:
+            self.crashes += 1
+            raise SimulatedCrash(f"access violation 0xC0000005: {size} more bytes of GPU address space past the "
+                                 f"{p.address_quota} byte per-process quota")
+        if p.churn_limit is not None and size >= p.churn_window and self.churn_frees >= p.churn_limit:
+            raise SimError("oom", f"reserve failed after {self.churn_frees} reserve/free cycles of large windows")
+        align = max(alignment or 0, p.granularity)
+        base = -(-self._next_va // align) * align
+        self._next_va = base + size
+        self.reservations[base] = _Reservation(base, size, self.current)
+        if p.private_commit_reservations:
+            self.private_commit += size
+        return base
+
+    def address_free(self, base: int, size: int) -> None:
+        r = self.reservations.get(base)
+        if r is None or r.size != size:
+            raise SimError("invalid", f"no reservation of {size} bytes at {base:#x}")
+        self._check_current(r.device, "the reservation")
+        if any(base <= m.va < base + size for m in self.mappings.values()):
+            raise SimError("invalid", f"reservation at {base:#x} still has mappings")
+        del self.reservations[base]
+        if self.profile.private_commit_reservations:
+            self.private_commit -= size
+        if self.profile.churn_limit is not None and size >= self.profile.churn_window:
+            self.churn_frees += 1
+
+    # ------------------------------------------------------------------ physical memory
+
+    def create(self, size: int, device: int) -> int:
+        self._granular(size, "allocation size")
+        d = self._device(device)
+        self._check_current(device, "the allocation")
+        p = self.profile
+        if p.unified:
+            if self.meminfo()["MemAvailable"] < size:
+                raise SimError("oom", f"{size} bytes past the unified pool")
+            take_cache = min(self.page_cache, max(0, size - self.meminfo()["MemFree"]))
+            self.page_cache -= take_cache
+        elif d.used + size > d.vram:
+            if not p.wddm:
+                raise SimError("oom", f"{size} bytes past {d.vram} bytes of VRAM")
+            # WDDM sysmem fallback: the allocation succeeds in shared memory
+            over = min(size, d.used + size - d.vram)
+            if self.meminfo()["MemAvailable"] < over:
+                raise SimError("oom", "shared system memory exhausted too")
+            self.spilled_bytes += over
+        d.used += size
+        h = _Handle(next(self._ids), device, size)
+        self.handles[h.id] = h
+        return h.id
+
+    def release(self, handle: int) -> None:
+        h = self.handles.get(handle)
+        if h is None or h.released:
+            raise SimError("invalid", f"no handle {handle}")
+        self._check_current(h.device, "the handle")
+        self._release_check({handle}, "cuMemRelease")
+        h.released = True
+        if not h.mapped_at:  # freed once released and unmapped (cuMemRelease docs)
+            self._drop(h)
+
+    def _drop(self, h: _Handle) -> None:
+        self.devices[h.device].used -= h.size
+        del self.handles[h.id]
+
+    def map(self, va: int, size: int, offset: int, handle: int) -> None:
+        h = self.handles.get(handle)
+        if h is None or h.released:
+            raise SimError("invalid", f"no handle {handle}")
+        if offset != 0 or size != h.size:
+            raise SimError("invalid", "offset must be 0 and size the handle's size")
+        self._check_current(h.device, "the handle")
+        r = next((r for r in self.reservations.values() if r.base <= va and va + size <= r.base + r.size), None)
+        if r is None:
+            raise SimError("invalid", f"[{va:#x}, {va + size:#x}) is not inside a reservation")
+        if any(m.va < va + size and va < m.va + m.size for m in self.mappings.values()):
+            raise SimError("invalid", f"[{va:#x}, {va + size:#x}) is already mapped")
+        p = self.profile
+        if p.address_quota is not None and self.quota_used() + size > p.address_quota:
+            self.crashes += 1
+            raise SimulatedCrash("access violation 0xC0000005: mapping past the per-process GPU address quota")
+        self.mappings[va] = _Mapping(va, size, handle, h.device)
+        h.mapped_at.add(va)
+        if p.wddm:  # VidMm makes the allocation resident asynchronously
+            self._queue(h.device, -1, p.pagein_seconds, frozenset({handle}), "page-in")
+
+    def set_access(self, va: int, size: int, device: int) -> None:
+        self._device(device)
+        for m in self._mappings_exact(va, size):
+            self._check_current(m.device, "the mapping")
+            m.access = True
+
+    def unmap(self, va: int, size: int) -> None:
+        mappings = self._mappings_exact(va, size)
+        for m in mappings:
+            self._check_current(m.device, "the mapping")
+        self._release_check({m.handle for m in mappings}, "cuMemUnmap")
+        for m in mappings:
+            del self.mappings[m.va]
+            h = self.handles[m.handle]
+            h.mapped_at.discard(m.va)
+            if h.released and not h.mapped_at:
+                self._drop(h)
+
+    def _mappings_exact(self, va: int, size: int) -> list[_Mapping]:
+        """Whole mappings exactly covering the range: a sub-range is invalid (cuMemUnmap docs)."""
+        found, pos = [], va
+        while pos < va + size:
+            m = self.mappings.get(pos)
+            if m is None:
+                raise SimError("invalid", f"{pos:#x} does not start a mapping")
+            found.append(m)
+            pos += m.size
+        if pos != va + size:
+            raise SimError("invalid", "the range ends inside a mapping")
+        return found
+
+    # ------------------------------------------------------------------ streams and events
+
+    def stream_create(self) -> int:
+        sid = next(self._ids)
+        self.streams[sid] = self.current
+        return sid
+
+    def _stream_device(self, stream: int) -> int:
+        if stream == 0:
+            return self.current  # the legacy default stream of the current device
+        if stream not in self.streams:
+            raise SimError("invalid", f"no stream {stream}")
+        return self.streams[stream]
+
+    def stream_synchronize(self, stream: int) -> None:
+        device = self._stream_device(stream)
+        self._settle()
+        self._complete([op for op in self.ops.values() if op.stream == stream and op.device == device])
+
+    def device_synchronize(self) -> None:
+        """Everything queued on the current device, the paging queue included, finishes."""
+        self._settle()
+        self._complete([op for op in self.ops.values() if op.device == self.current])
+
+    def copy_async(self, dst: int, size: int, stream: int) -> int:
+        device = self._stream_device(stream)
+        handles = self._handles_in(dst, size, True)
+        return self._queue(device, stream, size / self.profile.copy_bandwidth, handles, "copy").id
+
+    def event_create(self) -> int:
+        eid = next(self._ids)
+        self.events[eid] = None
+        return eid
+
+    def event_record(self, event: int, stream: int) -> None:
+        if event not in self.events:
+            raise SimError("invalid", f"no event {event}")
+        device = self._stream_device(stream)
+        self._settle()
+        self.events[event] = (device, frozenset(op.id for op in self.ops.values()
+                                                if op.stream == stream and op.device == device))
+
+    def event_query(self, event: int) -> bool:
+        if event not in self.events:
+            raise SimError("invalid", f"no event {event}")
+        self._settle()
+        rec = self.events[event]
+        return rec is None or not (rec[1] & self.ops.keys())
+
+    def event_synchronize(self, event: int) -> None:
+        if event not in self.events:
+            raise SimError("invalid", f"no event {event}")
+        rec = self.events[event]
+        if rec is not None:
+            self._settle()
+            self._complete([self.ops[i] for i in rec[1] if i in self.ops])
+
+    def event_destroy(self, event: int) -> None:
+        if self.events.pop(event, "missing") == "missing":
+            raise SimError("invalid", f"no event {event}")
+
+    # ------------------------------------------------------------------ introspection (sim only)
+
+    def state(self, device: int | None = None) -> dict[str, int]:
+        """What the driver holds, for checking a ledger against: per device, or the whole process."""
+        def pick(items, dev_of):
+            return [x for x in items if device is None or dev_of(x) == device]
+
+        return {
+            "reserved": sum(r.size for r in pick(self.reservations.values(), lambda r: r.device)),
+            "reservations": len(pick(self.reservations.values(), lambda r: r.device)),
+            "mapped": sum(m.size for m in pick(self.mappings.values(), lambda m: m.device)),
+            "handles": len(pick(self.handles.values(), lambda h: h.device)),
+            "physical": sum(h.size for h in pick(self.handles.values(), lambda h: h.device)),
+            "pending_ops": len(pick(self._pending_all(), lambda o: o.device)),
+        }
+
+    def _pending_all(self) -> list[_Op]:
+        self._settle()
+        return list(self.ops.values())

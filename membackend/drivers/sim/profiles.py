@@ -1,0 +1,126 @@
+"""Platform profiles for the simulated drivers: small data records, selectable by name.
+
+Each number is the public figure of the platform it models (see
+``../shared/reference/issue-threads.md``); behaviours are switched on per
+profile and implemented in ``platform.py``, which names the source of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...types import MembackendError
+
+__all__ = ["SimDeviceSpec", "Profile", "PROFILES", "get_profile"]
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class SimDeviceSpec:
+    name: str
+    vram: int
+    arch: str
+    integrated: bool = False
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One simulated machine.
+
+    ``vendor`` picks the API surface (``cuda``: cuda-python names; ``hip``:
+    hip-python names). The flags switch documented platform behaviours on.
+    """
+
+    name: str
+    vendor: str
+    os: str
+    devices: tuple[SimDeviceSpec, ...]
+    host_ram: int
+    description: str
+    granularity: int = 2 * MiB
+    copy_bandwidth: float = 25e9  # bytes/s of an async host-to-device copy (PCIe 4.0 x16 class)
+    # Windows WDDM: a created+mapped handle pages in later; unmapping or releasing it
+    # (or memory a copy still reads) before that completes is a kernel use-after-free.
+    wddm: bool = False
+    pagein_seconds: float = 0.0
+    wddm_budget_headroom: int = 0  # DXGI budget = VRAM minus this (the OS keeps the rest)
+    # Unified memory: GPU pages, host copies and pinned memory draw from one pool.
+    unified: bool = False
+    page_cache: int = 0  # counted in MemAvailable, not in MemFree
+    # Windows ROCm: reserved address space is charged to private commit, a per-process GPU
+    # address quota covers reservations and mappings, large windows wear out with churn.
+    private_commit_reservations: bool = False
+    address_quota: int | None = None
+    churn_limit: int | None = None
+    churn_window: int = 1 * GiB
+    current_device_checked: bool = False
+    # Linux CUDA: cuMemUnmap "exhibits synchronous behavior for most use cases" (CUDA driver
+    # API docs, cuMemUnmap), so pending work on the range finishes first instead of racing.
+    unmap_synchronizes: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def machine_overrides(self) -> dict:
+        """Settings ``machine`` overrides that make machine facts match this profile."""
+        return {
+            "os": self.os,
+            "ram_total": self.host_ram,
+            "ram_available": self.host_ram,
+            "torch_vendor": "rocm" if self.vendor == "hip" else "cuda",
+            "devices": [
+                {"kind": self.vendor, "index": i, "name": d.name, "total_memory": d.vram, "integrated": d.integrated,
+                 "unified": self.unified, "driver_model": "wddm" if self.wddm else None, "arch": d.arch}
+                for i, d in enumerate(self.devices)
+            ],
+        }
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="wddm-6gb", vendor="cuda", os="windows",
+            devices=(SimDeviceSpec("NVIDIA GeForce RTX 3050", 6 * GiB, "sm_86"),),
+            host_ram=32 * GiB,
+            description="Windows CUDA under WDDM, 6 GB (RTX 3050 class): deferred page-in, sysmem fallback",
+            wddm=True, pagein_seconds=0.004, wddm_budget_headroom=512 * MiB,
+            notes=("ComfyUI #16246: allocate/free churn during page-in ends in a bugcheck",
+                   "ComfyUI PR #11845: past the budget the driver spills to shared memory"),
+        ),
+        Profile(
+            name="rocm-win-2gpu", vendor="hip", os="windows",
+            devices=(SimDeviceSpec("AMD Radeon RX 9070 XT", 16 * GiB, "gfx1201"),
+                     SimDeviceSpec("AMD Radeon RX 9070 XT", 16 * GiB, "gfx1201")),
+            host_ram=64 * GiB,
+            description="Windows ROCm, 2 x 16 GB (gfx1201): commit-charged reservations, 256 GiB quota, churn defect",
+            private_commit_reservations=True, address_quota=256 * GiB, churn_limit=14, current_device_checked=True,
+            notes=("ComfyUI #15993: 41.58 GB private bytes stay committed after unload",
+                   "rocm-systems #9823: the 16th 16 GiB window (240 GiB) crashed",
+                   "rocm-systems #6191: reserve fails after ~14 reserve/free cycles",
+                   "TheRock #6224: the free path breaks with a second device visible"),
+        ),
+        Profile(
+            name="gb10-128gb", vendor="cuda", os="linux",
+            devices=(SimDeviceSpec("NVIDIA GB10", 128 * 10**9, "sm_121", integrated=True),),
+            host_ram=128 * 10**9,
+            description="GB10 unified memory, 128 GB shared by CPU and GPU; MemFree below MemAvailable",
+            unified=True, page_cache=12 * GiB, copy_bandwidth=200e9, unmap_synchronizes=True,
+            notes=("ComfyUI #15285: free memory must come from MemAvailable on one pool",
+                   "unsloth PR #11208: 8,128 MiB reported vs 46,477 MiB real"),
+        ),
+        Profile(
+            name="h200", vendor="cuda", os="linux",
+            devices=(SimDeviceSpec("NVIDIA H200", 143_771 * MiB, "sm_90"),),
+            host_ram=256 * GiB,
+            description="discrete CUDA on Linux, 141 GB (the control)",
+            unmap_synchronizes=True,
+        ),
+    )
+}
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise MembackendError(f"unknown simulation profile {name!r}; accepted: {', '.join(PROFILES)}") from None
