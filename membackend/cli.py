@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from . import __version__
-from .machine import gather_machine
+from .machine import machine_for
 from .manager import BackendManager, Selection
 from .session import Session
 from .settings import load_settings
@@ -178,7 +178,7 @@ def _print_selftest(t: dict[str, Any]) -> None:
 def _setup() -> tuple[BackendManager, Machine, Selection]:
     settings = load_settings()
     mgr = BackendManager(settings)
-    machine = gather_machine(settings.machine)
+    machine = machine_for(settings)
     return mgr, machine, mgr.select(machine)
 
 

@@ -27,7 +27,7 @@ import pluggy
 from . import hookspec
 from .backends.host import HostBackend
 from .ledger import Ledger
-from .machine import gather_machine
+from .machine import machine_for
 from .session import Session
 from .settings import NAME_PATTERN, Settings, load_settings
 from .types import BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, PluginError
@@ -110,13 +110,21 @@ class BackendManager:
         self.broken: dict[str, str] = {}
         self._pm = pluggy.PluginManager(hookspec.PROJECT)
         self._pm.add_hookspecs(hookspec)
-        for plugin in builtins if builtins is not None else [HostBackend.from_settings(self.settings)]:
+        for plugin in builtins if builtins is not None else self._builtins():
             self._add(plugin, "built-in", None)
         eps = entry_points if entry_points is not None else importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
         for ep in eps:
             self._load_entry_point(ep)
 
     # ------------------------------------------------------------------ discovery
+
+    def _builtins(self) -> list[Any]:
+        """host (the fallback), the generic VMM and comfy-aimdo; none touches a GPU until used."""
+        from .backends.aimdo import AimdoBackend
+        from .backends.vmm import VmmBackend
+
+        return [HostBackend.from_settings(self.settings), VmmBackend.from_settings(self.settings),
+                AimdoBackend.from_settings(self.settings)]
 
     def _load_entry_point(self, ep: Any) -> None:
         label = f"entry point {ep.name} = {ep.value}"
@@ -172,7 +180,7 @@ class BackendManager:
         return candidates, failed
 
     def select(self, machine: Machine | None = None) -> Selection:
-        machine = machine or gather_machine(self.settings.machine)
+        machine = machine or machine_for(self.settings)
         s = self.settings
         blocked = [n for n in s.block if n != FALLBACK]
         if s.disable:
@@ -187,8 +195,9 @@ class BackendManager:
             rec = self.records.get(s.backend)
             if rec is None or s.backend in failed or s.backend in blocked:
                 unavailable = dict(broken)
+                unavailable.update({n: f"does not fit: {c.reason}" for n, c in candidates.items() if c.score == 0})
                 unavailable.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
-                available = [n for n in candidates if n not in blocked]
+                available = [n for n in candidates if n not in unavailable]
                 raise BackendNotFound(s.backend, available, unavailable)
             c = candidates[s.backend]
             note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
@@ -216,7 +225,7 @@ class BackendManager:
 
     def session(self, machine: Machine | None = None, observers: Iterable[Any] = ()) -> Session:
         """A session on the selected backend. Raises ``BackendDisabled`` when switched off."""
-        machine = machine or gather_machine(self.settings.machine)
+        machine = machine or machine_for(self.settings)
         sel = self.select(machine)
         if sel.record is None:
             raise BackendDisabled(sel.reason)

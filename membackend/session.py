@@ -160,7 +160,11 @@ class Session:
         if reservation.__class__ is not Reservation or reservation.released or reservation.backend != self.name:
             self._mine(reservation, "fault")
         offset, size = self._range(reservation, offset, size)
-        f = self._fault(reservation, offset, size)
+        try:
+            f = self._fault(reservation, offset, size)
+        except DriverError as exc:  # a rollback that could not unmap leaves pages resident
+            self.ledger.on_fault(reservation, getattr(exc, "mapped", 0))
+            raise
         if f.mapped:
             self.ledger.on_fault(reservation, f.mapped)
         return f
@@ -183,7 +187,11 @@ class Session:
             self._wait_tokens(reservation.device, reservation)
         if self._sanitize:
             self.ledger.check_quiet(reservation, "free")
-        dropped = self._free(reservation, offset, size)
+        try:
+            dropped = self._free(reservation, offset, size)
+        except DriverError as exc:  # pages dropped before the failure are gone all the same
+            self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
+            raise
         if dropped:
             self.ledger.on_free(reservation, dropped)
         return dropped
@@ -193,7 +201,11 @@ class Session:
         self._mine(reservation, "release_reservation")
         self._wait_tokens(reservation.device, reservation)
         self.ledger.check_quiet(reservation, "release_reservation")
-        dropped = self._release_reservation(reservation)
+        try:
+            dropped = self._release_reservation(reservation)
+        except DriverError as exc:
+            self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
+            raise
         reservation.released = True
         self.ledger.on_release(reservation)
         self._alive.pop(reservation.id, None)

@@ -175,6 +175,10 @@ class Settings(BaseSettings):
         None, description="cap on what the host backend may keep resident (default: no cap)",
         json_schema_extra={"accepted": SIZE_ACCEPTED},
     )
+    sim_profile: str | None = Field(
+        None, description="run GPU backends on a simulated machine (see membackend.drivers.sim)",
+        json_schema_extra={"accepted": "wddm-6gb, rocm-win-2gpu, gb10-128gb, h200"},
+    )
     sanitize: bool = Field(
         False, description="check every free/release for pending work and use after release",
         json_schema_extra={"accepted": "true/false, 1/0, yes/no"},
@@ -200,6 +204,15 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name!r} is not a backend name")
             if name == "host":
                 raise ValueError("'host' is the fallback and cannot be blocked")
+        return v
+
+    @field_validator("sim_profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        from .drivers.sim.profiles import PROFILES
+
+        if v is not None and v not in PROFILES:
+            raise ValueError(f"unknown simulation profile {v!r}")
         return v
 
     @field_validator("headroom", "host_capacity", mode="before")

@@ -37,7 +37,7 @@ def test_doctor_json(capsys):
 
 def test_backends_and_budget(capsys):
     code, out, _ = run(capsys, "backends", "--json")
-    assert code == 0 and json.loads(out)["backends"][0]["name"] == "host"
+    assert code == 0 and "host" in [b["name"] for b in json.loads(out)["backends"]]
     code, out, _ = run(capsys, "budget")
     assert code == 0 and "cpu:0: total" in out
 
