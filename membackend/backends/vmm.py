@@ -59,13 +59,20 @@ class AddressSpaceExhausted(MembackendError, MemoryError):
 
 
 class _Range:
-    """Per-reservation page table: the physical handle of each page (None: not resident)."""
+    """Per-reservation page table.
 
-    __slots__ = ("index", "handles", "generations")
+    ``handles[p]`` is the physical handle mapped at page p (None: nothing
+    mapped, the page is not resident); ``ready[p]`` is 1 once access is set
+    too. A page can be mapped but not ready when a failed fault could not be
+    rolled back: it counts as resident, and the next fault finishes it.
+    """
+
+    __slots__ = ("index", "handles", "ready", "generations")
 
     def __init__(self, index: int, pages: int):
         self.index = index
         self.handles: list[Any] = [None] * pages
+        self.ready = bytearray(pages)
         self.generations = array("Q", bytes(8 * pages))
 
 
@@ -85,6 +92,7 @@ class VmmBackend:
     """See the module docstring. ``driver`` is any :class:`GpuDriver`; it is initialised on first use."""
 
     version = __version__
+    honours_sim_profile = True  # from_settings builds it over MEMBACKEND_SIM_PROFILE's simulation
 
     def __init__(self, driver: GpuDriver | None = None, *, name: str = "vmm",
                  capabilities: Capabilities | None = None, headroom: int = DEFAULT_HEADROOM,
@@ -201,37 +209,40 @@ class VmmBackend:
         rng: _Range = reservation.handle
         ps = reservation.page_size
         first, last = offset // ps, (offset + size - 1) // ps + 1
-        handles = rng.handles
-        if None not in handles[first:last]:  # hot path: all resident, no driver call
+        if rng.ready.find(0, first, last) == -1:  # hot path: all resident, no driver call
             return Fault(True, tuple(rng.generations[first:last]), first, 0)
         state = self._use(rng.index)
         d = self.driver
+        handles, ready, gens = rng.handles, rng.ready, rng.generations
         mapped: list[tuple[int, Any]] = []
+        finished: list[int] = []  # pages left mapped by an earlier failure, now given access
         for p in range(first, last):
-            if handles[p] is not None:
+            if ready[p]:
                 continue
-            va, h, is_mapped = reservation.base + p * ps, None, False
+            va, h, is_mapped = reservation.base + p * ps, handles[p], handles[p] is not None
             try:
-                h = state.spare.pop() if state.spare else d.create(ps, rng.index)
-                d.map(va, ps, h)
-                is_mapped = True
+                if not is_mapped:
+                    h = state.spare.pop() if state.spare else d.create(ps, rng.index)
+                    d.map(va, ps, h)
+                    is_mapped = True
+                    mapped.append((p, h))
                 d.set_access(va, ps, rng.index)
             except DriverError as exc:
                 state.dirty = True
-                if is_mapped:
-                    mapped.append((p, h))
-                elif h is not None:
+                if not is_mapped and h is not None:
                     state.spare.append(h)  # created but never mapped: reuse it later
                 kept = self._unwind(state, reservation, mapped)
                 if d.is_oom(exc) and not kept:
                     return Fault(False, (), first, 0)
                 exc.mapped = kept  # pages the rollback could not unmap stay resident and accounted
                 raise
-            mapped.append((p, h))
+            if handles[p] is not None:
+                finished.append(p)
         state.dirty = True
-        gens = rng.generations
         for p, h in mapped:
             handles[p] = h
+        for p in [p for p, _ in mapped] + finished:
+            ready[p] = 1
             gens[p] = next(self._generation)
         state.resident += len(mapped) * ps
         return Fault(True, tuple(gens[first:last]), first, len(mapped) * ps)
@@ -261,8 +272,8 @@ class VmmBackend:
     def _keep(self, state: _DeviceState, r: Reservation, pages: list[tuple[int, Any]]) -> int:
         rng: _Range = r.handle
         for p, h in pages:
-            rng.handles[p] = h
-            rng.generations[p] = next(self._generation)
+            rng.handles[p] = h  # mapped, not ready: counted as resident, finished by the next fault
+            rng.ready[p] = 0
         state.resident += len(pages) * r.page_size
         return len(pages) * r.page_size
 
@@ -296,6 +307,7 @@ class VmmBackend:
                 raise
             self._release_or_keep(state, rng.handles[p])
             rng.handles[p] = None
+            rng.ready[p] = 0
             dropped += ps
             state.resident -= ps
         return dropped
@@ -366,7 +378,7 @@ class _RealDriverFactory:
 
     def check(self) -> None:
         if self.vendor == "hip":
-            import hip.hip  # noqa: F401
+            from hip import hip  # noqa: F401
         else:
             import cuda.bindings.driver  # noqa: F401
 

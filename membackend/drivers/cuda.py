@@ -138,3 +138,16 @@ class CudaDriver(GpuDriver):
 
     def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Any) -> None:
         self.call("cuMemcpyHtoDAsync", self.m.CUdeviceptr(dst), src, size, stream)
+
+    # plain (non-VMM) memory, for baselines and staging buffers
+    def mem_alloc(self, size: int) -> int:
+        return int(self.call("cuMemAlloc", size)[0])
+
+    def mem_free(self, ptr: int) -> None:
+        self.call("cuMemFree", self.m.CUdeviceptr(ptr))
+
+    def host_alloc_pinned(self, size: int) -> int:
+        return int(self.call("cuMemAllocHost", size)[0])
+
+    def host_free_pinned(self, ptr: int) -> None:
+        self.call("cuMemFreeHost", ptr)

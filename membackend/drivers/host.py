@@ -25,7 +25,8 @@ from typing import Callable
 
 from ..types import DriverError
 
-__all__ = ["HostDriver", "PosixHostDriver", "WindowsHostDriver", "host_driver", "os_page_size", "win32_args"]
+__all__ = ["HostDriver", "PosixHostDriver", "WindowsHostDriver", "host_driver", "os_page_size", "win32_args",
+           "resident_bytes", "is_mapped"]
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_PRIVATE = 0x02
@@ -213,6 +214,28 @@ class WindowsHostDriver(HostDriver):
 
     def release(self, addr: int, size: int) -> None:
         self._call("release", addr, size)
+
+
+def resident_bytes(addr: int, size: int) -> int:
+    """Bytes of ``[addr, addr+size)`` the kernel holds in RAM now (mincore(2); Linux and macOS)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os_page_size()
+    vec = (ctypes.c_ubyte * (-(-size // page)))()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    if libc.mincore(addr, size, vec) != 0:
+        err = ctypes.get_errno()
+        raise DriverError(err, "mincore", os.strerror(err))
+    return sum(b & 1 for b in vec) * page
+
+
+def is_mapped(addr: int, maps: str = "/proc/self/maps") -> bool:
+    """Whether ``addr`` lies in any mapping of this process (Linux)."""
+    with open(maps) as f:
+        for line in f:
+            lo, _, hi = line.partition(" ")[0].partition("-")
+            if int(lo, 16) <= addr < int(hi, 16):
+                return True
+    return False
 
 
 def host_driver() -> HostDriver:

@@ -29,6 +29,7 @@ Where a behaviour comes from:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 import threading
@@ -169,6 +170,9 @@ class SimPlatform:
         self.reservations: dict[int, _Reservation] = {}
         self.handles: dict[int, _Handle] = {}
         self.mappings: dict[int, _Mapping] = {}
+        self._starts: list[int] = []  # sorted mapping addresses, for range look-ups
+        self._reserved_total = 0
+        self._mapped_total = 0
         self.ops: dict[int, _Op] = {}
         self.streams: dict[int, int] = {}  # stream id -> device
         self.events: dict[int, tuple[int, frozenset] | None] = {}  # event id -> (device, op ids) once recorded
@@ -245,11 +249,21 @@ class SimPlatform:
         self.ops[op.id] = op
         return op
 
+    def _overlapping(self, va: int, size: int) -> list[_Mapping]:
+        """Mappings that intersect ``[va, va+size)``, in address order."""
+        i = bisect.bisect_right(self._starts, va) - 1
+        found = []
+        for start in self._starts[max(i, 0):]:
+            if start >= va + size:
+                break
+            m = self.mappings[start]
+            if m.va + m.size > va:
+                found.append(m)
+        return found
+
     def _handles_in(self, va: int, size: int, need_access: bool) -> frozenset:
         found, pos = set(), va
-        for m in sorted(self.mappings.values(), key=lambda m: m.va):
-            if m.va + m.size <= va or m.va >= va + size:
-                continue
+        for m in self._overlapping(va, size):
             if m.va > pos:
                 break
             if need_access and not m.access:
@@ -323,7 +337,7 @@ class SimPlatform:
     # ------------------------------------------------------------------ address space
 
     def quota_used(self) -> int:
-        return sum(r.size for r in self.reservations.values()) + sum(m.size for m in self.mappings.values())
+        return self._reserved_total + self._mapped_total
 
     def address_reserve(self, size: int, alignment: int) -> int:
         self._granular(size, "reservation size")
@@ -338,6 +352,7 @@ class SimPlatform:
         base = -(-self._next_va // align) * align
         self._next_va = base + size
         self.reservations[base] = _Reservation(base, size, self.current)
+        self._reserved_total += size
         if p.private_commit_reservations:
             self.private_commit += size
         return base
@@ -347,9 +362,10 @@ class SimPlatform:
         if r is None or r.size != size:
             raise SimError("invalid", f"no reservation of {size} bytes at {base:#x}")
         self._check_current(r.device, "the reservation")
-        if any(base <= m.va < base + size for m in self.mappings.values()):
+        if self._overlapping(base, size):
             raise SimError("invalid", f"reservation at {base:#x} still has mappings")
         del self.reservations[base]
+        self._reserved_total -= size
         if self.profile.private_commit_reservations:
             self.private_commit -= size
         if self.profile.churn_limit is not None and size >= self.profile.churn_window:
@@ -404,13 +420,15 @@ class SimPlatform:
         r = next((r for r in self.reservations.values() if r.base <= va and va + size <= r.base + r.size), None)
         if r is None:
             raise SimError("invalid", f"[{va:#x}, {va + size:#x}) is not inside a reservation")
-        if any(m.va < va + size and va < m.va + m.size for m in self.mappings.values()):
+        if self._overlapping(va, size):
             raise SimError("invalid", f"[{va:#x}, {va + size:#x}) is already mapped")
         p = self.profile
         if p.address_quota is not None and self.quota_used() + size > p.address_quota:
             self.crashes += 1
             raise SimulatedCrash("access violation 0xC0000005: mapping past the per-process GPU address quota")
         self.mappings[va] = _Mapping(va, size, handle, h.device)
+        bisect.insort(self._starts, va)
+        self._mapped_total += size
         h.mapped_at.add(va)
         if p.wddm:  # VidMm makes the allocation resident asynchronously
             self._queue(h.device, -1, p.pagein_seconds, frozenset({handle}), "page-in")
@@ -428,6 +446,8 @@ class SimPlatform:
         self._release_check({m.handle for m in mappings}, "cuMemUnmap")
         for m in mappings:
             del self.mappings[m.va]
+            del self._starts[bisect.bisect_left(self._starts, m.va)]
+            self._mapped_total -= m.size
             h = self.handles[m.handle]
             h.mapped_at.discard(m.va)
             if h.released and not h.mapped_at:

@@ -1,0 +1,53 @@
+"""The real driver wrappers and comfy-aimdo on a machine without a GPU: typed errors, reasons, no crash."""
+
+from __future__ import annotations
+
+import pytest
+
+from membackend.types import DriverError
+
+
+def test_cuda_python_without_a_driver_is_a_driver_error():
+    pytest.importorskip("cuda.bindings.driver")
+    from membackend.drivers.cuda import CudaDriver
+
+    d = CudaDriver()
+    try:
+        d.init()
+    except DriverError as exc:
+        assert exc.call == "cuInit"
+    else:
+        pytest.skip("a CUDA driver is present")
+
+
+def test_hip_python_without_a_runtime_is_a_driver_error():
+    pytest.importorskip("hip")
+    from membackend.drivers.hip import HipDriver
+
+    d = HipDriver()
+    with pytest.raises(DriverError) as info:
+        d.init()
+    assert info.value.call == "hipInit" and info.value.code == "unavailable"
+
+
+def test_aimdo_reports_its_own_reason_when_it_cannot_initialise():
+    pytest.importorskip("comfy_aimdo")
+    from membackend.backends.aimdo import AimdoBackend
+    from membackend.machine import gather_machine
+
+    c = AimdoBackend().membackend_probe(machine=gather_machine())
+    if c.score:
+        pytest.skip("comfy-aimdo initialised a device here")
+    assert c.reason.startswith("comfy-aimdo cannot initialise a device: ") and len(c.reason) > 45
+
+
+def test_aimdo_backend_refuses_verbs_with_the_reason():
+    pytest.importorskip("comfy_aimdo")
+    from membackend.backends.aimdo import AimdoBackend
+    from membackend.types import Device
+
+    b = AimdoBackend()
+    if b._init(0) is None:
+        pytest.skip("comfy-aimdo initialised a device here")
+    with pytest.raises(DriverError, match="init_device"):
+        b.membackend_reserve(device=Device("cuda", 0), size=1 << 20)

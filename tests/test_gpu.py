@@ -1,0 +1,54 @@
+"""On a real CUDA device: the VMM backend through cuda-python. Skipped where there is none."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+def _cuda_devices() -> int:
+    try:
+        from membackend.drivers.cuda import CudaDriver
+
+        d = CudaDriver()
+        d.init()
+        return d.device_count()
+    except Exception:
+        return 0
+
+
+requires_cuda = pytest.mark.skipif(_cuda_devices() == 0, reason="no CUDA device")
+
+
+@requires_cuda
+def test_real_round_trip_with_an_event_fence():
+    from membackend.backends.vmm import VmmBackend
+    from membackend.drivers.cuda import CudaDriver
+    from membackend.machine import gather_machine
+    from membackend.session import Session
+
+    driver = CudaDriver()
+    s = Session(VmmBackend(driver), machine=gather_machine())
+    r = s.reserve("cuda:0", 64 * MiB)
+    assert s.fault(r, 0, 64 * MiB).ok
+    pinned = driver.host_alloc_pinned(64 * MiB)
+    stream = driver.stream_create()
+    driver.memcpy_htod_async(r.base, pinned, 64 * MiB, stream)
+    s.record(r, s.backend.fence_token(r, stream))
+    assert s.free(r) == 64 * MiB
+    s.release_reservation(r)
+    driver.host_free_pinned(pinned)
+    b = s.budget_query("cuda:0")
+    assert b.total > 0 and b.source.startswith("cuMemGetInfo")
+
+
+@requires_cuda
+def test_the_doctor_selects_vmm_on_a_cuda_machine():
+    from membackend.manager import BackendManager
+    from membackend.settings import load_settings
+
+    sel = BackendManager(load_settings()).select()
+    assert sel.record.name in ("vmm", "aimdo") or sel.candidates["vmm"].score > 0

@@ -1,0 +1,272 @@
+"""Each simulated profile's documented behaviour, against hand-written expectations."""
+
+from __future__ import annotations
+
+import pytest
+
+from membackend.drivers.sim import FaultPlan, SimulatedBugcheck, SimulatedCrash, sim_driver
+from membackend.types import DriverError
+
+MiB, GiB = 1 << 20, 1 << 30
+PAGE = 2 * MiB
+
+
+def mapped_page(d, device=0, size=PAGE):
+    d.set_device(device)
+    va = d.address_reserve(size, 0)
+    h = d.create(size, device)
+    d.map(va, size, h)
+    d.set_access(va, size, device)
+    return va, h
+
+
+def code_name(exc: DriverError) -> str:
+    return exc.code.name
+
+
+# --------------------------------------------------------------------------- wddm-6gb
+
+
+def test_wddm_release_with_a_pending_copy_is_a_bugcheck():
+    d = sim_driver("wddm-6gb")
+    d.init()
+    va, h = mapped_page(d)
+    stream = d.stream_create()
+    d.memcpy_htod_async(va, 0, PAGE, stream)
+    with pytest.raises(SimulatedBugcheck, match="copy"):
+        d.unmap(va, PAGE)
+    assert d.sim.bugchecks == 1
+
+
+def test_wddm_release_after_a_fence_is_safe():
+    d = sim_driver("wddm-6gb")
+    d.init()
+    va, h = mapped_page(d)
+    stream = d.stream_create()
+    d.memcpy_htod_async(va, 0, PAGE, stream)
+    event = d.event_create()
+    d.event_record(event, stream)
+    assert not d.event_query(event)
+    d.event_synchronize(event)
+    d.unmap(va, PAGE)
+    d.release(h)
+    assert d.sim.bugchecks == 0 and d.sim.state()["handles"] == 0
+
+
+def test_wddm_unmapping_during_the_deferred_page_in_is_a_bugcheck():
+    d = sim_driver("wddm-6gb")
+    d.init()
+    va, h = mapped_page(d)  # no work at all: the page-in alone is pending
+    with pytest.raises(SimulatedBugcheck, match="page-in"):
+        d.unmap(va, PAGE)
+
+
+def test_wddm_page_in_completes_with_time_or_a_device_sync():
+    d = sim_driver("wddm-6gb")
+    d.init()
+    va, _ = mapped_page(d)
+    d.sim.advance(d.sim.profile.pagein_seconds)
+    d.unmap(va, PAGE)
+    va2, _ = mapped_page(d)
+    d.device_synchronize()
+    d.unmap(va2, PAGE)
+    assert d.sim.bugchecks == 0
+
+
+def test_wddm_copies_wait_for_the_page_in_of_their_memory():
+    d = sim_driver("wddm-6gb")
+    d.init()
+    va, _ = mapped_page(d)
+    stream = d.stream_create()
+    d.memcpy_htod_async(va, 0, PAGE, stream)
+    d.stream_synchronize(stream)
+    assert d.sim.clock >= d.sim.profile.pagein_seconds
+    d.unmap(va, PAGE)  # the copy's fence covered the page-in too
+
+
+def test_wddm_mapping_past_vram_spills_to_system_memory():
+    d = sim_driver("wddm-6gb")
+    d.init()
+    d.set_device(0)
+    va = d.address_reserve(8 * GiB, 0)
+    for i in range(4):  # 8 GiB on a 6 GiB card
+        h = d.create(2 * GiB, 0)
+        d.map(va + i * 2 * GiB, 2 * GiB, h)
+    assert d.sim.spilled_bytes == 2 * GiB
+    assert d.mem_get_info() == (0, 6 * GiB)
+    assert d.sim.wddm_budget(0) == 6 * GiB - 512 * MiB
+
+
+# --------------------------------------------------------------------------- rocm-win-2gpu
+
+
+def test_rocm_reserved_address_space_is_charged_to_private_commit():
+    d = sim_driver("rocm-win-2gpu")
+    d.init()
+    d.set_device(0)
+    va = d.address_reserve(16 * GiB, 0)
+    assert d.sim.private_commit == 16 * GiB
+    d.address_free(va, 16 * GiB)
+    assert d.sim.private_commit == 0
+
+
+def test_rocm_quota_overrun_is_an_access_violation():
+    d = sim_driver("rocm-win-2gpu")
+    d.init()
+    d.set_device(0)
+    for _ in range(15):  # 240 GiB
+        d.address_reserve(16 * GiB, 0)
+    with pytest.raises(SimulatedCrash, match="access violation"):
+        d.address_reserve(32 * GiB, 0)
+    assert d.sim.crashes == 1
+
+
+def test_rocm_large_window_churn_fails_after_14_cycles():
+    d = sim_driver("rocm-win-2gpu")
+    d.init()
+    d.set_device(0)
+    for _ in range(14):
+        d.address_free(d.address_reserve(4 * GiB, 0), 4 * GiB)
+    with pytest.raises(DriverError) as info:
+        d.address_reserve(4 * GiB, 0)
+    assert code_name(info.value) == "hipErrorOutOfMemory"
+    d.address_free(d.address_reserve(64 * MiB, 0), 64 * MiB)  # small windows are unaffected
+
+
+def test_rocm_operation_with_another_device_current_fails():
+    d = sim_driver("rocm-win-2gpu")
+    d.init()
+    va, h = mapped_page(d, device=1)
+    d.set_device(0)
+    with pytest.raises(DriverError) as info:
+        d.unmap(va, PAGE)
+    assert code_name(info.value) == "hipErrorInvalidDevice"
+    d.set_device(1)
+    d.unmap(va, PAGE)
+    d.release(h)
+
+
+# --------------------------------------------------------------------------- gb10-128gb
+
+
+def test_gb10_mem_get_info_reports_memfree_while_memavailable_is_higher():
+    d = sim_driver("gb10-128gb")
+    d.init()
+    d.set_device(0)
+    free, total = d.mem_get_info()
+    info = d.sim.meminfo()
+    assert total == info["MemTotal"] == 128 * 10**9
+    assert free == info["MemFree"] < info["MemAvailable"]
+    assert info["MemAvailable"] - info["MemFree"] == d.sim.page_cache
+
+
+def test_gb10_device_pages_and_host_copies_draw_from_one_pool():
+    d = sim_driver("gb10-128gb")
+    d.init()
+    before = d.sim.meminfo()["MemAvailable"]
+    mapped_page(d, size=GiB)
+    d.call("cuMemAllocHost", GiB)  # a pinned host copy
+    assert before - d.sim.meminfo()["MemAvailable"] == 2 * GiB
+
+
+def test_gb10_past_the_pool_is_out_of_memory():
+    d = sim_driver("gb10-128gb")
+    d.init()
+    d.set_device(0)
+    d.call("cuMemAllocHost", 100 * 10**9)
+    with pytest.raises(DriverError) as info:
+        d.create(30 * GiB, 0)
+    assert code_name(info.value) == "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+# --------------------------------------------------------------------------- h200
+
+
+def test_h200_is_discrete_and_runs_out_at_its_vram():
+    d = sim_driver("h200")
+    d.init()
+    d.set_device(0)
+    assert not d.integrated(0) and d.name(0) == "NVIDIA H200"
+    d.create(140 * GiB, 0)
+    with pytest.raises(DriverError) as info:
+        d.create(2 * GiB, 0)
+    assert code_name(info.value) == "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def test_h200_unmap_waits_for_pending_work_instead_of_racing():
+    d = sim_driver("h200")
+    d.init()
+    va, h = mapped_page(d)
+    stream = d.stream_create()
+    d.memcpy_htod_async(va, 0, PAGE, stream)
+    d.unmap(va, PAGE)  # "exhibits synchronous behavior" (CUDA docs)
+    assert d.sim.use_after_free == 0 and d.sim.clock > 0
+
+
+# --------------------------------------------------------------------------- API shape and fault injection
+
+
+def test_sim_calls_return_the_bindings_tuples_and_enums():
+    from cuda.bindings import driver as real
+
+    d = sim_driver("h200")
+    m = d.m
+    assert m.cuInit(0) == (real.CUresult.CUDA_SUCCESS,)
+    err, ptr = m.cuMemAddressReserve(2 * MiB, 0, 0, 0)
+    assert err == real.CUresult.CUDA_SUCCESS and isinstance(ptr, real.CUdeviceptr)
+    err, value = m.cuMemAddressReserve(3, 0, 0, 0)
+    assert err == real.CUresult.CUDA_ERROR_INVALID_VALUE and value is None
+    assert m.CUmemAllocationProp is real.CUmemAllocationProp
+    with pytest.raises(AttributeError, match="simulated driver has no cuLaunchKernel"):
+        m.cuLaunchKernel
+
+
+def test_hip_sim_uses_hip_python_enums():
+    from hip import hip
+
+    d = sim_driver("rocm-win-2gpu")
+    assert d.m.hipInit(0) == (hip.hipError_t.hipSuccess,)
+    assert d.m.hipGetDeviceCount() == (hip.hipError_t.hipSuccess, 2)
+
+
+def test_fault_injection_on_the_kth_call():
+    plan = FaultPlan()
+    plan.add("cuMemSetAccess", 600, nth=2)
+    d = sim_driver("h200", plan)
+    d.init()
+    mapped_page(d)
+    with pytest.raises(DriverError) as info:
+        mapped_page(d)
+    assert code_name(info.value) == "CUDA_ERROR_NOT_READY" and plan.injected == 1
+    mapped_page(d)  # the third call succeeds
+
+
+def test_fault_injection_by_probability_is_reproducible_with_a_seed():
+    def run(seed):
+        plan = FaultPlan(seed=seed)
+        plan.add("cuMemMap", 719, probability=0.3)
+        d = sim_driver("h200", plan)
+        d.init()
+        d.set_device(0)
+        outcomes = []
+        for _ in range(40):
+            va, h = d.address_reserve(PAGE, 0), d.create(PAGE, 0)
+            try:
+                d.map(va, PAGE, h)
+                outcomes.append(True)
+            except DriverError as exc:
+                assert code_name(exc) == "CUDA_ERROR_LAUNCH_FAILED"
+                outcomes.append(False)
+        return outcomes
+
+    assert run(7) == run(7) and run(7) != run(8) and False in run(7)
+
+
+def test_injected_reserve_failure_on_hip():
+    plan = FaultPlan()
+    plan.add("hipMemAddressReserve", 2, nth=1)
+    d = sim_driver("rocm-win-2gpu", plan)
+    d.init()
+    d.set_device(0)
+    with pytest.raises(DriverError, match="hipMemAddressReserve"):
+        d.address_reserve(PAGE, 0)

@@ -1,0 +1,159 @@
+"""The generic VMM backend over the simulated drivers."""
+
+from __future__ import annotations
+
+import pytest
+
+from membackend.backends.vmm import AddressSpaceExhausted, VmmBackend, capabilities_for
+from membackend.drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
+from membackend.ledger import Ledger
+from membackend.machine import gather_machine
+from membackend.session import Session
+from membackend.settings import load_settings
+from membackend.types import Capabilities, Device, DriverError
+
+MiB, GiB = 1 << 20, 1 << 30
+PAGE = 2 * MiB
+
+
+def session_on(profile: str, faults: FaultPlan | None = None, **caps) -> Session:
+    p = get_profile(profile)
+    backend = VmmBackend(sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else capabilities_for(p))
+    machine = gather_machine(load_settings(sim_profile=profile).machine.model_copy(
+        update={"devices": None}))  # devices come from the session's backend kind only
+    return Session(backend, machine=machine, ledger=Ledger(sanitize=True))
+
+
+def sim(session):
+    return session.backend.driver.sim
+
+
+def test_fault_then_free_at_once_does_not_race_the_wddm_page_in():
+    s = session_on("wddm-6gb")
+    r = s.reserve("cuda:0", 8 * PAGE)
+    for _ in range(50):  # the churn of #16246
+        assert s.fault(r, 0, 8 * PAGE).ok
+        assert s.free(r) == 8 * PAGE
+    s.release_reservation(r)
+    assert sim(s).bugchecks == 0 and sim(s).state()["handles"] == 0
+
+
+def test_a_recorded_copy_is_fenced_before_release():
+    s = session_on("wddm-6gb")
+    r = s.reserve("cuda:0", PAGE)
+    s.fault(r, 0, PAGE)
+    d = s.backend.driver
+    s.fence("cuda:0")  # page-in done: only the copy below is pending
+    stream = d.stream_create()
+    d.memcpy_htod_async(r.base, 0, PAGE, stream)
+    s.record(r, s.backend.fence_token(r, stream))
+    s.release_reservation(r)
+    assert sim(s).bugchecks == 0
+
+
+def test_an_unrecorded_copy_is_a_broken_promise_the_sim_catches():
+    s = session_on("wddm-6gb")
+    r = s.reserve("cuda:0", PAGE)
+    s.fault(r, 0, PAGE)
+    s.fence("cuda:0")
+    d = s.backend.driver
+    d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())
+    with pytest.raises(SimulatedBugcheck):
+        s.free(r)
+
+
+def test_each_device_is_made_current_for_its_own_pages():
+    s = session_on("rocm-win-2gpu")
+    a = s.reserve("hip:1", 4 * PAGE)
+    b = s.reserve("hip:0", 4 * PAGE)
+    s.fault(a, 0, 4 * PAGE)
+    s.fault(b, 0, 4 * PAGE)  # leaves device 0 current
+    assert s.free(a) == 4 * PAGE and s.release_reservation(a) == 0
+    assert s.ledger.account(Device("hip", 1)).reserved == 0
+    assert sim(s).state(1) == {"reserved": 0, "reservations": 0, "mapped": 0, "handles": 0, "physical": 0,
+                               "pending_ops": 0}
+
+
+def test_the_address_quota_is_refused_before_the_driver_crashes():
+    s = session_on("rocm-win-2gpu")
+    kept = []
+    with pytest.raises(AddressSpaceExhausted, match="GPU address quota"):
+        for _ in range(20):
+            kept.append(s.reserve("hip:0", 16 * GiB))
+    assert isinstance(AddressSpaceExhausted("x"), MemoryError)
+    assert sim(s).crashes == 0 and len(kept) < 15
+    for r in kept:
+        s.release_reservation(r)
+    assert sim(s).private_commit == 0
+
+
+def test_a_failed_set_access_rolls_back_the_pages_the_fault_mapped():
+    plan = FaultPlan()
+    s = session_on("h200", plan)
+    r = s.reserve("cuda:0", 4 * PAGE)
+    s.fault(r, 0, PAGE)
+    plan.add("cuMemSetAccess", 600, nth=plan.calls.get("cuMemSetAccess", 0) + 3)
+    before = s.ledger.account(Device("cuda", 0)), sim(s).state(0)
+    with pytest.raises(DriverError, match="cuMemSetAccess"):
+        s.fault(r, 0, 4 * PAGE)  # pages 1 and 2 map, page 3 fails: all three roll back
+    assert (s.ledger.account(Device("cuda", 0)), sim(s).state(0)) == before
+    assert s.fault(r, 0, 4 * PAGE).ok
+
+
+def test_out_of_memory_is_a_fault_result_with_nothing_left_mapped():
+    s = session_on("h200")
+    d = s.backend.driver
+    d.set_device(0)
+    hog = d.create(140 * GiB, 0)  # another user of the card holds most of it
+    r = s.reserve("cuda:0", 4 * GiB)
+    f = s.fault(r, 0, 4 * GiB)
+    assert not f.ok and sim(s).state(0)["mapped"] == 0 and s.ledger.resident(r) == 0
+    d.release(hog)
+    assert s.fault(r, 0, 4 * GiB).ok
+
+
+def test_recycled_handles_are_reused_and_trimmed():
+    s = session_on("h200", recycle_handles=True)
+    r = s.reserve("cuda:0", 4 * PAGE)
+    s.fault(r, 0, 4 * PAGE)
+    s.free(r)
+    assert sim(s).state(0)["handles"] == 4 and sim(s).state(0)["mapped"] == 0
+    creates = sim(s).faults.calls["cuMemCreate"]
+    s.fault(r, 0, 4 * PAGE)
+    assert sim(s).faults.calls["cuMemCreate"] == creates
+    s.release_reservation(r)
+    assert s.backend.trim(Device("cuda", 0)) == 4 * PAGE and sim(s).state(0)["handles"] == 0
+
+
+def test_budget_is_mem_get_info_minus_headroom():
+    s = session_on("h200")
+    b = s.budget_query("cuda:0")
+    assert (b.total, b.free, b.headroom) == (143_771 * MiB, 143_771 * MiB, 256 * MiB)
+    assert b.source == "cuMemGetInfo (sim:h200)" and not b.unified
+
+
+def test_on_gb10_the_generic_budget_is_memfree_the_figure_g3_replaces():
+    s = session_on("gb10-128gb")
+    b = s.budget_query("cuda:0")
+    info = sim(s).meminfo()
+    assert b.unified and b.free == info["MemFree"] < info["MemAvailable"]
+
+
+def test_a_device_that_does_not_exist_is_a_wrong_device():
+    from membackend.types import WrongDevice
+
+    s = session_on("h200")
+    with pytest.raises(WrongDevice, match="cuda:3 does not exist"):
+        s.reserve("cuda:3", PAGE)
+
+
+def test_probe_without_a_gpu_says_so():
+    backend = VmmBackend.from_settings(load_settings())
+    c = backend.membackend_probe(machine=gather_machine())
+    assert c.score == 0 and "no CUDA device found" in c.reason
+
+
+def test_probe_on_a_simulated_profile():
+    backend = VmmBackend.from_settings(load_settings(sim_profile="gb10-128gb"))
+    c = backend.membackend_probe(machine=gather_machine())
+    assert c.score == 10 and "gb10-128gb" in c.reason and backend.device_kinds == ("cuda",)
