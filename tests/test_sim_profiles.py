@@ -270,3 +270,16 @@ def test_injected_reserve_failure_on_hip():
     d.set_device(0)
     with pytest.raises(DriverError, match="hipMemAddressReserve"):
         d.address_reserve(PAGE, 0)
+
+
+@pytest.mark.parametrize("profile,arch,model", [
+    ("wddm-6gb", "sm_86", "wddm"), ("h200", "sm_90", None), ("gb10-128gb", "sm_121", None),
+    ("rocm-win-2gpu", "gfx1201", None),
+])
+def test_device_attributes_through_the_wrappers(profile, arch, model):
+    d = sim_driver(profile)
+    d.init()
+    os_name = d.sim.profile.os
+    assert d.arch(0) == arch and d.driver_model(0, os_name) == model
+    assert d.total_mem(0) == d.sim.profile.devices[0].vram
+    assert d.integrated(0) == (profile == "gb10-128gb")

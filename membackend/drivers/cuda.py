@@ -67,6 +67,21 @@ class CudaDriver(GpuDriver):
     def integrated(self, index: int) -> bool:
         return bool(self.attribute(index, self.m.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_INTEGRATED))
 
+    def arch(self, index: int) -> str:
+        a = self.m.CUdevice_attribute
+        major = self.attribute(index, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = self.attribute(index, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        return f"sm_{major}{minor}"
+
+    def driver_model(self, index: int, os_name: str | None = None) -> str | None:
+        """"tcc" or "wddm" on Windows (CU_DEVICE_ATTRIBUTE_TCC_DRIVER), None elsewhere."""
+        import sys
+
+        if (os_name or ("windows" if sys.platform == "win32" else "")) != "windows":
+            return None
+        tcc = self.attribute(index, self.m.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_TCC_DRIVER)
+        return "tcc" if tcc else "wddm"
+
     def _prop(self, index: int) -> Any:
         prop = self._props.get(index)
         if prop is None:

@@ -58,6 +58,8 @@ class GpuDriver:
     def total_mem(self, index: int) -> int: raise NotImplementedError
     def name(self, index: int) -> str: raise NotImplementedError
     def integrated(self, index: int) -> bool: raise NotImplementedError
+    def arch(self, index: int) -> str: raise NotImplementedError
+    def driver_model(self, index: int) -> str | None: raise NotImplementedError
     def granularity(self, index: int) -> int: raise NotImplementedError
     def address_reserve(self, size: int, alignment: int) -> int: raise NotImplementedError
     def address_free(self, ptr: int, size: int) -> None: raise NotImplementedError

@@ -55,6 +55,14 @@ class HipDriver(GpuDriver):
         attr = self.m.hipDeviceAttribute_t.hipDeviceAttributeIntegrated
         return bool(self.call("hipDeviceGetAttribute", attr, index)[0])
 
+    def arch(self, index: int) -> str:
+        props = self.call("hipGetDeviceProperties", index)[0]
+        raw = props.gcnArchName
+        return (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split(":")[0].split("\0")[0]
+
+    def driver_model(self, index: int, os_name: str | None = None) -> str | None:
+        return None  # WDDM/TCC is an NVIDIA notion
+
     def _prop(self, index: int) -> Any:
         prop = self._props.get(index)
         if prop is None:

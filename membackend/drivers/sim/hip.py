@@ -9,6 +9,7 @@ call accepts an int where it takes one.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from .api import SimApi
@@ -62,6 +63,15 @@ class SimHipModule(SimApi):
             d = self.platform._device(deviceId)
             return {a.hipDeviceAttributeIntegrated: int(d.integrated)}.get(attr, 0)
         return self._run("hipDeviceGetAttribute", 1, get)
+
+    def hipGetDeviceProperties(self, deviceId):
+        def props():
+            # hip-python's hipDeviceProp_t has read-only char fields, so the sim answers with a
+            # record carrying the same attribute names
+            d = self.platform._device(deviceId)
+            return SimpleNamespace(name=d.name, gcnArchName=f"{d.arch}:sramecc+:xnack-", totalGlobalMem=d.vram,
+                                   integrated=int(d.integrated))
+        return self._run("hipGetDeviceProperties", 1, props)
 
     def hipDeviceSynchronize(self):
         return self._run("hipDeviceSynchronize", 0, self.platform.device_synchronize)
