@@ -18,3 +18,14 @@ def test_bench_core_quick_prints_every_ratio(capsys):
     data = json.loads(capsys.readouterr().out)
     ratios = [r["ratio"] for r in data["hot_path"]] + [data["throughput"]["ratio"], data["pages_alive"]["ratio"]]
     assert len(ratios) == 4 and all(r > 0 for r in ratios)
+
+
+def test_bench_residency_compares_both_policies(capsys):
+    spec = importlib.util.spec_from_file_location("bench_residency", BENCH.parent / "bench_residency.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for target, pair in data.items():
+        assert pair["membackend"]["alive_after_unload"] == 0 and pair["stock"]["alive_after_unload"] == 3
+        assert pair["membackend"]["copied"] < pair["stock"]["copied"]

@@ -1,0 +1,85 @@
+"""Residency: the membackend policy against the stock (ComfyUI + comfy-aimdo) policy on the same workload.
+
+    python benchmarks/bench_residency.py [--json]
+
+For each simulated profile (and the host backend with a 256 MiB cap), models
+of 35% of the usable memory run image → video → image → audio → image, then
+everything is unloaded. Printed per policy, side by side:
+
+* bytes copied to the device (every newly backed page must be copied again);
+* reservations alive and reserved bytes after the full unload (G1);
+* on rocm-win-2gpu, private commit after the unload (the 41.58 GB plateau of #15993);
+* simulated transfer time of the copies at the profile's copy bandwidth, and its ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from membackend.backends.host import HostBackend
+from membackend.backends.vmm import VmmBackend, capabilities_for
+from membackend.drivers.sim import PROFILES, sim_driver
+from membackend.ledger import Ledger
+from membackend.machine import gather_machine
+from membackend.residency import ResidencyManager, StockPolicy
+from membackend.session import Session
+from membackend.types import Device
+
+MiB = 1 << 20
+WORKFLOW = ("image", "video", "image", "audio", "image")
+
+
+def session_for(target: str) -> tuple[Session, Device, int, float]:
+    if target == "host":
+        s = Session(HostBackend(capacity=256 * MiB, headroom=16 * MiB), machine=gather_machine(), ledger=Ledger())
+        return s, Device("cpu", 0), 2 * MiB, 0.0
+    p = PROFILES[target]
+    backend = VmmBackend(sim_driver(p), page_size=64 * MiB, capabilities=capabilities_for(p))
+    s = Session(backend, machine=gather_machine(), ledger=Ledger())
+    return s, Device(p.vendor, 0), 64 * MiB, p.copy_bandwidth
+
+
+def run(target: str, cls) -> dict:
+    s, dev, page, bandwidth = session_for(target)
+    policy = cls(s)
+    size = int(s.budget_query(dev).usable * 0.35) // page * page
+    models = {n: policy.register(n, size, dev) for n in ("image", "video", "audio")}
+    copied = 0
+    for name in WORKFLOW:
+        m = models[name]
+        policy.use([m])
+        f = policy.fault(m, 0, m.size)
+        policy.unpin(m, 0, m.size)
+        copied += f.mapped
+    policy.unload_all()
+    acct = s.ledger.account(dev)
+    sim = getattr(getattr(s.backend, "_driver", None), "sim", None)
+    return {"copied": copied, "copy_seconds": copied / bandwidth if bandwidth else None,
+            "alive_after_unload": acct.reservations_alive, "reserved_after_unload": acct.reserved,
+            "private_commit_after_unload": sim.private_commit if sim is not None else None, "model_bytes": size}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    results = {t: {cls.policy: run(t, cls) for cls in (StockPolicy, ResidencyManager)}
+               for t in ["host", *PROFILES]}
+    if "--json" in argv:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"workflow {' -> '.join(WORKFLOW)}, models of 35% of usable memory each, then unload_all")
+    print(f"{'target':<15} {'policy':<11} {'copied':>12} {'copy time':>10} {'alive':>6} {'reserved':>12} "
+          f"{'commit':>12}  copied ratio stock/membackend")
+    for target, pair in results.items():
+        ratio = pair["stock"]["copied"] / max(1, pair["membackend"]["copied"])
+        for name, r in pair.items():
+            t = f"{r['copy_seconds']:.2f} s" if r["copy_seconds"] is not None else "-"
+            commit = r["private_commit_after_unload"]
+            c = f"{commit / MiB:,.0f} MiB" if commit is not None and target == "rocm-win-2gpu" else "-"
+            print(f"{target:<15} {name:<11} {r['copied'] / MiB:>8,.0f} MiB {t:>10} {r['alive_after_unload']:>6} "
+                  f"{r['reserved_after_unload'] / MiB:>8,.0f} MiB {c:>12}" + (f"  {ratio:.2f}" if name == "membackend" else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
