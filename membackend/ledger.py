@@ -19,6 +19,8 @@ from .types import Device, FenceToken, Reservation, ReservationReleased, Sanitiz
 
 __all__ = ["Ledger", "DeviceAccount"]
 
+RELEASE_HISTORY = 4096  # where the newest released reservations were released, for sanitizer messages
+
 
 @dataclass
 class DeviceAccount:
@@ -128,6 +130,8 @@ class Ledger:
             a.pending_fences -= len(entry[1]) if entry else 0
         if self.sanitize:
             self._released_at[r.id] = "".join(traceback.format_stack(limit=8)[:-2])
+            if len(self._released_at) > RELEASE_HISTORY:  # a long run keeps the newest only
+                del self._released_at[next(iter(self._released_at))]
 
     def record(self, r: Reservation, token: FenceToken) -> None:
         with self._lock:

@@ -282,23 +282,24 @@ class VerbSequences(RuleBasedStateMachine):
             if r is not None:
                 self.live.append(r)
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def fault(self, data):
+    def _draw_range(self, data) -> tuple[Reservation, int, int]:
+        """A live reservation and a whole-page range inside it."""
         r = data.draw(st.sampled_from(self.live))
         first = data.draw(st.integers(0, r.pages - 1))
         count = data.draw(st.integers(1, r.pages - first))
-        f = self._call(self.session.fault, r, first * self.ps, count * self.ps)
+        return r, first * self.ps, count * self.ps
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fault(self, data):
+        f = self._call(self.session.fault, *self._draw_range(data))
         if f is not None and not f.ok:
             SEQUENCES["oom"] += 1
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data):
-        r = data.draw(st.sampled_from(self.live))
-        first = data.draw(st.integers(0, r.pages - 1))
-        count = data.draw(st.integers(1, r.pages - first))
-        self._call(self.session.free, r, first * self.ps, count * self.ps)
+        self._call(self.session.free, *self._draw_range(data))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
