@@ -15,6 +15,8 @@ run, it changes nothing until a test asks for ``membackend_session``.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from .harness import build_session, parse_target, runs_on_simulations
@@ -65,9 +67,10 @@ def membackend_session(membackend_target):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    from .conformance import SEQUENCES
-
-    if SEQUENCES["runs"]:
+    # only when the kit ran: importing it needs hypothesis, which a plain install lacks
+    kit = sys.modules.get("membackend.testing.conformance")
+    SEQUENCES = getattr(kit, "SEQUENCES", None)
+    if SEQUENCES and SEQUENCES["runs"]:
         terminalreporter.write_line(
             "membackend kit: {runs} property-based sequences, {steps} verb calls, {injected} injected driver "
             "failures, {typed_errors} typed errors, {oom} out-of-memory results".format(**SEQUENCES))
