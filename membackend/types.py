@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
     "Device",
@@ -233,8 +233,7 @@ class Reservation:
         return range(offset // ps, (offset + size - 1) // ps + 1)
 
 
-@dataclass(frozen=True, slots=True)
-class Fault:
+class Fault(NamedTuple):
     """Result of ``membackend_fault``.
 
     ``ok`` is false when the pages could not be backed (out of memory); the
@@ -242,6 +241,9 @@ class Fault:
     page of the range, starting at ``first_page``; an entry changes whenever
     that page gets new physical memory, so the caller knows to copy again.
     ``mapped`` is the number of bytes newly backed by this call.
+
+    A named tuple, not a dataclass: it is built once per weight per step, and
+    a frozen dataclass cost more than twice as much to construct.
     """
 
     ok: bool
