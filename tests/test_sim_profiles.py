@@ -11,6 +11,14 @@ MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
 
 
+def started(profile, faults=None, device=0):
+    """A simulated driver, initialised, with ``device`` current."""
+    d = sim_driver(profile, faults)
+    d.init()
+    d.set_device(device)
+    return d
+
+
 def mapped_page(d, device=0, size=PAGE):
     d.set_device(device)
     va = d.address_reserve(size, 0)
@@ -85,9 +93,7 @@ def test_wddm_copies_wait_for_the_page_in_of_their_memory():
 
 
 def test_wddm_mapping_past_vram_spills_to_system_memory():
-    d = sim_driver("wddm-6gb")
-    d.init()
-    d.set_device(0)
+    d = started("wddm-6gb")
     va = d.address_reserve(8 * GiB, 0)
     for i in range(4):  # 8 GiB on a 6 GiB card
         h = d.create(2 * GiB, 0)
@@ -101,9 +107,7 @@ def test_wddm_mapping_past_vram_spills_to_system_memory():
 
 
 def test_rocm_reserved_address_space_is_charged_to_private_commit():
-    d = sim_driver("rocm-win-2gpu")
-    d.init()
-    d.set_device(0)
+    d = started("rocm-win-2gpu")
     va = d.address_reserve(16 * GiB, 0)
     assert d.sim.private_commit == 16 * GiB
     d.address_free(va, 16 * GiB)
@@ -111,9 +115,7 @@ def test_rocm_reserved_address_space_is_charged_to_private_commit():
 
 
 def test_rocm_quota_overrun_is_an_access_violation():
-    d = sim_driver("rocm-win-2gpu")
-    d.init()
-    d.set_device(0)
+    d = started("rocm-win-2gpu")
     for _ in range(15):  # 240 GiB
         d.address_reserve(16 * GiB, 0)
     with pytest.raises(SimulatedCrash, match="access violation"):
@@ -122,9 +124,7 @@ def test_rocm_quota_overrun_is_an_access_violation():
 
 
 def test_rocm_large_window_churn_fails_after_14_cycles():
-    d = sim_driver("rocm-win-2gpu")
-    d.init()
-    d.set_device(0)
+    d = started("rocm-win-2gpu")
     for _ in range(14):
         d.address_free(d.address_reserve(4 * GiB, 0), 4 * GiB)
     with pytest.raises(DriverError) as info:
@@ -150,9 +150,7 @@ def test_rocm_operation_with_another_device_current_fails():
 
 
 def test_gb10_mem_get_info_reports_memfree_while_memavailable_is_higher():
-    d = sim_driver("gb10-128gb")
-    d.init()
-    d.set_device(0)
+    d = started("gb10-128gb")
     free, total = d.mem_get_info()
     info = d.sim.meminfo()
     assert total == info["MemTotal"] == 128 * 10**9
@@ -170,9 +168,7 @@ def test_gb10_device_pages_and_host_copies_draw_from_one_pool():
 
 
 def test_gb10_past_the_pool_is_out_of_memory():
-    d = sim_driver("gb10-128gb")
-    d.init()
-    d.set_device(0)
+    d = started("gb10-128gb")
     d.call("cuMemAllocHost", 100 * 10**9)
     with pytest.raises(DriverError) as info:
         d.create(30 * GiB, 0)
@@ -183,9 +179,7 @@ def test_gb10_past_the_pool_is_out_of_memory():
 
 
 def test_h200_is_discrete_and_runs_out_at_its_vram():
-    d = sim_driver("h200")
-    d.init()
-    d.set_device(0)
+    d = started("h200")
     assert not d.integrated(0) and d.name(0) == "NVIDIA H200"
     d.create(140 * GiB, 0)
     with pytest.raises(DriverError) as info:
@@ -245,9 +239,7 @@ def test_fault_injection_by_probability_is_reproducible_with_a_seed():
     def run(seed):
         plan = FaultPlan(seed=seed)
         plan.add("cuMemMap", 719, probability=0.3)
-        d = sim_driver("h200", plan)
-        d.init()
-        d.set_device(0)
+        d = started("h200", plan)
         outcomes = []
         for _ in range(40):
             va, h = d.address_reserve(PAGE, 0), d.create(PAGE, 0)
@@ -265,9 +257,7 @@ def test_fault_injection_by_probability_is_reproducible_with_a_seed():
 def test_injected_reserve_failure_on_hip():
     plan = FaultPlan()
     plan.add("hipMemAddressReserve", 2, nth=1)
-    d = sim_driver("rocm-win-2gpu", plan)
-    d.init()
-    d.set_device(0)
+    d = started("rocm-win-2gpu", plan)
     with pytest.raises(DriverError, match="hipMemAddressReserve"):
         d.address_reserve(PAGE, 0)
 
