@@ -76,11 +76,21 @@ def budgets_report(session: Session) -> list[dict[str, Any]]:
 
 def self_test(session: Session) -> dict[str, Any]:
     """Reserve, fault, free and release on the selected backend, watching RSS and the ledger."""
-    dev = session.devices()[0]
-    budget: Budget = session.budget_query(dev)
-    fault_size = max(min(SELFTEST_FAULT, budget.usable // 4), 1)
+    devices = session.devices()
+    if not devices:
+        return {"ok": False, "backend": session.name, "device": None, "steps": [{
+            "step": "error", "ok": False, "rss": _rss(), "ledger_resident": 0, "ledger_reserved": 0,
+            "detail": f"no {'/'.join(session.device_kinds)} device that {session.name!r} serves was found here"}]}
+    dev = devices[0]
     steps: list[dict[str, Any]] = []
     ok = True
+    try:
+        budget: Budget = session.budget_query(dev)
+    except MembackendError as exc:
+        return {"ok": False, "backend": session.name, "device": str(dev), "steps": [{
+            "step": "error", "ok": False, "rss": _rss(), "ledger_resident": 0, "ledger_reserved": 0,
+            "detail": f"budget query failed: {type(exc).__name__}: {exc}"}]}
+    fault_size = max(min(SELFTEST_FAULT, budget.usable // 4), 1)
 
     def step(name: str, passed: bool, detail: str) -> None:
         nonlocal ok
@@ -164,7 +174,7 @@ def _print_budgets(rows: list[dict[str, Any]]) -> None:
 
 
 def _print_selftest(t: dict[str, Any]) -> None:
-    print(f"self-test on {t['backend']} ({t['device']}):")
+    print(f"self-test on {t['backend']} ({t['device'] or 'no device'}):")
     base = t["steps"][0]["rss"]
     for s in t["steps"]:
         print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_mib(s['rss']):>10} ({(s['rss'] - base) / MiB:+8.1f} MiB)"

@@ -147,7 +147,12 @@ class Session:
         size = _int(size, "size")
         if size <= 0:
             raise InvalidSize(f"size must be > 0, got {size}")
-        r = self._reserve(device, size)
+        try:
+            r = self._reserve(device, size)
+        except MembackendError:
+            raise
+        except Exception as exc:
+            raise self._broke("reserve", exc) from exc
         if not isinstance(r, Reservation) or r.size < size or r.device != device or r.page_size <= 0 \
                 or r.size % r.page_size or r.backend != self.name:
             raise PluginError(f"backend {self.name!r} broke the contract: reserve({device}, {size}) returned {r!r}")
@@ -165,6 +170,10 @@ class Session:
         except DriverError as exc:  # a rollback that could not unmap leaves pages resident
             self.ledger.on_fault(reservation, getattr(exc, "mapped", 0))
             raise
+        except MembackendError:
+            raise
+        except Exception as exc:
+            raise self._broke("fault", exc) from exc
         if f.mapped:
             self.ledger.on_fault(reservation, f.mapped)
         return f
@@ -192,6 +201,10 @@ class Session:
         except DriverError as exc:  # pages dropped before the failure are gone all the same
             self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
             raise
+        except MembackendError:
+            raise
+        except Exception as exc:
+            raise self._broke("free", exc) from exc
         if dropped:
             self.ledger.on_free(reservation, dropped)
         return dropped
@@ -206,6 +219,10 @@ class Session:
         except DriverError as exc:
             self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
             raise
+        except MembackendError:
+            raise
+        except Exception as exc:
+            raise self._broke("release_reservation", exc) from exc
         reservation.released = True
         self.ledger.on_release(reservation)
         self._alive.pop(reservation.id, None)
@@ -229,12 +246,22 @@ class Session:
             raise WrongDevice("fence needs a device or a reservation")
         device = self._device(device)
         self._wait_tokens(device, reservation)
-        self._fence(device, reservation)
+        try:
+            self._fence(device, reservation)
+        except MembackendError:
+            raise
+        except Exception as exc:
+            raise self._broke("fence", exc) from exc
 
     def budget_query(self, device: Any) -> Budget:
         """The backend's budget; a session-wide ``headroom`` setting replaces the backend's own."""
         device = self._device(device)
-        b = self._budget_query(device)
+        try:
+            b = self._budget_query(device)
+        except MembackendError:
+            raise
+        except Exception as exc:
+            raise self._broke("budget_query", exc) from exc
         if not isinstance(b, Budget):
             raise PluginError(f"backend {self.name!r} broke the contract: budget_query returned {b!r}")
         if self.headroom is not None and self.headroom != b.headroom:
@@ -253,6 +280,11 @@ class Session:
         return len(alive)
 
     # ------------------------------------------------------------------ internals
+
+    def _broke(self, verb: str, exc: Exception) -> PluginError:
+        """A backend raised something other than a membackend error: G6 wants a typed one."""
+        log.error("membackend: backend %r raised %s in %s: %s", self.name, type(exc).__name__, verb, exc)
+        return PluginError(f"backend {self.name!r} raised {type(exc).__name__} in {verb}: {exc}")
 
     def _wait_tokens(self, device: Device, reservation: Reservation | None) -> None:
         taken = self.ledger.take_pending(device, reservation)

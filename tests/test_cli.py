@@ -71,3 +71,17 @@ def test_failed_self_test_exits_1(capsys, monkeypatch):
 def test_console_script_is_installed():
     proc = subprocess.run([sys.executable, "-m", "membackend.cli", "backends"], capture_output=True, text=True)
     assert proc.returncode == 0 and "host" in proc.stdout
+
+
+def test_forcing_a_gpu_backend_on_a_machine_without_its_device_fails_the_self_test_cleanly(capsys, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "vmm")
+    code, out, _ = run(capsys, "doctor")
+    assert code == 1 and "self-test: FAILED" in out and "no cuda device that 'vmm' serves was found here" in out
+
+
+def test_a_gpu_backend_whose_driver_cannot_answer_fails_the_self_test_cleanly(capsys, monkeypatch):
+    # the machine claims a CUDA device, but cuda-python finds no driver here
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "vmm")
+    monkeypatch.setenv("MEMBACKEND_MACHINE__DEVICES", '[{"kind": "cuda", "total_memory": "8GiB"}]')
+    code, out, _ = run(capsys, "doctor")
+    assert code == 1 and "self-test: FAILED" in out and "budget query failed" in out

@@ -94,3 +94,23 @@ def test_a_backend_breaking_the_reserve_contract_is_a_plugin_error():
     with pytest.raises(PluginError, match="broke the contract"):
         s.reserve(Device("cpu"), 1 << 20)
     assert s.ledger.alive() == 0
+
+
+def test_a_backend_raising_an_untyped_error_surfaces_as_a_plugin_error():
+    class Buggy(HostBackend):
+        @hookimpl
+        def membackend_fault(self, reservation, offset, size):
+            raise KeyError("page table corrupted")
+
+        @hookimpl
+        def membackend_budget_query(self, device):
+            raise RuntimeError("no meminfo")
+
+    s = Session(Buggy(), machine=gather_machine())
+    r = s.reserve("cpu", 2 * MiB)
+    with pytest.raises(PluginError, match="raised KeyError in fault: 'page table corrupted'"):
+        s.fault(r, 0, MiB)
+    with pytest.raises(PluginError, match="raised RuntimeError in budget_query"):
+        s.budget_query("cpu")
+    assert s.ledger.resident(r) == 0
+    s.close()
