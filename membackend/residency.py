@@ -250,6 +250,9 @@ class ResidencyManager:
     def record(self, model: Model, token: FenceToken, device: Any = None) -> None:
         """Asynchronous work (a copy) on the model's pages: frees and unloads wait for it."""
         slot = self._slot(model, device)
+        if not slot.alive:
+            raise MembackendError(f"model {model.id!r} has no reservation on {slot.device} (fully unloaded); "
+                                  "fault it before copying into it")
         self.session.record(slot.reservation, token)
 
     # ------------------------------------------------------------------ eviction

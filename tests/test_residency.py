@@ -254,3 +254,26 @@ def test_policy_decisions_and_verbs_go_to_the_trace(tmp_path, env):
     evict = next(e for e in events if e["event"] == "evict_model")
     assert evict["model"] == "a" and evict["policy"] == "membackend" and evict["bytes"] > 0
     assert all({"time", "event"} <= set(e) for e in events)
+
+
+def test_recorded_copies_are_fenced_by_full_unload_and_refused_after_it():
+    from concurrent.futures import Future
+
+    from membackend.fences import FutureToken
+    from membackend.types import MembackendError
+
+    env = Env("wddm-6gb")
+    s = env.session()
+    policy = ResidencyManager(s)
+    m = policy.register("m", env.size(0.1), env.device)
+    load(policy, m)
+    d = s.backend.driver
+    stream = d.stream_create()
+    d.memcpy_htod_async(m.reservation().base, 0, env.page, stream)
+    policy.record(m, s.backend.fence_token(m.reservation(), stream))
+    policy.full_unload(m)  # waits for the copy: no bugcheck
+    assert d.sim.bugchecks == 0
+    done = Future()
+    done.set_result(None)
+    with pytest.raises(MembackendError, match="fully unloaded"):
+        policy.record(m, FutureToken(done))
