@@ -20,7 +20,7 @@ from .machine import machine_for
 from .manager import BackendManager, Selection
 from .session import Session
 from .settings import load_settings
-from .types import BackendDisabled, Budget, Device, Machine, MembackendError
+from .types import BackendDisabled, Budget, Machine, MembackendError
 
 MiB = 1 << 20
 SELFTEST_RESERVE = 256 * MiB
