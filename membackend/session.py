@@ -149,10 +149,10 @@ class Session:
             raise InvalidSize(f"size must be > 0, got {size}")
         try:
             r = self._reserve(device, size)
-        except MembackendError:
-            raise
         except Exception as exc:
-            raise self._broke("reserve", exc) from exc
+            if (untyped := self._failed("reserve", exc)) is None:
+                raise
+            raise untyped from exc
         if not isinstance(r, Reservation) or r.size < size or r.device != device or r.page_size <= 0 \
                 or r.size % r.page_size or r.backend != self.name:
             raise PluginError(f"backend {self.name!r} broke the contract: reserve({device}, {size}) returned {r!r}")
@@ -167,13 +167,10 @@ class Session:
         offset, size = self._range(reservation, offset, size)
         try:
             f = self._fault(reservation, offset, size)
-        except DriverError as exc:  # a rollback that could not unmap leaves pages resident
-            self.ledger.on_fault(reservation, getattr(exc, "mapped", 0))
-            raise
-        except MembackendError:
-            raise
         except Exception as exc:
-            raise self._broke("fault", exc) from exc
+            if (untyped := self._failed("fault", exc, reservation)) is None:
+                raise
+            raise untyped from exc
         if f.mapped:
             self.ledger.on_fault(reservation, f.mapped)
         return f
@@ -198,13 +195,10 @@ class Session:
             self.ledger.check_quiet(reservation, "free")
         try:
             dropped = self._free(reservation, offset, size)
-        except DriverError as exc:  # pages dropped before the failure are gone all the same
-            self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
-            raise
-        except MembackendError:
-            raise
         except Exception as exc:
-            raise self._broke("free", exc) from exc
+            if (untyped := self._failed("free", exc, reservation)) is None:
+                raise
+            raise untyped from exc
         if dropped:
             self.ledger.on_free(reservation, dropped)
         return dropped
@@ -216,13 +210,10 @@ class Session:
         self.ledger.check_quiet(reservation, "release_reservation")
         try:
             dropped = self._release_reservation(reservation)
-        except DriverError as exc:
-            self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
-            raise
-        except MembackendError:
-            raise
         except Exception as exc:
-            raise self._broke("release_reservation", exc) from exc
+            if (untyped := self._failed("release_reservation", exc, reservation)) is None:
+                raise
+            raise untyped from exc
         reservation.released = True
         self.ledger.on_release(reservation)
         self._alive.pop(reservation.id, None)
@@ -248,20 +239,20 @@ class Session:
         self._wait_tokens(device, reservation)
         try:
             self._fence(device, reservation)
-        except MembackendError:
-            raise
         except Exception as exc:
-            raise self._broke("fence", exc) from exc
+            if (untyped := self._failed("fence", exc)) is None:
+                raise
+            raise untyped from exc
 
     def budget_query(self, device: Any) -> Budget:
         """The backend's budget; a session-wide ``headroom`` setting replaces the backend's own."""
         device = self._device(device)
         try:
             b = self._budget_query(device)
-        except MembackendError:
-            raise
         except Exception as exc:
-            raise self._broke("budget_query", exc) from exc
+            if (untyped := self._failed("budget_query", exc)) is None:
+                raise
+            raise untyped from exc
         if not isinstance(b, Budget):
             raise PluginError(f"backend {self.name!r} broke the contract: budget_query returned {b!r}")
         if self.headroom is not None and self.headroom != b.headroom:
@@ -281,8 +272,20 @@ class Session:
 
     # ------------------------------------------------------------------ internals
 
-    def _broke(self, verb: str, exc: Exception) -> PluginError:
-        """A backend raised something other than a membackend error: G6 wants a typed one."""
+    def _failed(self, verb: str, exc: Exception, reservation: Reservation | None = None) -> PluginError | None:
+        """Account for a verb that raised; return the typed error to raise instead, or None to re-raise.
+
+        A ``DriverError`` may carry the bytes the backend still changed before it
+        failed (``mapped`` by a fault whose rollback could not unmap, ``dropped``
+        by a free or release that stopped half-way): the ledger takes them, so it
+        keeps matching the driver. Anything that is not a membackend error is a
+        broken backend, and G6 wants it typed.
+        """
+        if isinstance(exc, DriverError) and reservation is not None:
+            self.ledger.on_fault(reservation, getattr(exc, "mapped", 0))
+            self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
+        if isinstance(exc, MembackendError):
+            return None
         log.error("membackend: backend %r raised %s in %s: %s", self.name, type(exc).__name__, verb, exc)
         return PluginError(f"backend {self.name!r} raised {type(exc).__name__} in {verb}: {exc}")
 
