@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pluggy
 
-from .types import Budget, Candidate, Device, Fault, Machine, Reservation
+from .types import Budget, Candidate, Device, DriverState, FailureInjection, Fault, Machine, Reservation
 
 PROJECT = "membackend"
 
@@ -40,7 +40,10 @@ VERBS = (
     "membackend_fence",
     "membackend_budget_query",
 )
+#: every hook a backend must implement
 HOOKS = ("membackend_probe",) + VERBS
+#: hooks a backend may implement; the session and the conformance kit use them when present
+OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_failures")
 
 
 @hookspec
@@ -121,4 +124,49 @@ def membackend_budget_query(device: Device) -> Budget:
     Post: ``Budget(total, free, headroom, usable, source, unified)``;
     ``source`` names where the numbers came from (for the doctor).
     Errors: ``WrongDevice`` for a device not served; ``DriverError``.
+    """
+
+
+# --------------------------------------------------------------------------- optional hooks
+
+
+@hookspec(firstresult=True)
+def membackend_trim(device: Device) -> int:
+    """Optional. Give back to the platform what the backend keeps for reuse on ``device``.
+
+    Physical handles kept for recycling, address windows pooled against a
+    reserve-churn limit: anything held that no live reservation uses. The
+    session calls it on ``close()`` and after a full unload of everything, so
+    the driver returns to its baseline (G1).
+    Post: returns the bytes given back; ``membackend_inspect`` then reports ``held == 0``.
+    Errors: ``DriverError``; what could not be given back stays held (and is tried again next time).
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_inspect(device: Device) -> DriverState | None:
+    """Optional. The driver's own view of ``device``, for the conformance kit.
+
+    Ask the platform (the driver's allocation tables, the kernel), not the
+    backend's bookkeeping: the kit compares the answer with the session's
+    ledger after every step, so a backend that only counts what it meant to do
+    proves nothing. Return None when the driver cannot be asked right now.
+    Backends serving ``cpu`` devices with process addresses need not implement
+    it: the kit checks those against the kernel itself (``/proc/self/maps``,
+    ``mincore``). A GPU backend without it gets a kit summary that names the
+    checks it could not run.
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_inject_failures(probability: float, seed: int) -> FailureInjection | None:
+    """Optional. From now on, fail driver calls at random, as the platform can.
+
+    ``probability`` is the chance that each driver call fails; ``seed`` makes
+    the sequence repeatable. Failures must look exactly like the platform's
+    own (an out-of-memory code, an invalid-value code), so the backend's real
+    error paths run. Returns a :class:`~membackend.types.FailureInjection`
+    whose ``stop()`` ends it, or None when this backend cannot inject. The
+    conformance kit uses it to prove rollback and accounting under failure; a
+    backend without it gets a summary that names the checks skipped.
     """

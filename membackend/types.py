@@ -22,6 +22,8 @@ __all__ = [
     "Candidate",
     "Capabilities",
     "FenceToken",
+    "DriverState",
+    "FailureInjection",
     "MembackendError",
     "ReservationError",
     "ReservationReleased",
@@ -292,6 +294,38 @@ class Capabilities:
     unified_pool: bool = False
     address_quota: int | None = None
     reserve_churn_limit: int | None = None
+
+
+@dataclass(frozen=True)
+class DriverState:
+    """The driver's (or kernel's) own view of one device, from ``membackend_inspect``.
+
+    ``reserved`` and ``resident`` are the bytes of the reservations handed out
+    and still alive, and of their resident pages, as the platform itself counts
+    them (not the backend's bookkeeping): the conformance kit compares them
+    with the session's ledger. ``held`` is memory the backend keeps for reuse
+    (recycled physical handles, pooled address windows) that no live
+    reservation uses; ``membackend_trim`` must bring it to zero. ``source``
+    names where the figures came from.
+    """
+
+    reserved: int
+    resident: int
+    held: int = 0
+    source: str = ""
+
+
+@runtime_checkable
+class FailureInjection(Protocol):
+    """Random driver failures started by ``membackend_inject_failures``.
+
+    ``injected`` counts the failures so far; ``stop()`` ends the injection and
+    leaves the driver working normally.
+    """
+
+    injected: int
+
+    def stop(self) -> None: ...
 
 
 @runtime_checkable
