@@ -20,6 +20,7 @@ __all__ = [
     "Fault",
     "Budget",
     "Candidate",
+    "Score",
     "Capabilities",
     "FenceToken",
     "DriverState",
@@ -27,6 +28,9 @@ __all__ = [
     "MembackendError",
     "ReservationError",
     "ReservationReleased",
+    "ForeignReservation",
+    "InvalidToken",
+    "PartialFailure",
     "OutOfRange",
     "InvalidSize",
     "Misaligned",
@@ -55,6 +59,14 @@ class ReservationError(MembackendError, ValueError):
 
 class ReservationReleased(ReservationError):
     """The reservation was released; it cannot be used or released again."""
+
+
+class ForeignReservation(ReservationError):
+    """A reservation that another session (or another backend) handed out; nothing was changed."""
+
+
+class InvalidToken(MembackendError, TypeError):
+    """A fence token without callable ``done()`` and ``wait()``."""
 
 
 class OutOfRange(ReservationError):
@@ -133,6 +145,21 @@ class DriverError(MembackendError, OSError):
 
     def __str__(self) -> str:  # OSError's __str__ would print errno/strerror
         return self.args[0]
+
+
+class PartialFailure(MembackendError):
+    """An operation over many items (unload everything, close) carried on past failures.
+
+    Everything that could be done was done; ``failures`` lists ``(what, error)``
+    for each item that failed, and the message names them all.
+    """
+
+    def __init__(self, operation: str, failures: list[tuple[str, BaseException]]):
+        self.operation = operation
+        self.failures = list(failures)
+        lines = [f"{operation}: {len(self.failures)} failure(s)"]
+        lines += [f"  {what}: {type(err).__name__}: {err}" for what, err in self.failures]
+        super().__init__("\n".join(lines))
 
 
 class SanitizerError(MembackendError):
@@ -275,13 +302,38 @@ class Budget:
         return cls(total, free, headroom, max(0, free - headroom), source, unified)
 
 
+class Score:
+    """The one scale every probe scores on (higher wins; see ``docs/architecture.md``).
+
+    * ``NONE`` (0): does not fit this machine; the reason says why.
+    * ``FALLBACK`` (1): the built-in ``host`` backend, always available.
+    * ``GENERIC`` band (10-49): backends that work on any device of a vendor
+      (the generic ``vmm``, ``aimdo``).
+    * ``PLATFORM`` band (50-99): platform plugins; a more specific fit scores
+      higher inside the band.
+
+    A candidate with ``opt_in=True`` fits but is selected only when forced by
+    name. Ties at the top are broken by name (alphabetical), with one warning.
+    """
+
+    NONE = 0
+    FALLBACK = 1
+    GENERIC = range(10, 50)
+    PLATFORM = range(50, 100)
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A plugin's answer to ``membackend_probe``: score 0 means "does not fit", reason says why."""
+    """A plugin's answer to ``membackend_probe``: score 0 means "does not fit", reason says why.
+
+    ``opt_in`` true: the backend fits but wants to be chosen only when forced
+    (``MEMBACKEND_BACKEND=name``); automatic selection passes it over.
+    """
 
     name: str
     score: int
     reason: str
+    opt_in: bool = False
 
 
 @dataclass(frozen=True)
