@@ -13,8 +13,7 @@ A backend author needs :mod:`membackend.hookspec` (``hookimpl``) and the
 records in :mod:`membackend.types`.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__  # noqa: E402
 from .hookspec import hookimpl  # noqa: E402
 from .types import *  # noqa: E402,F401,F403
 from .types import __all__ as _types_all  # noqa: E402
