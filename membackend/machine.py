@@ -4,6 +4,7 @@ Nothing here creates a GPU context or imports torch: the torch build is read
 from its installed metadata, GPUs are listed from NVML (if ``pynvml`` is
 installed), ``/proc/driver/nvidia`` or an already initialised torch. Every
 fact can be overridden from :class:`~membackend.settings.MachineOverrides`.
+RAM and the cgroup limit come from :mod:`membackend.hostmem`.
 """
 
 from __future__ import annotations
@@ -19,46 +20,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import psutil
-
+from .hostmem import host_memory
 from .settings import MachineOverrides
 from .types import Device, DeviceInfo, Machine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gather_machine", "machine_for", "cgroup_memory", "torch_build"]
-
-#: cgroup v1 writes "no limit" as a huge page-aligned number
-_UNLIMITED = 1 << 60
-
-
-def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> tuple[int | None, int | None]:
-    """(limit, usage) of this process's memory cgroup; ``None`` where there is no limit.
-
-    cgroup v2 exposes ``memory.max``/``memory.current`` (kernel docs,
-    admin-guide/cgroup-v2.rst); v1 ``memory/memory.limit_in_bytes`` and
-    ``memory.usage_in_bytes`` (admin-guide/cgroup-v1/memory.rst).
-    """
-    for limit_file, usage_file in (
-        (root / "memory.max", root / "memory.current"),
-        (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes"),
-    ):
-        try:
-            raw = limit_file.read_text().strip()
-        except OSError:
-            continue
-        try:
-            usage = int(usage_file.read_text().strip())
-        except (OSError, ValueError):
-            usage = None
-        if raw == "max":
-            return None, usage
-        try:
-            limit = int(raw)
-        except ValueError:
-            return None, usage
-        return (None if limit >= _UNLIMITED else limit), usage
-    return None, None
+__all__ = ["gather_machine", "machine_for", "torch_build"]
 
 
 def torch_build() -> tuple[str | None, str | None]:
@@ -183,11 +151,10 @@ def _detected_static() -> tuple:
 def gather_machine(overrides: MachineOverrides | None = None) -> Machine:
     """Detect this machine (cached where stable) and apply ``overrides``."""
     system, cpus, version, vendor, devices = _detected_static()
-    vm = psutil.virtual_memory()
-    limit, _usage = cgroup_memory()
+    mem = host_memory()
     machine = Machine(
-        os=system, cpus=cpus, ram_total=int(vm.total), ram_available=int(vm.available),
-        cgroup_limit=limit, torch_version=version, torch_vendor=vendor, devices=devices,
+        os=system, cpus=cpus, ram_total=mem.ram_total, ram_available=mem.ram_available,
+        cgroup_limit=mem.cgroup_limit, torch_version=version, torch_vendor=vendor, devices=devices,
     )
     if overrides is None:
         return machine

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from membackend.machine import cgroup_memory, gather_machine, torch_build
+from membackend.hostmem import cgroup_memory, host_memory
+from membackend.machine import gather_machine, torch_build
 from membackend.settings import load_settings
 from membackend.types import Device
 
@@ -57,6 +58,32 @@ def test_cgroup_v1_unlimited_is_none(tmp_path):
 
 def test_no_cgroup(tmp_path):
     assert cgroup_memory(tmp_path) == (None, None)
+
+
+def test_host_memory_is_capped_by_the_cgroup(tmp_path):
+    free = host_memory(tmp_path)
+    assert (free.source, free.cgroup_limit) == ("psutil MemAvailable", None)
+    assert free.total == free.ram_total >= free.available > 0
+    (tmp_path / "memory.max").write_text(f"{64 << 20}\n")
+    (tmp_path / "memory.current").write_text(f"{48 << 20}\n")
+    capped = host_memory(tmp_path)
+    assert (capped.total, capped.available, capped.source) == (64 << 20, 16 << 20, "cgroup memory limit")
+    (tmp_path / "memory.current").write_text(f"{80 << 20}\n")  # over the limit (page cache): nothing left, not negative
+    assert host_memory(tmp_path).available == 0
+
+
+def test_no_backend_imports_machine():
+    """Backends read host memory from membackend.hostmem; machine facts stay above them."""
+    import ast
+    import pathlib
+
+    import membackend.backends
+
+    for path in pathlib.Path(membackend.backends.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        assert not {m for m in imported if m.endswith("machine")}, f"{path.name} imports machine"
 
 
 def test_torch_build_from_metadata(monkeypatch):
