@@ -110,29 +110,6 @@ def test_a_driver_error_other_than_oom_is_raised_after_rollback(host_session, mo
     assert host_session.ledger.resident(r) == 0 and bytes(r.handle.resident) == b"\x00\x00"
 
 
-def test_populate_falls_back_to_touching_on_old_kernels(host_session, monkeypatch):
-    import errno
-
-    driver = host_session.backend.driver
-    if not driver.populate_method.startswith("madvise"):
-        pytest.skip("no MADV_POPULATE_WRITE here")
-    real = driver._madvise
-
-    def old_kernel(addr, size, advice):
-        if advice == 23:
-            import ctypes
-            ctypes.set_errno(errno.EINVAL)
-            return -1
-        return real(addr, size, advice)
-
-    monkeypatch.setattr(driver, "_madvise", old_kernel)
-    r = host_session.reserve(CPU, 4 * MiB)
-    base = rss()
-    assert host_session.fault(r, 0, 4 * MiB).ok
-    assert driver.populate_method == "touch"
-    assert rss() - base >= 3 * MiB
-
-
 # --------------------------------------------------------------------------- Windows argument building
 
 
