@@ -338,14 +338,34 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """Knobs a backend gives the residency policy; the defaults suit a discrete GPU."""
+    """What a platform tells the mechanism and the policy; the defaults suit a discrete GPU.
+
+    * ``release_on_full_unload``: a full unload returns the reservation (G1);
+      false keeps it, as stock comfy-aimdo does (read by the residency manager).
+    * ``recycle_handles``: freed physical memory is kept (bounded) and mapped
+      again by the next fault instead of released and created again.
+    * ``fence_granularity``: ``reservation`` fences recorded work per
+      reservation; ``device`` also synchronizes the whole device before every
+      unmap (for drivers that page memory in behind the process's back).
+    * ``unified_pool``: the device shares one pool with the host (budgets say so).
+    * ``address_quota``: bytes of GPU address space (reservations and mappings)
+      the process may hold; a reserve past it is refused up front.
+    * ``reserve_churn_limit``: the platform fails large reserves after this many
+      large address frees; released windows of at least ``reserve_churn_window``
+      bytes are then kept (bounded) and reused instead of freed.
+    """
 
     release_on_full_unload: bool = True
     recycle_handles: bool = False
-    fence_granularity: str = "reservation"  # or "device"
+    fence_granularity: str = "reservation"
     unified_pool: bool = False
     address_quota: int | None = None
     reserve_churn_limit: int | None = None
+    reserve_churn_window: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.fence_granularity not in ("reservation", "device"):
+            raise ValueError(f"fence_granularity {self.fence_granularity!r}; accepted: reservation, device")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import pytest
 
 from membackend.backends.vmm import AddressSpaceExhausted, VmmBackend, capabilities_for
 from membackend.drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
+from membackend.drivers.open import machine_for
 from membackend.ledger import Ledger
 from membackend.machine import gather_machine
 from membackend.session import Session
@@ -52,7 +53,7 @@ def test_a_recorded_copy_is_fenced_before_release():
 
 
 def test_an_unrecorded_copy_is_a_broken_promise_the_sim_catches():
-    s = session_on("wddm-6gb")
+    s = session_on("wddm-6gb", fence_granularity="reservation")
     r = s.reserve("cuda:0", PAGE)
     s.fault(r, 0, PAGE)
     s.fence("cuda:0")
@@ -60,6 +61,17 @@ def test_an_unrecorded_copy_is_a_broken_promise_the_sim_catches():
     d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())
     with pytest.raises(SimulatedBugcheck):
         s.free(r)
+
+
+def test_device_fence_granularity_syncs_before_every_unmap():
+    """WDDM's platform asks for device-wide fences: even a copy nobody recorded is finished first."""
+    s = session_on("wddm-6gb", fence_granularity="device")
+    r = s.reserve("cuda:0", PAGE)
+    s.fault(r, 0, PAGE)
+    s.fence("cuda:0")
+    d = s.backend.driver
+    d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())
+    assert s.free(r) == PAGE and sim(s).bugchecks == 0
 
 
 def test_each_device_is_made_current_for_its_own_pages():
@@ -84,7 +96,39 @@ def test_the_address_quota_is_refused_before_the_driver_crashes():
     assert sim(s).crashes == 0 and len(kept) < 15
     for r in kept:
         s.release_reservation(r)
-    assert sim(s).private_commit == 0
+    assert sim(s).private_commit == 4 * 16 * GiB, "four windows kept against the churn limit, the rest freed"
+    assert s.backend.membackend_trim(Device("hip", 0)) == 4 * 16 * GiB
+    assert sim(s).private_commit == 0 and sim(s).state(0)["reservations"] == 0
+
+
+def test_reserve_churn_limit_is_honoured_by_reusing_released_windows():
+    """rocm-win-2gpu fails large reserves after 14 large frees (rocm-systems #6191): without the
+    capability the 15th reuse of a >= 1 GiB model fails; with it, windows are reused."""
+    plain = session_on("rocm-win-2gpu", reserve_churn_limit=None)
+    with pytest.raises(DriverError):
+        for _ in range(20):
+            plain.release_reservation(plain.reserve("hip:0", 2 * GiB))
+    s = session_on("rocm-win-2gpu")
+    for i in range(100):
+        r = s.reserve(f"hip:{i % 2}", 2 * GiB)
+        assert s.fault(r, 0, 4 * PAGE).ok
+        s.release_reservation(r)
+    assert sim(s).churn_frees == 0
+    state = s.backend.membackend_inspect(Device("hip", 0))
+    assert (state.reserved, state.resident, state.held) == (0, 0, 2 * GiB)
+    assert s.backend.membackend_trim(Device("hip", 0)) == 2 * GiB
+    assert s.backend.membackend_trim(Device("hip", 1)) == 2 * GiB
+    assert sim(s).private_commit == 0 and sim(s).state()["reservations"] == 0
+
+
+def test_a_smaller_model_reuses_a_larger_kept_window_and_releases_it_whole():
+    s = session_on("rocm-win-2gpu")
+    s.release_reservation(s.reserve("hip:0", 4 * GiB))
+    small = s.reserve("hip:0", 2 * GiB)
+    assert small.size == 2 * GiB and sim(s).state(0)["reserved"] == 4 * GiB
+    s.release_reservation(small)
+    s.backend.membackend_trim(Device("hip", 0))
+    assert sim(s).state(0)["reserved"] == 0
 
 
 def test_a_failed_set_access_rolls_back_the_pages_the_fault_mapped():
@@ -150,10 +194,12 @@ def test_a_device_that_does_not_exist_is_a_wrong_device():
 def test_probe_without_a_gpu_says_so():
     backend = VmmBackend.from_settings(load_settings())
     c = backend.membackend_probe(machine=gather_machine())
-    assert c.score == 0 and "no CUDA device found" in c.reason
+    assert c.score == 0 and "no CUDA or HIP device found" in c.reason
 
 
 def test_probe_on_a_simulated_profile():
-    backend = VmmBackend.from_settings(load_settings(sim_profile="gb10-128gb"))
-    c = backend.membackend_probe(machine=gather_machine())
-    assert c.score == 10 and "gb10-128gb" in c.reason and backend.device_kinds == ("cuda",)
+    settings = load_settings(sim_profile="gb10-128gb")
+    backend = VmmBackend.from_settings(settings)
+    c = backend.membackend_probe(machine=machine_for(settings))
+    assert c.score == 20 and "NVIDIA GB10" in c.reason and "simulated" in c.reason
+    assert backend.device_kinds == ("cuda",)

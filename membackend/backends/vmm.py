@@ -1,5 +1,8 @@
-"""The generic virtual-memory backend over any GPU driver wrapper (CUDA, HIP or a simulation).
+"""The virtual-memory backend, built from a :class:`~membackend.platform.Platform` and a driver.
 
+``VmmBackend(platform, driver)`` serves every platform with one mechanism and
+names itself after the platform: the built-in generic platform gives the
+``vmm`` backend; a platform plugin contributes only its ``Platform`` record.
 Mechanism only, per device:
 
 * reserve: an address range rounded up to whole pages (a page is a multiple of
@@ -11,37 +14,52 @@ Mechanism only, per device:
   a new generation whenever it gets new physical memory;
 * free: synchronize the device if pages were mapped since it was last
   synchronized (a fresh mapping may still be paging in: the WDDM bugcheck of
-  ComfyUI #16246), then unmap and release each page, or keep the physical
-  handle for the next fault when the capabilities say ``recycle_handles``;
-* release: free every page, then return the address range;
+  ComfyUI #16246), or before every unmap when the platform's fence
+  granularity is ``device``; then unmap and release each page, or keep the
+  physical handle (bounded) for the next fault when ``recycle_handles``;
+* release: free every page, then return the address range — or, under a
+  reserve-churn limit, keep a large window (bounded) for the next reserve
+  that fits, since the platform fails large reserves after enough frees;
+* trim: give back kept handles and windows (the session calls it on close
+  and after a full unload of everything);
 * fence: recorded work arrives as :class:`~membackend.drivers.gpu.EventToken`
   from :meth:`VmmBackend.fence_token` (the session waits for those); a
   device-wide fence synchronizes the device;
-* budget: the driver's mem get info minus headroom.
+* budget: the platform's budget source (``device``, ``wddm``, ``unified``)
+  minus headroom;
+* inspect / inject_failures: the driver's own tables and random driver
+  failures, where the driver offers them (the simulated drivers do).
 
-The right device is made current before every call that touches one.
+The right device is made current before every call that touches one. Calls
+on different reservations may arrive from several threads (the session
+serialises calls on one reservation): one lock guards the per-device state.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from array import array
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..drivers.gpu import EventToken, GpuDriver
+from ..drivers.open import LazyDriver, resolve_vendor
 from ..hookspec import hookimpl
+from ..platform import GENERIC, Platform
 from ..types import (
     Budget,
     Candidate,
     Capabilities,
     Device,
     DriverError,
+    DriverState,
     Fault,
     Machine,
     MembackendError,
     Reservation,
+    Score,
     WrongDevice,
 )
 
@@ -50,8 +68,8 @@ log = logging.getLogger(__name__)
 __all__ = ["VmmBackend", "AddressSpaceExhausted"]
 
 MiB = 1 << 20
-DEFAULT_HEADROOM = 256 * MiB  # aimdo's VRAM_HEADROOM (reference/aimdo-internals.md 1.3)
 RECYCLE_LIMIT = 16  # physical handles kept per device for reuse, at most
+WINDOW_POOL_LIMIT = 4  # released address windows kept per device under a reserve-churn limit, at most
 
 
 class AddressSpaceExhausted(MembackendError, MemoryError):
@@ -67,68 +85,78 @@ class _Range:
     rolled back: it counts as resident, and the next fault finishes it.
     """
 
-    __slots__ = ("index", "handles", "ready", "generations")
+    __slots__ = ("index", "window", "handles", "ready", "generations")
 
-    def __init__(self, index: int, pages: int):
+    def __init__(self, index: int, pages: int, window: int):
         self.index = index
+        self.window = window  # bytes of address space behind it (a reused window may be larger)
         self.handles: list[Any] = [None] * pages
         self.ready = bytearray(pages)
         self.generations = array("Q", bytes(8 * pages))
 
 
 class _DeviceState:
-    __slots__ = ("granularity", "page_size", "dirty", "reserved", "resident", "spare")
+    __slots__ = ("granularity", "page_size", "dirty", "reserved", "resident", "spare", "windows")
 
     def __init__(self, granularity: int, page_size: int):
         self.granularity = granularity
         self.page_size = page_size
         self.dirty = False  # pages mapped since the last device synchronize
-        self.reserved = 0
+        self.reserved = 0  # address space of live reservations (whole windows)
         self.resident = 0
         self.spare: list[Any] = []  # unmapped physical handles kept for reuse
+        self.windows: list[tuple[int, int]] = []  # (base, size) of released windows kept for reuse
+
+    @property
+    def pooled(self) -> int:
+        return sum(size for _, size in self.windows)
 
 
 class VmmBackend:
-    """See the module docstring. ``driver`` is any :class:`GpuDriver`; it is initialised on first use."""
+    """See the module docstring. ``driver`` is a :class:`GpuDriver` (initialised on first use), or
+    None with ``driver_factory`` to open one lazily; ``capabilities``, ``headroom`` and ``page_size``
+    replace the platform's own (for tests and comparisons)."""
 
-    version = __version__
-    honours_sim_profile = True  # from_settings builds it over MEMBACKEND_SIM_PROFILE's simulation
-
-    def __init__(self, driver: GpuDriver | None = None, *, name: str = "vmm",
-                 capabilities: Capabilities | None = None, headroom: int = DEFAULT_HEADROOM,
-                 page_size: int = 2 * MiB, driver_factory: Any = None):
-        self.name = name
-        self.capabilities = capabilities or Capabilities()
-        self.headroom = headroom
-        self.requested_page_size = page_size
+    def __init__(self, platform: Platform = GENERIC, driver: GpuDriver | None = None, *,
+                 capabilities: Capabilities | None = None, headroom: int | None = None,
+                 page_size: int | None = None, driver_factory: LazyDriver | None = None):
+        if isinstance(platform, GpuDriver):  # VmmBackend(driver, ...): the generic platform over it
+            platform, driver = GENERIC, platform
+        self.platform = platform
+        self.name = platform.name
+        self.version = platform.version or __version__
+        self.capabilities = capabilities or platform.capabilities
+        self.headroom = platform.headroom if headroom is None else headroom
+        self.requested_page_size = page_size or platform.page_size
         self._driver = driver
         self._driver_factory = driver_factory
         self._devices: dict[int, _DeviceState] = {}
         self._generation = itertools.count(1)
         self._initialised = False
-        vendor = driver.vendor if driver is not None else getattr(driver_factory, "vendor", "cuda")
+        self._lock = threading.RLock()
+        vendor = driver.vendor if driver is not None else getattr(driver_factory, "vendor", None)
+        if vendor is None:
+            raise ValueError("VmmBackend needs a driver or a driver_factory")
         self.device_kinds = (vendor,)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "VmmBackend":
-        """Over the simulated profile ``settings.sim_profile`` if set, else the real driver of the torch build."""
-        if settings.sim_profile:
-            from ..drivers.sim import get_profile, sim_driver
-
-            profile = get_profile(settings.sim_profile)
-            return cls(sim_driver(profile), capabilities=capabilities_for(profile))
-        vendor = "hip" if settings.machine.torch_vendor == "rocm" else None
-        return cls(driver_factory=_RealDriverFactory(vendor))
+    def from_settings(cls, settings: Any, platform: Platform = GENERIC) -> "VmmBackend":
+        """Over the driver the settings pick (a simulated profile's twin, or the real bindings), opened
+        on first use; the generic platform takes the vendor of the torch build or the profile."""
+        vendor = resolve_vendor(platform.vendor, settings)
+        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile))
 
     # ------------------------------------------------------------------ driver access
 
     @property
     def driver(self) -> GpuDriver:
-        if self._driver is None:
-            self._driver = self._driver_factory()
-        if not self._initialised:
-            self._driver.init()
-            self._initialised = True
+        if self._driver is None or not self._initialised:
+            with self._lock:
+                if self._driver is None:
+                    self._driver = self._driver_factory()
+                if not self._initialised:
+                    self._driver.init()
+                    self._initialised = True
         return self._driver
 
     def _use(self, index: int) -> _DeviceState:
@@ -156,53 +184,62 @@ class VmmBackend:
         """An event recorded on ``stream`` after work that touches ``reservation``; give it to
         ``Session.record`` so frees and releases wait for that work (G2)."""
         index = reservation.handle.index
-        self._use(index)
-        event = self.driver.event_create()
-        self.driver.event_record(event, stream)
+        with self._lock:
+            self._use(index)
+            event = self.driver.event_create()
+            self.driver.event_record(event, stream)
         return EventToken(self.driver, event, index)
-
-    def driver_state(self, device: Device) -> dict[str, int] | None:
-        """What the (simulated) driver holds on ``device``: reserved and mapped bytes. None on real drivers."""
-        sim = self._driver.sim if self._driver is not None else None
-        if sim is None:
-            return None
-        st = sim.state(device.index)
-        return {"reserved": st["reserved"], "resident": st["mapped"]}
 
     # ------------------------------------------------------------------ contract
 
     @hookimpl
     def membackend_probe(self, machine: Machine) -> Candidate:
-        if self._driver is not None and self._driver.sim is not None:
-            p = self._driver.sim.profile
-            return Candidate(self.name, 10, f"generic VMM over the simulated {p.name} ({p.description})")
-        vendor = self.device_kinds[0]
-        gpus = machine.gpus(vendor)
-        if not gpus:
-            return Candidate(self.name, 0, f"no {vendor.upper()} device found")
-        try:
-            self._driver_factory.check()
-        except ImportError as exc:
-            extra = "cuda" if vendor == "cuda" else "hip"
-            return Candidate(self.name, 0, f"{exc}; install membackend[{extra}]")
-        return Candidate(self.name, 10, f"generic VMM over {vendor} on {len(gpus)} device(s)")
+        c = self.platform.probe(machine)
+        if not isinstance(c, Candidate):
+            raise TypeError(f"platform {self.name!r} probe returned {c!r}, not a Candidate")
+        if c.score > Score.NONE and self._driver is None:
+            missing = self._driver_factory.missing()
+            if missing:
+                return Candidate(self.name, Score.NONE, missing)
+        if getattr(self._driver_factory, "simulated", False) or hasattr(self._driver, "sim"):
+            c = Candidate(c.name, c.score, f"{c.reason} [simulated driver]", c.opt_in)
+        return Candidate(self.name, c.score, c.reason, c.opt_in)
 
     @hookimpl
     def membackend_reserve(self, device: Device, size: int) -> Reservation:
         index = self._device_index(device)
-        state = self._use(index)
-        ps = state.page_size
-        rounded = -(-size // ps) * ps
+        with self._lock:
+            state = self._use(index)
+            ps = state.page_size
+            rounded = -(-size // ps) * ps
+            window = self._pooled_window(state, rounded)
+            if window is None:
+                self._check_quota(device, rounded)
+                base = self.driver.address_reserve(rounded, ps)
+                window = (base, rounded)
+            base, span = window
+            state.reserved += span
+        return Reservation(device, base, rounded, ps, self.name, handle=_Range(index, rounded // ps, span),
+                           requested=size)
+
+    def _check_quota(self, device: Device, rounded: int) -> None:
         quota = self.capabilities.address_quota
-        if quota is not None:
-            in_use = sum(s.reserved + s.resident for s in self._devices.values())
-            if in_use + 2 * rounded > quota:  # the range and, at worst, its mappings
-                raise AddressSpaceExhausted(
-                    f"reserving {rounded} bytes on {device} would pass the {quota} byte GPU address quota "
-                    f"({in_use} in use); unload a model first")
-        base = self.driver.address_reserve(rounded, ps)
-        state.reserved += rounded
-        return Reservation(device, base, rounded, ps, self.name, handle=_Range(index, rounded // ps), requested=size)
+        if quota is None:
+            return
+        in_use = sum(s.reserved + s.resident + s.pooled for s in self._devices.values())
+        if in_use + 2 * rounded > quota:  # the range and, at worst, its mappings
+            raise AddressSpaceExhausted(
+                f"reserving {rounded} bytes on {device} would pass the {quota} byte GPU address quota "
+                f"({in_use} in use); unload a model first")
+
+    def _pooled_window(self, state: _DeviceState, size: int) -> tuple[int, int] | None:
+        """The smallest kept window that holds ``size`` bytes, taken out of the pool."""
+        fits = [w for w in state.windows if w[1] >= size]
+        if not fits:
+            return None
+        best = min(fits, key=lambda w: w[1])
+        state.windows.remove(best)
+        return best
 
     @hookimpl
     def membackend_fault(self, reservation: Reservation, offset: int, size: int) -> Fault:
@@ -211,6 +248,11 @@ class VmmBackend:
         first, last = offset // ps, (offset + size - 1) // ps + 1
         if rng.ready.find(0, first, last) == -1:  # hot path: all resident, no driver call
             return Fault(True, tuple(rng.generations[first:last]), first, 0)
+        with self._lock:
+            return self._fault(reservation, rng, first, last)
+
+    def _fault(self, reservation: Reservation, rng: _Range, first: int, last: int) -> Fault:
+        ps = reservation.page_size
         state = self._use(rng.index)
         d = self.driver
         handles, ready, gens = rng.handles, rng.ready, rng.generations
@@ -295,7 +337,7 @@ class VmmBackend:
             return 0
         state = self._use(rng.index)
         d = self.driver
-        if state.dirty:
+        if state.dirty or self.capabilities.fence_granularity == "device":
             d.device_synchronize()
             state.dirty = False
         ps, dropped = r.page_size, 0
@@ -315,78 +357,115 @@ class VmmBackend:
     @hookimpl
     def membackend_free(self, reservation: Reservation, offset: int, size: int) -> int:
         ps = reservation.page_size
-        return self._drop(reservation, offset // ps, (offset + size - 1) // ps + 1)
+        with self._lock:
+            return self._drop(reservation, offset // ps, (offset + size - 1) // ps + 1)
 
     @hookimpl
     def membackend_release_reservation(self, reservation: Reservation) -> int:
-        dropped = self._drop(reservation, 0, reservation.pages)
-        state = self._use(reservation.handle.index)
-        try:
-            self.driver.address_free(reservation.base, reservation.size)
-        except DriverError as exc:
-            exc.dropped = dropped
-            raise
-        state.reserved -= reservation.size
+        rng: _Range = reservation.handle
+        with self._lock:
+            dropped = self._drop(reservation, 0, reservation.pages)
+            state = self._use(rng.index)
+            window = (reservation.base, rng.window)
+            if self._keeps_window(state, rng.window):
+                state.windows.append(window)
+            else:
+                try:
+                    self.driver.address_free(*window)
+                except DriverError as exc:
+                    exc.dropped = dropped
+                    raise
+            state.reserved -= rng.window
         return dropped
+
+    def _keeps_window(self, state: _DeviceState, size: int) -> bool:
+        """Under a reserve-churn limit a large window is kept for reuse instead of freed: the
+        platform fails large reserves once enough have been freed (rocm-systems #6191)."""
+        caps = self.capabilities
+        if caps.reserve_churn_limit is None or size < caps.reserve_churn_window:
+            return False
+        if len(state.windows) >= WINDOW_POOL_LIMIT:  # bounded: the smallest kept one goes back
+            smallest = min(state.windows, key=lambda w: w[1])
+            if smallest[1] >= size:
+                return False
+            self.driver.address_free(*smallest)
+            state.windows.remove(smallest)
+        return True
 
     @hookimpl
     def membackend_fence(self, device: Device, reservation: Reservation | None) -> None:
-        state = self._use(self._device_index(device))
-        if reservation is None or state.dirty:
-            self.driver.device_synchronize()
-            state.dirty = False
+        with self._lock:
+            state = self._use(self._device_index(device))
+            if reservation is None or state.dirty:
+                self.driver.device_synchronize()
+                state.dirty = False
 
     @hookimpl
     def membackend_budget_query(self, device: Device) -> Budget:
         index = self._device_index(device)
-        self._use(index)
-        free, total = self.driver.mem_get_info()
-        call = "cuMemGetInfo" if self.driver.vendor == "cuda" else "hipMemGetInfo"
-        return Budget.of(total, free, self.headroom, f"{call} ({self.driver.label})",
-                         unified=self.driver.integrated(index))
+        with self._lock:
+            self._use(index)
+            total, free, source = self.driver.budget(self.platform.budget_source, index)
+            unified = self.capabilities.unified_pool or self.platform.budget_source == "unified" \
+                or self.driver.integrated(index)
+        return Budget.of(total, free, self.headroom, source, unified=unified)
+
+    @hookimpl
+    def membackend_trim(self, device: Device) -> int:
+        """Release the physical handles kept for reuse and free the kept windows on ``device``."""
+        index = self._device_index(device)
+        with self._lock:
+            state = self._devices.get(index)
+            if state is None or not (state.spare or state.windows):
+                return 0
+            self._use(index)
+            released = 0
+            while state.spare:
+                self.driver.release(state.spare[-1])
+                state.spare.pop()
+                released += state.page_size
+            while state.windows:
+                base, size = state.windows[-1]
+                self.driver.address_free(base, size)
+                state.windows.pop()
+                released += size
+        return released
 
     def trim(self, device: Device) -> int:
-        """Release the physical handles kept for reuse on ``device``; returns bytes released."""
-        state = self._devices.get(device.index)
-        if state is None or not state.spare:
-            return 0
-        self._use(device.index)
-        released = 0
-        while state.spare:
-            self.driver.release(state.spare[-1])
-            state.spare.pop()
-            released += state.page_size
-        return released
+        """Same as :meth:`membackend_trim` (kept for callers that hold the backend)."""
+        return self.membackend_trim(device)
+
+    @hookimpl
+    def membackend_inspect(self, device: Device) -> DriverState | None:
+        """The driver's tables for ``device`` (the simulated drivers have them; real drivers: None).
+
+        Kept windows are reserved in the driver but belong to no reservation:
+        they and the unmapped physical handles are reported as ``held``.
+        """
+        index = self._device_index(device)
+        with self._lock:
+            raw = self.driver.inspect(index)
+            if raw is None:
+                return None
+            state = self._devices.get(index)
+            pooled = state.pooled if state is not None else 0
+        return DriverState(reserved=raw["reserved"] - pooled, resident=raw["mapped"],
+                           held=pooled + raw["physical"] - raw["mapped"], source=f"driver tables ({self.driver.label})")
+
+    @hookimpl
+    def membackend_inject_failures(self, probability: float, seed: int) -> Any:
+        """Random failures of the driver's VMM calls, where the driver can inject them (simulations)."""
+        return self.driver.inject_failures(probability, seed)
 
 
 def capabilities_for(profile: Any) -> Capabilities:
-    """What a profile's platform tells the policy (the platform plugins refine this)."""
+    """What a simulated profile's platform would tell the policy, for tests and benchmarks that run
+    the generic backend with a platform's knobs (the platform plugins carry their own)."""
     quota = profile.address_quota
     return Capabilities(
         unified_pool=profile.unified,
         address_quota=quota - quota // 16 if quota else None,  # keep a margin below the crash point
         reserve_churn_limit=profile.churn_limit,
+        reserve_churn_window=profile.churn_window,
         fence_granularity="device" if profile.wddm else "reservation",
     )
-
-
-class _RealDriverFactory:
-    """Builds the real driver wrapper on first use; ``check`` only imports the bindings."""
-
-    def __init__(self, vendor: str | None):
-        self.vendor = vendor or "cuda"
-
-    def check(self) -> None:
-        if self.vendor == "hip":
-            from hip import hip  # noqa: F401
-        else:
-            import cuda.bindings.driver  # noqa: F401
-
-    def __call__(self) -> GpuDriver:
-        if self.vendor == "hip":
-            from ..drivers.hip import HipDriver
-
-            return HipDriver()
-        from ..drivers.cuda import CudaDriver
-
-        return CudaDriver()

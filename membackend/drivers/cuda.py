@@ -5,7 +5,7 @@ from ``cuMemAddressReserve``, physical memory from ``cuMemCreate`` (pinned,
 on one device), ``cuMemMap`` + ``cuMemSetAccess`` to back a range,
 ``cuMemUnmap`` + ``cuMemRelease`` to drop it. Each device is used through its
 primary context, made current with ``cuCtxSetCurrent`` before every call that
-touches it (aimdo never does this; see reference/aimdo-internals.md 1.1).
+touches it (comfy-aimdo does not, which breaks a second device).
 """
 
 from __future__ import annotations
@@ -81,6 +81,13 @@ class CudaDriver(GpuDriver):
             return None
         tcc = self.attribute(index, self.m.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_TCC_DRIVER)
         return "tcc" if tcc else "wddm"
+
+    def luid(self, index: int) -> tuple[int, int]:
+        """The adapter LUID of the device (Windows; what DXGI knows the adapter by)."""
+        from .dxgi import luid_from_bytes
+
+        raw = self.call("cuDeviceGetLuid", self._device(index))[0]
+        return luid_from_bytes(bytes(raw))
 
     def _prop(self, index: int) -> Any:
         prop = self._props.get(index)

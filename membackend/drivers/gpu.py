@@ -14,7 +14,10 @@ from typing import Any
 
 from ..types import DriverError
 
-__all__ = ["GpuDriver", "EventToken"]
+__all__ = ["GpuDriver", "EventToken", "BUDGET_SOURCES"]
+
+#: where a platform's budget can come from (see :meth:`GpuDriver.budget`)
+BUDGET_SOURCES = ("device", "wddm", "unified")
 
 
 class GpuDriver:
@@ -22,8 +25,8 @@ class GpuDriver:
 
     Subclasses set ``vendor`` and the vendor's codes (``SUCCESS``, ``OOM``,
     ``NOT_READY``) and implement the methods below with their own API names.
-    ``sim`` is the :class:`~membackend.drivers.sim.SimPlatform` behind a
-    simulated module, else None.
+    Budget sources (:meth:`budget`) sit behind the same interface, so a
+    simulated driver can answer each from its own model of the platform.
     """
 
     vendor = ""
@@ -34,7 +37,6 @@ class GpuDriver:
     def __init__(self, module: Any, label: str):
         self.m = module
         self.label = label
-        self.sim = getattr(module, "platform", None)
 
     def call(self, name: str, *args: Any) -> tuple:
         """Call ``name`` and return the values after the status code; raise on failure."""
@@ -78,6 +80,47 @@ class GpuDriver:
     def stream_synchronize(self, stream: Any) -> None: raise NotImplementedError
     def device_synchronize(self) -> None: raise NotImplementedError
     def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Any) -> None: raise NotImplementedError
+    def luid(self, index: int) -> tuple[int, int]: raise NotImplementedError
+
+    # ------------------------------------------------------------------ budget sources
+
+    def budget(self, source: str, index: int) -> tuple[int, int, str]:
+        """``(total, free, label)`` of device ``index`` from one of :data:`BUDGET_SOURCES`.
+
+        * ``device``: the driver's mem-get-info for the device (made current first);
+        * ``wddm``: the WDDM video-memory budget of this process minus its current
+          usage (DXGI ``QueryVideoMemoryInfo``; Windows only), so what is reported
+          free never spills into shared system memory;
+        * ``unified``: one pool shared with the host: ``MemAvailable`` capped by the
+          memory cgroup (reclaimable page cache counts; ``MemFree`` would not).
+        """
+        if source == "device":
+            self.set_device(index)
+            free, total = self.mem_get_info()
+            call = "cuMemGetInfo" if self.vendor == "cuda" else "hipMemGetInfo"
+            return total, free, f"{call} ({self.label})"
+        if source == "wddm":
+            from .dxgi import query_video_memory
+
+            info = query_video_memory(self.luid(index))
+            return info.budget, max(0, info.budget - info.current_usage), "DXGI QueryVideoMemoryInfo budget"
+        if source == "unified":
+            from ..hostmem import host_memory
+
+            pool = host_memory()
+            return pool.total, pool.available, f"unified pool: {pool.source}"
+        raise DriverError("invalid", "budget", f"unknown budget source {source!r}; accepted: {', '.join(BUDGET_SOURCES)}")
+
+    # ------------------------------------------------------------------ checking seams (simulated drivers only)
+
+    def inspect(self, index: int) -> dict[str, int] | None:
+        """The driver's own tables for device ``index`` (reserved, mapped, physical bytes); None when
+        the driver cannot be asked, as with the real CUDA and HIP drivers."""
+        return None
+
+    def inject_failures(self, probability: float, seed: int) -> Any:
+        """Fail VMM calls at random from now on; None when the driver cannot (real drivers)."""
+        return None
 
     def _query(self, name: str, event: Any) -> bool:
         """Event queries answer "not ready" with a status code that is no failure."""

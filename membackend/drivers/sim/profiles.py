@@ -1,15 +1,15 @@
 """Platform profiles for the simulated drivers: small data records, selectable by name.
 
-Each number is the public figure of the platform it models (see
-``../shared/reference/issue-threads.md``); behaviours are switched on per
-profile and implemented in ``platform.py``, which names the source of each.
+Each number is the public figure of the platform it models (each profile's
+``notes`` name the public report it comes from); behaviours are switched on
+per profile and implemented in ``platform.py``, which names the source of each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...types import MembackendError
+from ...types import ConfigError
 
 __all__ = ["SimDeviceSpec", "Profile", "PROFILES", "get_profile"]
 
@@ -123,4 +123,5 @@ def get_profile(name: str) -> Profile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise MembackendError(f"unknown simulation profile {name!r}; accepted: {', '.join(PROFILES)}") from None
+        raise ConfigError("sim_profile", "settings", f"unknown simulation profile {name!r}",
+                          ", ".join(PROFILES)) from None

@@ -1,0 +1,90 @@
+"""The ``Platform`` record: what a platform plugin contributes, as data plus a probe.
+
+A platform is everything the generic virtual-memory backend needs to know to
+serve one kind of machine well: its name (the backend's name), its vendor
+(which driver bindings), a probe that says when it fits, where its budget
+comes from, the :class:`~membackend.types.Capabilities` that tune the
+residency policy, and defaults (page size, headroom). The mechanism is the
+same for all of them: :class:`membackend.backends.vmm.VmmBackend` is *built
+from* a Platform and a driver and names itself after the platform.
+
+A platform plugin is one module with one ``Platform`` and one entry point in
+the ``membackend.backends`` group naming it::
+
+    [project.entry-points."membackend.backends"]
+    my_platform = "my_package:PLATFORM"
+
+The built-in generic platform is :data:`GENERIC` (backend name ``vmm``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .drivers.gpu import BUDGET_SOURCES
+from .types import Candidate, Capabilities, Machine, Score
+
+__all__ = ["Platform", "GENERIC"]
+
+MiB = 1 << 20
+NAME_PATTERN = r"^[a-z][a-z0-9_\-]*$"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One platform; see the module docstring.
+
+    * ``probe(machine) -> Candidate``: pure (no GPU context, no allocation);
+      score on :class:`~membackend.types.Score`'s scale. The backend adds the
+      check that the vendor's bindings are installed.
+    * ``vendor``: ``cuda`` or ``hip``; None only for the generic platform,
+      which follows the machine's torch build.
+    * ``budget_source``: ``device`` (mem-get-info), ``wddm`` (the DXGI
+      video-memory budget) or ``unified`` (MemAvailable capped by the cgroup).
+    * ``page_size``: rounded up to the driver's granularity per device.
+    * ``headroom``: bytes kept free on every device (for activations, and
+      what the OS needs); a ``headroom`` setting replaces it.
+    """
+
+    name: str
+    probe: Callable[[Machine], Candidate]
+    vendor: str | None = None
+    budget_source: str = "device"
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    page_size: int = 2 * MiB
+    headroom: int = 256 * MiB  # comfy-aimdo keeps this much VRAM free too (its VRAM_HEADROOM)
+    description: str = ""
+    version: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.match(NAME_PATTERN, self.name):
+            raise ValueError(f"platform name {self.name!r} must match {NAME_PATTERN}")
+        if self.vendor not in (None, "cuda", "hip"):
+            raise ValueError(f"platform {self.name!r}: vendor {self.vendor!r}; accepted: cuda, hip")
+        if self.budget_source not in BUDGET_SOURCES:
+            raise ValueError(f"platform {self.name!r}: budget source {self.budget_source!r}; "
+                             f"accepted: {', '.join(BUDGET_SOURCES)}")
+        if not callable(self.probe):
+            raise ValueError(f"platform {self.name!r}: probe must be callable(machine) -> Candidate")
+        if self.page_size <= 0 or self.headroom < 0:
+            raise ValueError(f"platform {self.name!r}: page_size must be > 0 and headroom >= 0")
+
+
+def _generic_probe(machine: Machine) -> Candidate:
+    vendor = "hip" if machine.torch_vendor == "rocm" else None
+    gpus = machine.gpus(vendor)
+    if not gpus:
+        return Candidate("vmm", Score.NONE, f"no {vendor.upper() if vendor else 'CUDA or HIP'} device found")
+    kind = gpus[0].device.kind
+    names = ", ".join(sorted({d.name or str(d.device) for d in gpus}))
+    return Candidate("vmm", 20, f"generic VMM over {kind} on {len(gpus)} device(s): {names}")
+
+
+#: the built-in generic platform: any CUDA or HIP device, budget from mem-get-info
+GENERIC = Platform(
+    name="vmm",
+    probe=_generic_probe,
+    description="generic virtual-memory backend over the CUDA or HIP driver",
+)
