@@ -357,3 +357,49 @@ def test_a_vbar_aimdo_clamped_below_the_request_is_refused_and_freed(fake_aimdo)
     with pytest.raises(DriverError, match="clamped"):
         b.membackend_reserve(device=CUDA0, size=3 * PAGE)
     assert len(fake_aimdo.lib.freed) == 1, "the clamped VBAR stayed reserved"
+
+
+# ---------------------------------------------------------------------------- budget
+
+
+class _Driver:
+    """A driver wrapper's budget seam, counting how often it is opened and initialised."""
+
+    opened = 0
+
+    def __init__(self):
+        type(self).opened += 1
+        self.inits = 0
+
+    def init(self):
+        self.inits += 1
+
+    def budget(self, source, index):
+        assert (source, index) == ("device", 0)
+        return 8 << 30, 6 << 30, "cuMemGetInfo (fake)"
+
+
+def test_budget_without_torch_comes_from_the_device_driver(fake_aimdo, monkeypatch):
+    import membackend.backends.aimdo as aimdo
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    _Driver.opened = 0
+    monkeypatch.setattr(aimdo, "open_gpu_driver", lambda kind: _Driver())
+    b = AimdoBackend()
+    for _ in range(2):
+        budget = b.membackend_budget_query(device=CUDA0)
+        assert (budget.total, budget.free, budget.headroom) == (8 << 30, 6 << 30, aimdo.DEFAULT_HEADROOM)
+        assert budget.source == "cuMemGetInfo (fake) (aimdo)"
+    assert _Driver.opened == 1
+
+
+def test_budget_without_the_vendor_bindings_is_a_typed_error(fake_aimdo, monkeypatch):
+    import membackend.backends.aimdo as aimdo
+
+    def missing(kind):
+        raise ImportError("No module named 'cuda'")
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(aimdo, "open_gpu_driver", missing)
+    with pytest.raises(DriverError, match="No module named 'cuda'"):
+        AimdoBackend().membackend_budget_query(device=CUDA0)

@@ -39,6 +39,7 @@ import weakref
 from typing import Any, Callable
 
 from .._version import __version__
+from ..drivers.open import open_gpu_driver
 from ..hookspec import hookimpl
 from ..types import Budget, Candidate, Capabilities, Device, DriverError, Fault, Machine, Reservation, WrongDevice
 
@@ -100,6 +101,7 @@ class AimdoBackend:
         self._model_vbar: Any = None
         # device index -> None once usable, else (aimdo call that failed, aimdo's reason)
         self._ready: dict[int, tuple[str, str] | None] = {}
+        self._drivers: dict[str, Any] = {}  # device kind -> driver wrapper, for budgets without torch
         self._lock = threading.Lock()  # one initialisation at a time; verbs come from several threads
 
     @classmethod
@@ -324,18 +326,21 @@ class AimdoBackend:
                 return Budget.of(int(total), int(free), headroom, "torch.cuda.mem_get_info (aimdo)")
         except Exception as exc:
             raise DriverError("failed", "torch.cuda.mem_get_info", f"{type(exc).__name__}: {exc}") from exc
-        try:
-            if device.kind == "hip":
-                from ..drivers.hip import HipDriver as Driver
-            else:
-                from ..drivers.cuda import CudaDriver as Driver
-            driver = Driver()
-        except Exception as exc:  # the vendor's Python bindings are not installed
-            raise DriverError("unavailable", "budget_query", f"{type(exc).__name__}: {exc}") from exc
-        driver.set_device(index)
-        free, total = driver.mem_get_info()
-        call = "hipMemGetInfo" if device.kind == "hip" else "cuMemGetInfo"
-        return Budget.of(total, free, headroom, f"{call} (aimdo)")
+        total, free, source = self._driver(device.kind).budget("device", index)
+        return Budget.of(total, free, headroom, f"{source} (aimdo)")
+
+    def _driver(self, kind: str) -> Any:
+        """The real driver of ``kind`` (aimdo drives real GPUs only), opened and initialised once."""
+        with self._lock:
+            driver = self._drivers.get(kind)
+            if driver is None:
+                try:
+                    driver = open_gpu_driver(kind)
+                except Exception as exc:  # the vendor's Python bindings are not installed
+                    raise DriverError("unavailable", "budget_query", f"{type(exc).__name__}: {exc}") from exc
+                driver.init()
+                self._drivers[kind] = driver
+            return driver
 
     def _headroom(self) -> int:
         """aimdo keeps the larger of its compile-time floor and the process-wide simple headroom free."""
