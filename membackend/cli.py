@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from . import __version__
-from .machine import machine_for
+from .drivers.open import machine_for
 from .manager import BackendManager, Selection
 from .session import Session
 from .settings import load_settings
@@ -153,6 +153,9 @@ def _print_backends(rows: list[dict[str, Any]], sel: Selection) -> None:
         print(f" {mark} {r['name']:<16} {r['version'] or '':<10} {state:<10} {r['reason']}")
         if r["origin"]:
             print(f"   {'':16} from {r['origin']}")
+    if sel.tied:
+        print(f"  tie at the top: {', '.join(sel.tied)} (the first by name was chosen; "
+              f"force one with MEMBACKEND_BACKEND)")
     if sel.record is None:
         print(f"selected: none ({sel.how}): {sel.reason}")
     else:
@@ -197,12 +200,13 @@ def run(command: str, as_json: bool) -> int:
     out: dict[str, Any] = {"version": __version__}
     rows = backends_report(mgr, sel)
     if command == "backends":
-        out.update(backends=rows, selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason)
+        out.update(backends=rows, selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason,
+                   tied=sel.tied)
         print(json.dumps(out, indent=2)) if as_json else _print_backends(rows, sel)
         return 0
     session = None
     if sel.record is not None:
-        session = mgr.session(machine)
+        session = mgr.session(machine, selection=sel)
     if command == "budget":
         out["budgets"] = budgets_report(session) if session else []
         if as_json:
@@ -212,7 +216,7 @@ def run(command: str, as_json: bool) -> int:
         return 0
     # doctor
     out.update(machine=machine_report(machine), backends=rows,
-               selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason)
+               selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason, tied=sel.tied)
     if session is not None:
         out["budgets"] = budgets_report(session)
         out["selftest"] = self_test(session)

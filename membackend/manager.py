@@ -1,16 +1,30 @@
 """Discovery, validation and selection of backends.
 
-Backends come from the built-ins (``host``) and the entry-point group
-``membackend.backends``. Each is validated (a unique name; all six verbs and
-``membackend_probe`` as hookimpls with the contract's parameter names). A
-plugin that fails to import, to construct, to validate or to probe is logged
-with the reason and skipped; it never stops the caller.
+Backends come from the built-ins (``host``, the generic ``vmm`` platform,
+``aimdo``) and the entry-point group ``membackend.backends``, whose entries
+name a backend object, a class (built with ``from_settings(settings)`` when it
+has one, else with no arguments) or a :class:`~membackend.platform.Platform`
+(built into a :class:`~membackend.backends.vmm.VmmBackend`). Each is
+validated (a unique name; the six verbs and ``membackend_probe`` as
+hookimpls with the contract's parameter names; optional hooks checked the
+same way when present). A plugin that fails to import, to construct, to
+validate or to probe — by raising anything, ``sys.exit()`` included, except
+``KeyboardInterrupt`` — is logged with the reason and skipped; it never stops
+the caller.
+
+Probes run once per machine through the plugin manager's hook machinery, one
+plugin at a time (one raising probe never hides the others), each bounded by
+the ``probe_timeout`` setting: a probe that does not answer in time is
+skipped as broken.
 
 Selection: ``MEMBACKEND_DISABLE`` switches everything off; a forced name
 (``MEMBACKEND_BACKEND``) wins, and an unknown one raises ``BackendNotFound``
 listing what is available and why the rest is not; otherwise the highest
-probe score wins, and a tie at the top is an error naming both. Blocked names
-are never selected; ``host`` (score 1) is the fallback and cannot be blocked.
+probe score wins (:class:`~membackend.types.Score`), passing over opt-in
+candidates. A tie at the top never stops the caller: the alphabetically first
+name wins, one warning says so, and the selection records the tie for the
+doctor. Blocked names are never selected; ``host`` (score 1) is the fallback
+and cannot be blocked.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import importlib.metadata
 import inspect
 import logging
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -26,11 +41,12 @@ import pluggy
 
 from . import hookspec
 from .backends.host import HostBackend
+from .drivers.open import check_sim_profile, machine_for
 from .ledger import Ledger
-from .machine import machine_for
+from .platform import Platform
 from .session import Session
 from .settings import NAME_PATTERN, Settings, load_settings
-from .types import BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, PluginError
+from .types import BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, PluginError, Score
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +54,7 @@ __all__ = ["BackendManager", "PluginRecord", "Selection", "ENTRY_POINT_GROUP", "
 
 ENTRY_POINT_GROUP = "membackend.backends"
 FALLBACK = "host"
+DEFAULT_PROBE_TIMEOUT = 10.0  # seconds; the ``probe_timeout`` setting replaces it
 
 
 @dataclass
@@ -61,6 +78,7 @@ class Selection:
     candidates: dict[str, Candidate] = field(default_factory=dict)
     broken: dict[str, str] = field(default_factory=dict)
     blocked: list[str] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)  # names that shared the top score (the first won)
 
 
 def _spec_params(name: str) -> list[str]:
@@ -73,10 +91,11 @@ def validate_plugin(plugin: Any) -> str:
     if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
         raise PluginError(f"needs a `name` attribute matching {NAME_PATTERN}, has {name!r}")
     problems = []
-    for hook in hookspec.HOOKS:
+    for hook in hookspec.HOOKS + hookspec.OPTIONAL_HOOKS:
         fn = getattr(plugin, hook, None)
         if fn is None:
-            problems.append(f"missing {hook}")
+            if hook in hookspec.HOOKS:
+                problems.append(f"missing {hook}")
             continue
         if not callable(fn) or getattr(fn, f"{hookspec.PROJECT}_impl", None) is None:
             problems.append(f"{hook} is not marked with membackend.hookimpl")
@@ -93,7 +112,12 @@ def validate_plugin(plugin: Any) -> str:
 
 
 def _instantiate(obj: Any, settings: Settings) -> Any:
-    """Entry points may name a class (built with ``from_settings`` or no arguments), an instance or a module."""
+    """Entry points may name a Platform, a class (built with ``from_settings`` or no arguments), an
+    instance or a module."""
+    if isinstance(obj, Platform):
+        from .backends.vmm import VmmBackend
+
+        return VmmBackend.from_settings(settings, obj)
     if isinstance(obj, type):
         factory = getattr(obj, "from_settings", None)
         return factory(settings) if callable(factory) else obj()
@@ -106,8 +130,11 @@ class BackendManager:
     def __init__(self, settings: Settings | None = None, *, builtins: Iterable[Any] | None = None,
                  entry_points: Iterable[Any] | None = None):
         self.settings = settings or load_settings()
+        check_sim_profile(self.settings.sim_profile)
         self.records: dict[str, PluginRecord] = {}
         self.broken: dict[str, str] = {}
+        self._probed: dict[Machine, tuple[dict[str, Candidate], dict[str, str]]] = {}
+        self._warned_ties: set[tuple[str, ...]] = set()
         self._pm = pluggy.PluginManager(hookspec.PROJECT)
         self._pm.add_hookspecs(hookspec)
         for plugin in builtins if builtins is not None else self._builtins():
@@ -122,15 +149,18 @@ class BackendManager:
         """host (the fallback), the generic VMM and comfy-aimdo; none touches a GPU until used."""
         from .backends.aimdo import AimdoBackend
         from .backends.vmm import VmmBackend
+        from .platform import GENERIC
 
-        return [HostBackend.from_settings(self.settings), VmmBackend.from_settings(self.settings),
+        return [HostBackend.from_settings(self.settings), VmmBackend.from_settings(self.settings, GENERIC),
                 AimdoBackend.from_settings(self.settings)]
 
     def _load_entry_point(self, ep: Any) -> None:
         label = f"entry point {ep.name} = {ep.value}"
         try:
             plugin = _instantiate(ep.load(), self.settings)
-        except Exception as exc:  # a broken plugin is never fatal
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a broken plugin is never fatal, sys.exit() included
             self._broken(ep.name, f"failed to load ({label}): {type(exc).__name__}: {exc}")
             return
         dist = getattr(ep, "dist", None)
@@ -162,21 +192,52 @@ class BackendManager:
     # ------------------------------------------------------------------ selection
 
     def probe(self, machine: Machine) -> tuple[dict[str, Candidate], dict[str, str]]:
-        """Every usable backend's candidate, and the ones whose probe failed (name → reason)."""
+        """Every usable backend's candidate, and the ones whose probe failed (name → reason).
+
+        Probed once per machine: later calls return the same answers.
+        """
+        if machine not in self._probed:
+            self._probed[machine] = self._probe_all(machine)
+        candidates, failed = self._probed[machine]
+        return dict(candidates), dict(failed)
+
+    def _probe_all(self, machine: Machine) -> tuple[dict[str, Candidate], dict[str, str]]:
+        timeout = float(getattr(self.settings, "probe_timeout", None) or DEFAULT_PROBE_TIMEOUT)
+        answers: dict[str, tuple[str, Any]] = {}
+
+        def run(name: str) -> None:
+            # the plugin's own hook caller: pluggy's machinery, isolated from every other plugin
+            others = [rec.plugin for n, rec in self.records.items() if n != name]
+            caller = self._pm.subset_hook_caller("membackend_probe", remove_plugins=others)
+            try:
+                results = caller(machine=machine)
+                answers[name] = ("ok", results[0] if results else None)
+            except KeyboardInterrupt:
+                answers[name] = ("error", "KeyboardInterrupt")
+            except BaseException as exc:  # SystemExit too: one plugin never stops the others
+                answers[name] = ("error", f"probe raised {type(exc).__name__}: {exc}")
+
+        threads = {name: threading.Thread(target=run, args=(name,), name=f"membackend-probe-{name}", daemon=True)
+                   for name in self.records}
+        for t in threads.values():
+            t.start()
+        for t in threads.values():  # all run at once: the whole probe takes at most one timeout
+            t.join(timeout)
         candidates: dict[str, Candidate] = {}
         failed: dict[str, str] = {}
-        for name, rec in self.records.items():
-            try:
-                c = rec.plugin.membackend_probe(machine=machine)
-                if not isinstance(c, Candidate) or not isinstance(c.score, int) or c.score < 0:
-                    raise PluginError(f"probe must return a Candidate with an int score >= 0, returned {c!r}")
-                if c.name != name:
-                    c = Candidate(name, c.score, c.reason)
-            except Exception as exc:
-                failed[name] = f"probe raised {type(exc).__name__}: {exc}"
-                log.warning("membackend: backend %s skipped: %s", name, failed[name])
-                continue
-            candidates[name] = c
+        for name in self.records:
+            kind, value = answers.get(name, ("error", f"probe did not answer within {timeout:g} s "
+                                                      "(the probe_timeout setting)"))
+            if kind == "ok":
+                c = value
+                if not isinstance(c, Candidate) or not isinstance(c.score, int) or isinstance(c.score, bool) \
+                        or c.score < 0:
+                    kind, value = "error", f"probe must return a Candidate with an int score >= 0, returned {c!r}"
+                else:
+                    candidates[name] = c if c.name == name else Candidate(name, c.score, c.reason, c.opt_in)
+                    continue
+            failed[name] = value
+            log.warning("membackend: backend %s skipped: %s", name, value)
         return candidates, failed
 
     def select(self, machine: Machine | None = None) -> Selection:
@@ -202,20 +263,23 @@ class BackendManager:
             c = candidates[s.backend]
             note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
             return Selection(rec, "forced", f"forced by backend={s.backend!r}{note}", candidates, broken, blocked)
-        usable = {n: c for n, c in candidates.items() if c.score > 0 and n not in blocked}
+        usable = {n: c for n, c in candidates.items() if c.score > Score.NONE and n not in blocked and not c.opt_in}
         top = max((c.score for c in usable.values()), default=0)
-        best = sorted(n for n, c in usable.items() if c.score == top)
-        if len(best) > 1:
-            raise PluginError(
-                f"backends {' and '.join(repr(n) for n in best)} tie with score {top}; "
-                f"choose one with MEMBACKEND_BACKEND={best[0]} (or block the other with MEMBACKEND_BLOCK)"
-            )
+        best = sorted(n for n, c in usable.items() if c.score == top)  # ties: alphabetical, documented
+        tied = best if len(best) > 1 else []
+        if tied and tuple(tied) not in self._warned_ties:
+            self._warned_ties.add(tuple(tied))
+            log.warning("membackend: backends %s tie with score %d; %r wins (alphabetical); choose with "
+                        "MEMBACKEND_BACKEND=<name> or block the others with MEMBACKEND_BLOCK",
+                        " and ".join(repr(n) for n in tied), top, best[0])
         if not best or best[0] == FALLBACK:
             rec = self.records.get(FALLBACK) or self._fallback()
             why = "no other backend fits this machine" if len(self.records) > 1 else "no other backend is installed"
-            return Selection(rec, "fallback", f"{FALLBACK}: {why}", candidates, broken, blocked)
-        return Selection(self.records[best[0]], "auto", f"highest probe score ({top}): {usable[best[0]].reason}",
-                         candidates, broken, blocked)
+            return Selection(rec, "fallback", f"{FALLBACK}: {why}", candidates, broken, blocked, tied)
+        why = f"highest probe score ({top}): {usable[best[0]].reason}"
+        if tied:
+            why += f" (tied with {', '.join(n for n in tied if n != best[0])}; the first by name wins)"
+        return Selection(self.records[best[0]], "auto", why, candidates, broken, blocked, tied)
 
     def _fallback(self) -> PluginRecord:
         plugin = HostBackend.from_settings(self.settings)
@@ -223,20 +287,24 @@ class BackendManager:
         self.records[FALLBACK] = rec
         return rec
 
-    def session(self, machine: Machine | None = None, observers: Iterable[Any] = ()) -> Session:
-        """A session on the selected backend. Raises ``BackendDisabled`` when switched off."""
+    def session(self, machine: Machine | None = None, observers: Iterable[Any] = (),
+                selection: Selection | None = None) -> Session:
+        """A session on the selected backend (``selection`` when the caller already selected).
+        Raises ``BackendDisabled`` when switched off."""
         machine = machine or machine_for(self.settings)
-        sel = self.select(machine)
+        sel = selection or self.select(machine)
         if sel.record is None:
             raise BackendDisabled(sel.reason)
         obs = list(observers)
+        tracer = None
         if self.settings.trace is not None:
             from .trace import TraceObserver
 
-            obs.append(TraceObserver(self.settings.trace))
+            tracer = TraceObserver(self.settings.trace)
+            obs.append(tracer)
         return Session(sel.record.plugin, machine=machine, ledger=Ledger(sanitize=self.settings.sanitize),
                        observers=obs, headroom=self.settings.headroom,
-                       candidate=sel.candidates.get(sel.record.name), how=sel.how)
+                       candidate=sel.candidates.get(sel.record.name), how=sel.how, tracer=tracer)
 
 
 def create_session(**settings: Any) -> Session:

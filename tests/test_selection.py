@@ -90,11 +90,6 @@ def test_forcing_a_broken_backend_says_why():
         manager([ep("raiser", "fakeplugins.backends:RaisingProbe")], backend="raiser").select()
 
 
-def test_a_tie_at_the_top_names_both():
-    with pytest.raises(PluginError, match="'alpha' and 'beta' tie with score 50"):
-        manager([ALPHA, BETA]).select()
-
-
 def test_a_tie_is_broken_by_blocking_one():
     assert manager([ALPHA, BETA], block=["beta"]).select().record.name == "alpha"
 
@@ -192,3 +187,77 @@ def test_selection_uses_machine_overrides():
     mgr._add(NeedsWddm(), "test", None)
     assert mgr.select(gather_machine(settings.machine)).record.name == "wddmonly"
     assert mgr.select(gather_machine()).record.name == "host"
+
+
+# --------------------------------------------------------------------------- the score scale, isolation, probing once
+
+
+def test_a_tie_at_the_top_never_stops_the_caller(caplog):
+    mgr = manager([BETA, ALPHA])
+    with caplog.at_level(logging.WARNING):
+        sel = mgr.select()
+        again = mgr.select()
+    assert sel.record.name == again.record.name == "alpha", "ties go to the first name alphabetically"
+    assert sel.tied == ["alpha", "beta"] and "tied with beta" in sel.reason
+    warnings = [r for r in caplog.records if "tie with score 50" in r.getMessage()]
+    assert len(warnings) == 1, "warned once"
+
+
+def test_an_opt_in_backend_is_selected_only_when_forced():
+    sel = manager([ep("optin", "fakeplugins.backends:OptIn")]).select()
+    assert sel.record.name == "host" and sel.how == "fallback" and sel.candidates["optin"].opt_in
+    assert not sel.tied, "an opt-in candidate never ties with anything"
+    forced = manager([ep("optin", "fakeplugins.backends:OptIn")], backend="optin").select()
+    assert forced.record.name == "optin" and forced.how == "forced"
+
+
+def test_a_plugin_calling_sys_exit_in_its_probe_or_at_import_is_skipped():
+    mgr = manager([ep("exiter", "fakeplugins.backends:ExitingProbe"),
+                   ep("exitimport", "fakeplugins.exiting_import:Anything"), ALPHA])
+    sel = mgr.select()
+    assert sel.record.name == "alpha"
+    assert "SystemExit" in sel.broken["exiter"] and "SystemExit" in sel.broken["exitimport"]
+
+
+def test_a_hanging_probe_is_bounded_by_the_probe_timeout(monkeypatch):
+    from fakeplugins import backends as fake
+
+    monkeypatch.setattr("membackend.manager.DEFAULT_PROBE_TIMEOUT", 0.2)
+    try:
+        sel = manager([ep("hanger", "fakeplugins.backends:HangingProbe"), ALPHA]).select()
+    finally:
+        fake.HANG.set()
+    assert sel.record.name == "alpha"
+    assert "did not answer within 0.2 s" in sel.broken["hanger"]
+
+
+def test_each_probe_runs_once_per_machine_even_for_the_doctor(monkeypatch, capsys):
+    from fakeplugins import backends as fake
+    from membackend import cli
+
+    fake.PROBES["count"] = 0
+    real = BackendManager.__init__
+
+    def with_fake(self, settings=None, **kw):
+        real(self, settings, entry_points=[ep("counted", "fakeplugins.backends:Counted")])
+
+    monkeypatch.setattr(BackendManager, "__init__", with_fake)
+    assert cli.main(["doctor"]) in (0, 1)
+    assert fake.PROBES["count"] == 1
+
+
+def test_a_platform_entry_point_becomes_a_vmm_backend_named_after_it():
+    mgr = manager([ep("smallcard", "fakeplugins.platforms:PLATFORM")], sim_profile="wddm-6gb")
+    from membackend.drivers.open import machine_for
+
+    sel = mgr.select(machine_for(mgr.settings))
+    rec = mgr.records["smallcard"]
+    assert type(rec.plugin).__name__ == "VmmBackend" and rec.plugin.name == "smallcard"
+    assert rec.plugin.capabilities.recycle_handles and rec.plugin.headroom == 64 << 20
+    assert sel.record.name == "smallcard" and sel.candidates["smallcard"].score == 70
+    assert sel.candidates["vmm"].score == 20, "the generic platform sits lower on the scale"
+
+
+def test_an_unknown_simulation_profile_is_a_config_error_naming_the_profiles():
+    with pytest.raises(ConfigError, match="sim_profile.*accepted: wddm-6gb, rocm-win-2gpu"):
+        BackendManager(load_settings(sim_profile="nope"), entry_points=[])

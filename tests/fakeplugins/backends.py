@@ -93,3 +93,43 @@ class Configured(_Scored):
         obj = cls()
         obj.seen_settings = settings
         return obj
+
+
+class ExitingProbe(_Scored):
+    name = "exiter"
+
+    @hookimpl
+    def membackend_probe(self, machine):
+        raise SystemExit(3)  # a plugin calling sys.exit() must not stop the caller
+
+
+HANG = __import__("threading").Event()
+
+
+class HangingProbe(_Scored):
+    name = "hanger"
+
+    @hookimpl
+    def membackend_probe(self, machine):
+        HANG.wait(30)  # released by the test; bounded by probe_timeout meanwhile
+        return Candidate(self.name, 99, "answered far too late")
+
+
+class OptIn(_Scored):
+    name = "optin"
+
+    @hookimpl
+    def membackend_probe(self, machine):
+        return Candidate(self.name, 60, "fits, but only when asked for", opt_in=True)
+
+
+PROBES = {"count": 0}
+
+
+class Counted(_Scored):
+    name, score, reason = "counted", 40, "counts its probes"
+
+    @hookimpl
+    def membackend_probe(self, machine):
+        PROBES["count"] += 1
+        return Candidate(self.name, self.score, self.reason)

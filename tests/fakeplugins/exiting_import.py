@@ -1,0 +1,5 @@
+"""A plugin module that calls sys.exit() when imported."""
+
+import sys
+
+sys.exit("this plugin refuses to load")
