@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from . import __version__
+from ._version import __version__
 from .drivers.open import machine_for
 from .manager import BackendManager, Selection
 from .session import Session

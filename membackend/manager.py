@@ -54,7 +54,6 @@ __all__ = ["BackendManager", "PluginRecord", "Selection", "ENTRY_POINT_GROUP", "
 
 ENTRY_POINT_GROUP = "membackend.backends"
 FALLBACK = "host"
-DEFAULT_PROBE_TIMEOUT = 10.0  # seconds; the ``probe_timeout`` setting replaces it
 
 
 @dataclass
@@ -202,7 +201,7 @@ class BackendManager:
         return dict(candidates), dict(failed)
 
     def _probe_all(self, machine: Machine) -> tuple[dict[str, Candidate], dict[str, str]]:
-        timeout = float(getattr(self.settings, "probe_timeout", None) or DEFAULT_PROBE_TIMEOUT)
+        timeout = self.settings.probe_timeout
         answers: dict[str, tuple[str, Any]] = {}
 
         def run(name: str) -> None:

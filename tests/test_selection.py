@@ -219,12 +219,11 @@ def test_a_plugin_calling_sys_exit_in_its_probe_or_at_import_is_skipped():
     assert "SystemExit" in sel.broken["exiter"] and "SystemExit" in sel.broken["exitimport"]
 
 
-def test_a_hanging_probe_is_bounded_by_the_probe_timeout(monkeypatch):
+def test_a_hanging_probe_is_bounded_by_the_probe_timeout():
     from fakeplugins import backends as fake
 
-    monkeypatch.setattr("membackend.manager.DEFAULT_PROBE_TIMEOUT", 0.2)
     try:
-        sel = manager([ep("hanger", "fakeplugins.backends:HangingProbe"), ALPHA]).select()
+        sel = manager([ep("hanger", "fakeplugins.backends:HangingProbe"), ALPHA], probe_timeout=0.2).select()
     finally:
         fake.HANG.set()
     assert sel.record.name == "alpha"
