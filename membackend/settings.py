@@ -15,9 +15,10 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
+    SettingsError,
     NoDecode,
     PydanticBaseSettingsSource,
     PyprojectTomlConfigSettingsSource,
@@ -33,31 +34,32 @@ ENV_PREFIX = "MEMBACKEND_"
 CONFIG_ENV = "MEMBACKEND_CONFIG"
 CONFIG_NAME = "membackend.toml"
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]*$"
+TRACE_ACCEPTED = "a path to a file that can be opened for appending (missing parent directories are created)"
+CONFIG_ACCEPTED = "the path of an existing UTF-8 TOML file"
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-SIZE_ACCEPTED = "a byte count >= 0: an int or a string like '512MiB', '1.5GB', '2GiB'"
+_BYTE_SIZE = TypeAdapter(ByteSize)
+SIZE_ACCEPTED = (
+    "a byte count >= 0: an int, or a number and a unit like '512MiB', '1.5GB', '2 GiB'; units in any case: "
+    "b, k/kb, m/mb, g/gb, t/tb, p/pb, e/eb (powers of 1000), kib, mib, gib, tib, pib, eib (powers of 1024)"
+)
 
 
 def parse_bytes(value: Any) -> int:
-    """``'512MiB'`` → 536870912; ints pass through. Raises ``ValueError`` on anything else."""
+    """``'512MiB'`` → 536870912; ints pass through. Raises ``ValueError`` on anything else.
+
+    Parsing is pydantic's ``ByteSize`` (units as in :data:`SIZE_ACCEPTED`; a
+    fraction of a byte is dropped). Booleans are refused although ``ByteSize``
+    reads ``True`` as 1: ``headroom = true`` is a mistake, not one byte.
+    """
     if isinstance(value, bool):
         raise ValueError("a boolean is not a size")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and value.is_integer():
-        n = int(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{value!r} is not a size")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
+    if not isinstance(value, (int, float, str)):
         raise ValueError(f"{value!r} is not a size")
-    if n < 0:
+    try:
+        n = int(_BYTE_SIZE.validate_python(value))
+    except ValidationError as exc:
+        raise ValueError(f"{value!r} is not a size ({exc.errors()[0]['msg']})") from None
+    if n < 0:  # ByteSize refuses "-1" and -1 already; kept so the contract does not hang on that
         raise ValueError(f"{value!r} is negative")
     return n
 
@@ -176,8 +178,15 @@ class Settings(BaseSettings):
         json_schema_extra={"accepted": SIZE_ACCEPTED},
     )
     sim_profile: str | None = Field(
-        None, description="run GPU backends on a simulated machine (see membackend.drivers.sim)",
+        None, pattern=NAME_PATTERN,
+        description="run GPU backends on a simulated machine; the names are checked where the simulation "
+                    "lives, when backends are loaded",
         json_schema_extra={"accepted": "wddm-6gb, rocm-win-2gpu, gb10-128gb, h200"},
+    )
+    probe_timeout: float = Field(
+        10.0, gt=0, le=600,
+        description="seconds each backend's probe may take before it is skipped as broken",
+        json_schema_extra={"accepted": "a number of seconds, > 0 and <= 600"},
     )
     sanitize: bool = Field(
         False, description="check every free/release for pending work and use after release",
@@ -185,9 +194,14 @@ class Settings(BaseSettings):
     )
     trace: Path | None = Field(
         None, description="append one JSON line per verb call and policy decision to this file",
-        json_schema_extra={"accepted": "a file path"},
+        json_schema_extra={"accepted": TRACE_ACCEPTED},
     )
-    machine: MachineOverrides = Field(default_factory=MachineOverrides)
+    machine: MachineOverrides = Field(
+        default_factory=MachineOverrides,
+        json_schema_extra={"accepted": "a table (in the environment: a JSON object) with keys os, cpus, ram_total, "
+                                      "ram_available, cgroup_limit, torch_version, torch_vendor, devices; or one "
+                                      "variable per key, e.g. MEMBACKEND_MACHINE__OS=linux"},
+    )
 
     @field_validator("block", mode="before")
     @classmethod
@@ -204,15 +218,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name!r} is not a backend name")
             if name == "host":
                 raise ValueError("'host' is the fallback and cannot be blocked")
-        return v
-
-    @field_validator("sim_profile")
-    @classmethod
-    def _profile(cls, v: str | None) -> str | None:
-        from .drivers.sim.profiles import PROFILES
-
-        if v is not None and v not in PROFILES:
-            raise ValueError(f"unknown simulation profile {v!r}")
         return v
 
     @field_validator("headroom", "host_capacity", mode="before")
@@ -252,13 +257,66 @@ class Settings(BaseSettings):
 
 
 def _read_toml(path: Path, table: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The TOML table at ``table`` in ``path``; ``{}`` when the file does not exist.
+
+    Raises ``ConfigError`` (key ``config``, the file as source) for a file
+    that cannot be read, is not UTF-8 or is not TOML.
+    """
     if not path.is_file():
         return {}
-    with path.open("rb") as f:
-        data = tomllib.load(f)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("config", str(path), f"cannot be read: {exc.strerror or exc}", CONFIG_ACCEPTED) from None
+    except UnicodeDecodeError as exc:  # tomllib decodes as UTF-8 and lets this through
+        raise ConfigError("config", str(path), f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                          CONFIG_ACCEPTED) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", str(path), f"not valid TOML: {exc}", CONFIG_ACCEPTED) from None
     for key in table:
         data = data.get(key, {}) if isinstance(data, dict) else {}
     return data if isinstance(data, dict) else {}
+
+
+def _check_config_files() -> None:
+    """Refuse a ``MEMBACKEND_CONFIG`` naming no file, and unreadable or broken TOML files, before loading."""
+    named = os.environ.get(CONFIG_ENV)
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError("config", f"env {CONFIG_ENV}", f"{named!r} {what}", CONFIG_ACCEPTED)
+    _read_toml(config_file())
+    _read_toml(Path("pyproject.toml"))
+
+
+def _check_appendable(path: Path) -> None:
+    """Open ``path`` for appending, creating missing parent directories; raise ``OSError`` if it cannot be.
+
+    The file (created empty if absent) and its new directories stay when the
+    check succeeds: the user asked for them. On failure the directories this
+    check created are removed again.
+    """
+    missing = []
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    created: list[Path] = []
+    try:
+        for directory in reversed(missing):
+            directory.mkdir()
+            created.append(directory)
+        with path.open("a"):
+            pass
+    except OSError:
+        for directory in reversed(created):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # something else appeared in it meanwhile: not ours to remove
+        raise
 
 
 def _lookup(data: dict[str, Any], path: tuple[Any, ...]) -> bool:
@@ -308,9 +366,15 @@ def _accepted(path: tuple[Any, ...]) -> str:
 
 
 def load_settings(**kwargs: Any) -> Settings:
-    """Build :class:`Settings`; any bad value raises ``ConfigError`` (key, source, accepted)."""
+    """Build :class:`Settings`; any bad value raises ``ConfigError`` (key, source, accepted).
+
+    Besides the values themselves this checks that ``MEMBACKEND_CONFIG``, when
+    set, names an existing file, that the TOML files are UTF-8 TOML, and that
+    ``trace`` can be opened for appending.
+    """
+    _check_config_files()
     try:
-        return Settings(**kwargs)
+        settings = Settings(**kwargs)
     except ValidationError as exc:
         err = exc.errors()[0]
         path = tuple(err["loc"])
@@ -321,5 +385,18 @@ def load_settings(**kwargs: Any) -> Settings:
             parent = _accepted(path[:-1] + ("__none__",)) if len(path) > 1 else "one of: " + ", ".join(Settings.model_fields)
             raise ConfigError(key, _source_of(path, kwargs), msg, parent) from None
         raise ConfigError(key, _source_of(path, kwargs), f"{msg} (got {err.get('input')!r})", _accepted(path)) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", str(config_file()), f"not valid TOML: {exc}", "a TOML file") from None
+    except SettingsError as exc:
+        # pydantic-settings could not decode a value before validation (e.g. MEMBACKEND_MACHINE=x is not JSON)
+        m = re.search(r'field "([^"]+)"', str(exc))
+        field = m.group(1) if m else "settings"
+        cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+        raise ConfigError(field, _source_of((field,), kwargs), f"cannot be decoded{cause}",
+                          _accepted((field,)) if field in Settings.model_fields else "") from None
+    if settings.trace is not None:
+        try:
+            _check_appendable(settings.trace)
+        except OSError as exc:
+            raise ConfigError("trace", _source_of(("trace",), kwargs),
+                              f"cannot open {str(settings.trace)!r} for appending: {exc.strerror or exc}",
+                              TRACE_ACCEPTED) from None
+    return settings
