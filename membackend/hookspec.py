@@ -1,21 +1,36 @@
 """The backend contract: pluggy hook specifications.
 
 A backend is an object (usually a class instance) with a ``name`` attribute
-(a lowercase identifier, unique among installed backends), an optional
+(a lowercase identifier, unique among installed backends), ``device_kinds``
+(the device kinds it serves: ``cpu``, ``cuda``, ``hip``), an optional
 ``version`` and ``capabilities`` (:class:`membackend.types.Capabilities`),
-and one ``@hookimpl`` method for each hook below. Third parties publish the
-object (or a class with a no-argument constructor) under the entry-point group
+and one ``@hookimpl`` method for each hook in :data:`HOOKS`; the hooks in
+:data:`OPTIONAL_HOOKS` (``trim``, ``inspect``, ``inject_failures``) may be
+added. Third parties publish it under the entry-point group
 ``membackend.backends``::
 
     [project.entry-points."membackend.backends"]
     mybackend = "my_package.backend:MyBackend"
 
+An entry point may name an instance, a class (built with its
+``from_settings(settings)`` classmethod when it has one, else with no
+arguments) or a :class:`membackend.platform.Platform` record (built into the
+virtual-memory backend, named after the platform).
+
+``membackend_probe`` scores on one scale (:class:`membackend.types.Score`):
+0 does not fit; the built-in ``host`` is 1; generic GPU backends 10–49;
+platform plugins 50–99, a more specific fit higher. ``Candidate(...,
+opt_in=True)`` fits but is selected only when forced by name.
+
 Every verb except ``membackend_probe`` is called on the selected backend only,
-through a :class:`membackend.manager.Session`. The session has already checked
-the arguments (device served, reservation alive and owned by this backend,
+through a :class:`membackend.session.Session`. The session has already checked
+the arguments (device served, reservation alive and owned by this session,
 sizes positive, ranges inside the reservation, free ranges page aligned), so a
-backend only implements the mechanism. Observers (tracers, telemetry) add
-``wrapper=True`` hookimpls of the same names.
+backend only implements the mechanism. A session may be shared by several
+threads; it serialises calls on one reservation, so a backend must only be
+safe for calls on different reservations at once. Observers (tracers,
+telemetry) add ``wrapper=True`` hookimpls of the same names; any other
+observer hookimpl is refused.
 
 All sizes are bytes; offsets are relative to the reservation's base.
 """
@@ -51,10 +66,11 @@ def membackend_probe(machine: Machine) -> Candidate:
     """Say how well this backend fits ``machine``.
 
     Pre: none; must not create a GPU context or allocate memory.
-    Post: a ``Candidate(name, score, reason)``; ``score == 0`` means the
-    backend does not fit, and ``reason`` says why in words a user can act on.
-    The built-in ``host`` backend scores 1 so any fitting GPU backend wins.
-    Errors: an exception here marks the plugin broken; it is logged and skipped.
+    Post: a ``Candidate(name, score, reason, opt_in=False)`` on the
+    :class:`~membackend.types.Score` scale; ``score == 0`` means the backend
+    does not fit, and ``reason`` says why in words a user can act on.
+    Errors: an exception here (or not answering within the ``probe_timeout``
+    setting) marks the plugin broken; it is logged and skipped.
     """
 
 
