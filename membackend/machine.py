@@ -26,7 +26,7 @@ from .types import Device, DeviceInfo, Machine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gather_machine", "machine_for", "torch_build"]
+__all__ = ["gather_machine", "torch_build"]
 
 
 def torch_build() -> tuple[str | None, str | None]:
@@ -168,14 +168,3 @@ def gather_machine(overrides: MachineOverrides | None = None) -> Machine:
     if not changes:
         return machine
     return replace(machine, **changes, overridden=tuple(sorted(changes)))
-
-
-def machine_for(settings) -> Machine:
-    """The machine the settings describe: detected, then the simulated profile's facts, then overrides."""
-    overrides = settings.machine
-    if settings.sim_profile:
-        from .drivers.sim.profiles import get_profile
-
-        merged = {**get_profile(settings.sim_profile).machine_overrides(), **overrides.model_dump(exclude_none=True)}
-        overrides = MachineOverrides(**merged)
-    return gather_machine(overrides)
