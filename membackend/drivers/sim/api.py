@@ -3,6 +3,10 @@
 Both vendors' Python bindings return a tuple whose first item is the status
 (``CUresult`` / ``hipError_t``) followed by the outputs, which are ``None``
 when the call failed. Fault injection is checked before the call runs.
+
+Every call holds the platform's lock from the injection check to the result,
+so calls from several threads are each one step, as a real driver's are
+(the CUDA and HIP driver APIs are thread-safe).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ class SimApi:
 
     def _run(self, name: str, outputs: int, fn: Callable[[], Any]) -> tuple:
         try:
-            self.platform.inject(name)
-            result = fn()
+            with self.platform.lock:
+                self.platform.inject(name)
+                result = fn()
         except SimError as exc:
             code = exc.code if exc.kind == "injected" else getattr(self._status, self.kinds[exc.kind])
             return (self._status(int(code)),) + (None,) * outputs

@@ -30,12 +30,16 @@ Where a behaviour comes from:
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import random
 import threading
 from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 from .profiles import Profile, get_profile
+
+_T = TypeVar("_T")
 
 __all__ = ["SimPlatform", "SimError", "SimulatedBugcheck", "SimulatedCrash", "FaultPlan", "FaultRule"]
 
@@ -153,6 +157,15 @@ class _Op:
     kind: str
     done: bool = False
 
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``method`` holding the platform's lock (see :attr:`SimPlatform.lock`)."""
+
+    @functools.wraps(method)
+    def call(self: "SimPlatform", *args: Any, **kwargs: Any) -> _T:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return call
+
 
 class SimPlatform:
     """The simulated machine and process; see the module docstring for its sources."""
@@ -184,7 +197,11 @@ class SimPlatform:
         self.bugchecks = 0
         self.crashes = 0
         self.use_after_free = 0
-        self._current = threading.local()
+        self._current = threading.local()  # the current device is per thread, as CUDA's current context is
+        #: one lock for the whole simulated driver: every API call and sim-only helper holds it, so
+        #: threads see each call as one step (real drivers serialise their own tables the same way);
+        #: re-entrant because helpers call each other
+        self.lock = threading.RLock()
         self.initialized = False
 
     # ------------------------------------------------------------------ helpers
@@ -211,6 +228,7 @@ class SimPlatform:
         if size <= 0 or size % g:
             raise SimError("invalid", f"{what} {size} is not a positive multiple of the granularity {g}")
 
+    @_locked
     def inject(self, call: str) -> None:
         code = self.faults.check(call)
         if code is not None:
@@ -218,6 +236,7 @@ class SimPlatform:
 
     # ------------------------------------------------------------------ time and work
 
+    @_locked
     def advance(self, seconds: float) -> None:
         """Let simulated time pass; work whose end is reached completes."""
         self.clock += seconds
@@ -274,6 +293,7 @@ class SimPlatform:
             raise SimError("invalid", f"range [{va:#x}, {va + size:#x}) is not fully mapped")
         return frozenset(found)
 
+    @_locked
     def launch(self, stream: int, va: int, size: int, seconds: float) -> int:
         """Sim-only: queue a kernel that reads ``[va, va+size)`` for ``seconds``; returns its op id."""
         device = self._stream_device(stream)
@@ -295,10 +315,12 @@ class SimPlatform:
 
     # ------------------------------------------------------------------ devices and contexts
 
+    @_locked
     def init(self) -> None:
         self.inject("init")
         self.initialized = True
 
+    @_locked
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) as the driver reports them for the current device."""
         d = self._device(self.current)
@@ -307,6 +329,7 @@ class SimPlatform:
             return info["MemFree"], info["MemTotal"]  # MemFree, not MemAvailable (#15285)
         return max(0, d.vram - d.used), d.vram
 
+    @_locked
     def meminfo(self) -> dict[str, int]:
         """The host's /proc/meminfo view: MemAvailable counts the reclaimable page cache."""
         total = self.profile.host_ram
@@ -317,12 +340,14 @@ class SimPlatform:
         free = max(0, total - used - self.page_cache)
         return {"MemTotal": total, "MemFree": free, "MemAvailable": max(0, total - used)}
 
+    @_locked
     def wddm_budget(self, device: int) -> int:
         """DXGI QueryVideoMemoryInfo(LOCAL).Budget: VRAM minus what the OS keeps."""
         return self._device(device).vram - self.profile.wddm_budget_headroom
 
     # ------------------------------------------------------------------ host memory
 
+    @_locked
     def host_alloc(self, size: int) -> None:
         """Host memory (a pinned buffer, a host copy of weights); on unified memory it is the GPU pool."""
         if self.meminfo()["MemAvailable"] < size:
@@ -331,14 +356,17 @@ class SimPlatform:
         self.page_cache -= take_cache  # the kernel reclaims page cache before failing
         self.host_used += size
 
+    @_locked
     def host_free(self, size: int) -> None:
         self.host_used = max(0, self.host_used - size)
 
     # ------------------------------------------------------------------ address space
 
+    @_locked
     def quota_used(self) -> int:
         return self._reserved_total + self._mapped_total
 
+    @_locked
     def address_reserve(self, size: int, alignment: int) -> int:
         self._granular(size, "reservation size")
         p = self.profile
@@ -357,6 +385,7 @@ class SimPlatform:
             self.private_commit += size
         return base
 
+    @_locked
     def address_free(self, base: int, size: int) -> None:
         r = self.reservations.get(base)
         if r is None or r.size != size:
@@ -373,6 +402,7 @@ class SimPlatform:
 
     # ------------------------------------------------------------------ physical memory
 
+    @_locked
     def create(self, size: int, device: int) -> int:
         self._granular(size, "allocation size")
         d = self._device(device)
@@ -396,6 +426,7 @@ class SimPlatform:
         self.handles[h.id] = h
         return h.id
 
+    @_locked
     def release(self, handle: int) -> None:
         h = self.handles.get(handle)
         if h is None or h.released:
@@ -410,6 +441,7 @@ class SimPlatform:
         self.devices[h.device].used -= h.size
         del self.handles[h.id]
 
+    @_locked
     def map(self, va: int, size: int, offset: int, handle: int) -> None:
         h = self.handles.get(handle)
         if h is None or h.released:
@@ -433,12 +465,14 @@ class SimPlatform:
         if p.wddm:  # VidMm makes the allocation resident asynchronously
             self._queue(h.device, -1, p.pagein_seconds, frozenset({handle}), "page-in")
 
+    @_locked
     def set_access(self, va: int, size: int, device: int) -> None:
         self._device(device)
         for m in self._mappings_exact(va, size):
             self._check_current(m.device, "the mapping")
             m.access = True
 
+    @_locked
     def unmap(self, va: int, size: int) -> None:
         mappings = self._mappings_exact(va, size)
         for m in mappings:
@@ -468,6 +502,7 @@ class SimPlatform:
 
     # ------------------------------------------------------------------ streams and events
 
+    @_locked
     def stream_create(self) -> int:
         sid = next(self._ids)
         self.streams[sid] = self.current
@@ -480,26 +515,31 @@ class SimPlatform:
             raise SimError("invalid", f"no stream {stream}")
         return self.streams[stream]
 
+    @_locked
     def stream_synchronize(self, stream: int) -> None:
         device = self._stream_device(stream)
         self._settle()
         self._complete([op for op in self.ops.values() if op.stream == stream and op.device == device])
 
+    @_locked
     def device_synchronize(self) -> None:
         """Everything queued on the current device, the paging queue included, finishes."""
         self._settle()
         self._complete([op for op in self.ops.values() if op.device == self.current])
 
+    @_locked
     def copy_async(self, dst: int, size: int, stream: int) -> int:
         device = self._stream_device(stream)
         handles = self._handles_in(dst, size, True)
         return self._queue(device, stream, size / self.profile.copy_bandwidth, handles, "copy").id
 
+    @_locked
     def event_create(self) -> int:
         eid = next(self._ids)
         self.events[eid] = None
         return eid
 
+    @_locked
     def event_record(self, event: int, stream: int) -> None:
         if event not in self.events:
             raise SimError("invalid", f"no event {event}")
@@ -508,6 +548,7 @@ class SimPlatform:
         self.events[event] = (device, frozenset(op.id for op in self.ops.values()
                                                 if op.stream == stream and op.device == device))
 
+    @_locked
     def event_query(self, event: int) -> bool:
         if event not in self.events:
             raise SimError("invalid", f"no event {event}")
@@ -515,6 +556,7 @@ class SimPlatform:
         rec = self.events[event]
         return rec is None or not (rec[1] & self.ops.keys())
 
+    @_locked
     def event_synchronize(self, event: int) -> None:
         if event not in self.events:
             raise SimError("invalid", f"no event {event}")
@@ -523,12 +565,14 @@ class SimPlatform:
             self._settle()
             self._complete([self.ops[i] for i in rec[1] if i in self.ops])
 
+    @_locked
     def event_destroy(self, event: int) -> None:
         if self.events.pop(event, "missing") == "missing":
             raise SimError("invalid", f"no event {event}")
 
     # ------------------------------------------------------------------ introspection (sim only)
 
+    @_locked
     def state(self, device: int | None = None) -> dict[str, int]:
         """What the driver holds, for checking a ledger against: per device, or the whole process."""
         def pick(items, dev_of):
