@@ -31,22 +31,75 @@ by side comparison; its docstring gives the sources.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
+import operator
+import threading
 import weakref
 from array import array
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
-from .session import Session
-from .trace import TraceObserver
-from .types import Device, Fault, FenceToken, MembackendError, Reservation
+from .types import (
+    Device,
+    DriverError,
+    Fault,
+    FenceToken,
+    InvalidSize,
+    MembackendError,
+    OutOfRange,
+    PartialFailure,
+    Reservation,
+    ReservationReleased,
+    WrongDevice,
+)
+
+if TYPE_CHECKING:  # annotations only: the tracer is the session's, residency never imports it
+    from .session import Session
+    from .trace import TraceObserver
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelKind", "Model", "ResidencyManager", "StockPolicy"]
+__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "StockPolicy"]
+
+# what the policy's page map says about one page
+GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class ModelError(MembackendError, ValueError):
+    """A model argument the residency manager cannot accept (an id, a kind, an owner, a model it does not know)."""
+
+
+def _locked(method: _F) -> _F:
+    """Run ``method`` holding the manager's lock (see :class:`ResidencyManager` for why it is safe to)."""
+    @functools.wraps(method)
+    def call(self: "ResidencyManager", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
+def _as_int(value: Any, what: str) -> int:
+    if value.__class__ is int:
+        return value
+    if isinstance(value, bool):
+        raise InvalidSize(f"{what} must be an integer number of bytes, got {value!r}; accepted: an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidSize(f"{what} must be an integer number of bytes, got {value!r}") from None
+
+
+def _changed(exc: BaseException) -> tuple[int, int]:
+    """Bytes a failed verb still mapped and dropped, exactly as the session's ledger takes them."""
+    if isinstance(exc, DriverError):
+        return getattr(exc, "mapped", 0) or 0, getattr(exc, "dropped", 0) or 0
+    return 0, 0
 
 
 class ModelKind(str, Enum):
@@ -59,21 +112,33 @@ class ModelKind(str, Enum):
 
 
 class _Slot:
-    """A model's reservation on one device, with the policy's page map."""
+    """A model's reservation on one device, with the policy's page map.
 
-    __slots__ = ("model", "device", "reservation", "resident", "pins", "watermark")
+    ``resident[p]`` is GONE, RESIDENT or UNKNOWN. A page is UNKNOWN after a
+    fault or free over it raised: the driver may have left it mapped (a
+    rollback that could not unmap) or dropped it (a free that stopped half
+    way). ``maybe`` is how many bytes of the UNKNOWN pages are resident, as the
+    ledger counts them (``DriverError.mapped`` / ``.dropped``), so the slot's
+    resident bytes always equal the ledger's for the reservation. UNKNOWN pages
+    count as resident for eviction and unload (they are freed, and the free
+    says how much went) and as missing for faults (they are backed again).
+    """
+
+    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark")
 
     def __init__(self, model: "Model", device: Device):
         self.model = weakref.proxy(model)  # a stock finalizer holds slots; they must not keep the model alive
         self.device = device
         self.reservation: Reservation | None = None
         self.resident = bytearray()
+        self.maybe = 0
         self.pins = array("H")
         self.watermark: int | None = None  # faults reaching above fail fast; None: no limit
 
     def bind(self, r: Reservation) -> None:
         self.reservation = r
         self.resident = bytearray(r.pages)
+        self.maybe = 0
         self.pins = array("H", bytes(2 * r.pages))
         self.watermark = None
 
@@ -85,7 +150,60 @@ class _Slot:
         return self.reservation is not None and not self.reservation.released
 
     def resident_bytes(self) -> int:
-        return self.resident.count(1) * self.reservation.page_size if self.alive else 0
+        return self.resident.count(RESIDENT) * self.reservation.page_size + self.maybe if self.alive else 0
+
+    def missing(self, first: int, last: int) -> int:
+        """Bytes of ``[first, last)`` not known to be resident (UNKNOWN pages included)."""
+        return (last - first - self.resident.count(RESIDENT, first, last)) * self.reservation.page_size
+
+    # the map follows every verb's outcome exactly as the ledger does
+
+    def faulted(self, first: int, last: int, mapped: int) -> None:
+        """A fault of pages ``[first, last)`` succeeded and newly backed ``mapped`` bytes."""
+        unknown = self.resident.count(UNKNOWN, first, last)
+        if unknown:  # what was not newly backed among the not-known pages was resident already
+            self.maybe -= self.missing(first, last) - mapped
+        self.resident[first:last] = b"\x01" * (last - first)
+        self._settle()
+
+    def freed(self, first: int, last: int, dropped: int) -> None:
+        """A free of pages ``[first, last)`` succeeded and dropped ``dropped`` bytes."""
+        if self.resident.count(UNKNOWN, first, last):
+            self.maybe -= dropped - self.resident.count(RESIDENT, first, last) * self.reservation.page_size
+        self.resident[first:last] = bytes(last - first)
+        self._settle()
+
+    def fault_failed(self, first: int, last: int, exc: BaseException) -> None:
+        """A fault of ``[first, last)`` raised: its pages not known resident may be mapped now (unpinned)."""
+        mapped, dropped = _changed(exc)
+        r = self.resident
+        for p in range(first, last):
+            if r[p] == GONE:
+                r[p] = UNKNOWN
+        self.maybe += mapped - dropped
+
+    def free_failed(self, first: int, last: int, exc: BaseException) -> None:
+        """A free (or release) of ``[first, last)`` raised: its resident pages may or may not be gone."""
+        mapped, dropped = _changed(exc)
+        r = self.resident
+        known = r.count(RESIDENT, first, last)
+        for p in range(first, last):
+            if r[p] == RESIDENT:
+                r[p] = UNKNOWN
+        self.maybe += known * self.reservation.page_size + mapped - dropped
+
+    def _settle(self) -> None:
+        # only a backend whose results disagree with its own errors can trip these; keep the map sane
+        if UNKNOWN not in self.resident and self.maybe:
+            log.warning("membackend: model %s on %s: %d resident byte(s) unaccounted once every page was settled",
+                        self.model.id, self.device, self.maybe)
+            self.maybe = 0
+        elif self.maybe < 0:
+            self.maybe = 0
+
+    def released(self) -> None:
+        self.resident = bytearray(len(self.resident))
+        self.maybe = 0
 
 
 @dataclass(eq=False)
@@ -108,38 +226,111 @@ class Model:
 
 
 class ResidencyManager:
-    """The membackend policy. ``tracer`` (or the session's ``TraceObserver``) receives every decision."""
+    """The membackend policy. ``tracer`` (default: the session's tracer) receives every decision.
+
+    **Threads.** One manager may be called from several threads at once (ComfyUI's
+    prompt worker faulting and unpinning, its server thread's ``/free`` calling
+    :meth:`free_memory` or :meth:`unload_all`, copy threads calling
+    :meth:`record`). Every method that reads or changes the policy's state
+    (the registry, the page maps, pins, watermarks, priorities) holds one
+    re-entrant lock, so each is atomic with respect to the others.
+
+    The lock is held while the session fences (a full unload, a free waiting
+    on recorded copies). That cannot deadlock with a copy thread: :meth:`record`
+    takes no policy lock (it reads the slot's reservation once and lets the
+    session order it against a racing release), so a copy thread never waits
+    for the thread that waits for its copy. Releasing the lock around each fence
+    instead would let another thread fault pages back in between the fence and
+    the free, and the unload would free memory that new work just started on.
+
+    **Failures.** A verb that raises leaves the page map agreeing with the
+    session's ledger (pages it may have changed become UNKNOWN: evictable,
+    freed by an unload). :meth:`full_unload`, :meth:`unload_all` and
+    :meth:`unregister` carry on past failures and raise one
+    :class:`~membackend.types.PartialFailure` naming every one.
+    """
 
     policy = "membackend"
 
     def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
         self.session = session
-        self.tracer = tracer or next((o for o in session.observers if isinstance(o, TraceObserver)), None)
+        self.tracer = tracer if tracer is not None else getattr(session, "tracer", None)
         self._models: dict[str, Model] = {}
         self._clock = itertools.count(1)
         self._running: set[str] = set()  # ids of the models the current run uses
+        self._lock = threading.RLock()  # re-entrant: full_unload recurses, fault evicts through _shed
 
     # ------------------------------------------------------------------ registry
 
+    @_locked
     def register(self, model_id: str, size: int, devices: Any, kind: ModelKind | str = ModelKind.OTHER,
                  owner: Model | None = None) -> Model:
-        """Register a model of ``size`` bytes on ``devices`` and reserve its address range on each."""
+        """Register a model of ``size`` bytes on ``devices`` and reserve its address range on each.
+
+        Every argument is checked before anything is reserved. When a reservation
+        fails (a later device out of memory, a device that does not exist), the
+        ones already made are released, nothing is registered, and the error is
+        raised as it came.
+        """
+        if not isinstance(model_id, str) or not model_id:
+            raise ModelError(f"a model id is a non-empty str, got {model_id!r}")
         if model_id in self._models:
-            raise MembackendError(f"model {model_id!r} is already registered; unregister it or pick another id")
+            raise ModelError(f"model {model_id!r} is already registered; unregister it or pick another id")
+        size = _as_int(size, "model size")
+        if size <= 0:
+            raise InvalidSize(f"model size must be > 0 bytes, got {size}")
         devs = tuple(Device.parse(d) for d in (devices if isinstance(devices, (list, tuple)) else [devices]))
-        model = Model(model_id, size, devs, ModelKind(kind), owner)
-        for d in devs:
-            model.slots[d] = _Slot(model, d)
-            self._reserve(model.slots[d])
+        if not devs:
+            raise WrongDevice(f"model {model_id!r} needs at least one device, got {devices!r}")
+        if len(set(devs)) != len(devs):
+            raise WrongDevice(f"model {model_id!r} names a device twice: {', '.join(map(str, devs))}; "
+                              "accepted: each device once")
+        try:
+            kind = ModelKind(kind)
+        except ValueError:
+            raise ModelError(f"model kind {kind!r} is unknown; accepted: "
+                             f"{', '.join(k.value for k in ModelKind)}") from None
+        if owner is not None:
+            self._check_registered(owner, "owner")
+        model = Model(model_id, size, devs, kind, owner)
+        try:
+            for d in devs:
+                model.slots[d] = _Slot(model, d)
+                self._reserve(model.slots[d])
+        except BaseException as exc:
+            self._roll_back(model, exc)
+            raise
         if owner is not None:
             owner.owned.append(model)
         self._keep(model)
         self._trace("register", model, bytes=size, kind=model.kind.value)
         return model
 
+    def _roll_back(self, model: Model, exc: BaseException) -> None:
+        """A register that failed part-way: give back every reservation it made, and the address
+        windows the backend would keep from them, so nothing stays charged (ComfyUI #15993's commit)."""
+        for slot in reversed(list(model.slots.values())):
+            if not slot.alive:
+                continue
+            try:
+                self.session.release_reservation(slot.reservation)
+                self._trim(slot.device)
+            except Exception as undo:  # the original error is the one to report; say what stayed behind
+                log.error("membackend: rolling back model %r on %s failed: %s", model.id, slot.device, undo)
+                exc.add_note(f"rolling back: giving back {model.id!r}'s reservation on {slot.device} failed: {undo}")
+        self._trace("register_failed", model, error=type(exc).__name__)
+
     def _keep(self, model: Model) -> None:
         self._models[model.id] = model
 
+    def _check_registered(self, model: Any, what: str = "model") -> Model:
+        if not isinstance(model, Model):
+            raise ModelError(f"{what} must be a Model from register(), got {type(model).__name__}")
+        if self._models.get(model.id) is not model:
+            raise ModelError(f"{what} {model.id!r} is not registered with this manager")
+        return model
+
+    @_locked
     def models(self) -> list[Model]:
         return list(self._models.values())
 
@@ -148,26 +339,43 @@ class ResidencyManager:
         self._trace("reserve", slot.model, device=str(slot.device), bytes=slot.reservation.size)
 
     def _slot(self, model: Model, device: Any) -> _Slot:
-        try:
-            return model.slots[Device.parse(device) if device is not None else model.devices[0]]
-        except KeyError:
-            raise MembackendError(f"model {model.id!r} is not registered on {device}; "
-                                  f"its devices: {', '.join(map(str, model.devices))}") from None
+        self._check_registered(model)
+        dev = Device.parse(device) if device is not None else model.devices[0]
+        slot = model.slots.get(dev)
+        if slot is None:
+            raise WrongDevice(f"model {model.id!r} is not registered on {dev}; "
+                              f"its devices: {', '.join(map(str, model.devices))}")
+        return slot
+
+    @staticmethod
+    def _pages(slot: _Slot, model: Model, offset: Any, size: Any) -> tuple[int, int, int, int]:
+        """Check a byte range of ``model``; returns ``(offset, size, first page, end page)``."""
+        offset, size = _as_int(offset, "offset"), _as_int(size, "size")
+        if size <= 0:
+            raise InvalidSize(f"size must be > 0, got {size}")
+        if offset < 0 or offset + size > model.size:
+            raise OutOfRange(f"range [{offset}, {offset + size}) is outside model {model.id!r} of {model.size} "
+                             f"bytes; accepted: 0 <= offset and offset + size <= {model.size}")
+        ps = slot.reservation.page_size if slot.reservation is not None else 1
+        return offset, size, offset // ps, (offset + size - 1) // ps + 1
 
     # ------------------------------------------------------------------ use
 
+    @_locked
     def use(self, models: Iterable[Model]) -> None:
         """Start a run (a workflow) that uses ``models``: they get the highest priority and may
         not be evicted whole; what else stays resident is decided by the budget (G4)."""
-        models = list(models)
+        models = [self._check_registered(m) for m in models]
         self._running = {m.id for m in models}
         for m in models:
             self.prioritize(m)
         self._trace("use", None, models=[m.id for m in models])
         self._on_workflow_switch(models)
 
+    @_locked
     def prioritize(self, model: Model) -> None:
         """Most recently used from now on; lifts the watermark of each of its reservations."""
+        self._check_registered(model)
         model.last_used = next(self._clock)
         for slot in model.slots.values():
             slot.watermark = None
@@ -176,6 +384,7 @@ class ResidencyManager:
         for device in {d for m in self._models.values() for d in m.devices}:
             self.keep_warm(device)
 
+    @_locked
     def keep_warm(self, device: Any) -> int:
         """Evict whole models, least recently used first (never one the current run uses), until the
         budget's headroom is free again; returns bytes freed."""
@@ -200,20 +409,28 @@ class ResidencyManager:
 
     # ------------------------------------------------------------------ faults
 
+    @_locked
     def fault(self, model: Model, offset: int, size: int, device: Any = None) -> Fault:
-        """Back ``[offset, offset+size)`` of ``model`` and pin it; evicts by priority when out of memory."""
+        """Back ``[offset, offset+size)`` of ``model`` and pin it; evicts by priority when out of memory.
+
+        The range must lie inside the model (``0 <= offset``, ``offset + size <= model.size``);
+        a bad range is refused (``InvalidSize`` / ``OutOfRange``) before anything is evicted.
+        A ``DriverError`` from the session leaves the pages it may have mapped counted
+        (UNKNOWN, unpinned), so eviction and unload free them.
+        """
         slot = self._slot(model, device)
+        offset, size, first, last = self._pages(slot, model, offset, size)
         if not slot.alive:  # used again after a full unload: reserve again, transparently
             self._reserve(slot)
+            offset, size, first, last = self._pages(slot, model, offset, size)
         r = slot.reservation
         model.last_used = next(self._clock)
         if slot.watermark is not None and offset + size > slot.watermark:
             self._trace("fail_fast", model, device=str(slot.device), offset=offset, bytes=size,
                         watermark=slot.watermark)
-            return Fault(False, (), offset // r.page_size, 0)
+            return Fault(False, (), first, 0)
         ps = r.page_size
-        first, last = offset // ps, (offset + size - 1) // ps + 1
-        missing = slot.resident.count(0, first, last) * ps
+        missing = slot.missing(first, last)
         if missing:
             usable = self.session.budget_query(slot.device).usable
             if missing > usable and self._evict(slot.device, missing - usable, (slot, first, last),
@@ -222,13 +439,13 @@ class ResidencyManager:
                 # would squeeze the host: out of memory is the caller's answer instead
                 self._trace("oom", model, device=str(slot.device), offset=offset, bytes=size, reason="budget")
                 return Fault(False, (), first, 0)
-        f = self.session.fault(r, offset, size)
+        f = self._session_fault(slot, offset, size, first, last)
         while not f.ok:
             if not self._evict(slot.device, missing or ps, (slot, first, last), "out of memory"):
                 self._trace("oom", model, device=str(slot.device), offset=offset, bytes=size)
                 return f
-            f = self.session.fault(r, offset, size)
-        slot.resident[first:last] = b"\x01" * (last - first)
+            f = self._session_fault(slot, offset, size, first, last)
+        slot.faulted(first, last, f.mapped)
         pins = slot.pins
         for p in range(first, last):
             pins[p] += 1
@@ -236,24 +453,42 @@ class ResidencyManager:
             self._trace("fault", model, device=str(slot.device), offset=offset, bytes=f.mapped, result="mapped")
         return f
 
+    def _session_fault(self, slot: _Slot, offset: int, size: int, first: int, last: int) -> Fault:
+        try:
+            return self.session.fault(slot.reservation, offset, size)
+        except Exception as exc:
+            slot.fault_failed(first, last, exc)
+            raise
+
+    @_locked
     def unpin(self, model: Model, offset: int, size: int, device: Any = None) -> None:
         """The op that faulted the range is done with it; its pages may be evicted again."""
         slot = self._slot(model, device)
+        _, _, first, last = self._pages(slot, model, offset, size)
         if not slot.alive:
             return
-        ps = slot.reservation.page_size
         pins = slot.pins
-        for p in range(offset // ps, (offset + size - 1) // ps + 1):
+        for p in range(first, last):
             if pins[p]:
                 pins[p] -= 1
 
     def record(self, model: Model, token: FenceToken, device: Any = None) -> None:
-        """Asynchronous work (a copy) on the model's pages: frees and unloads wait for it."""
+        """Asynchronous work (a copy) on the model's pages: frees and unloads wait for it.
+
+        Takes no policy lock (see the class docstring): a copy thread must never
+        wait for a thread that is fencing its copy. A full unload racing it either
+        fences the token or makes this raise ``ReservationReleased``.
+        """
         slot = self._slot(model, device)
-        if not slot.alive:
-            raise MembackendError(f"model {model.id!r} has no reservation on {slot.device} (fully unloaded); "
-                                  "fault it before copying into it")
-        self.session.record(slot.reservation, token)
+        r = slot.reservation  # read once: a racing full unload may release it under us
+        if r is None or r.released:
+            raise ReservationReleased(f"model {model.id!r} has no reservation on {slot.device} (fully unloaded); "
+                                      "fault it before copying into it")
+        try:
+            self.session.record(r, token)
+        except ReservationReleased:
+            raise ReservationReleased(f"model {model.id!r} was fully unloaded from {slot.device} while the copy "
+                                      "was recorded; fault it again and copy again") from None
 
     # ------------------------------------------------------------------ eviction
 
@@ -277,9 +512,9 @@ class ResidencyManager:
         return freed
 
     def _shed(self, slot: _Slot, amount: float, protect: tuple[_Slot, int, int] | None) -> int:
-        """Free unpinned resident pages of ``slot`` from the top down, up to ``amount`` bytes (rounded
-        up to pages). Another model's reservation gets a watermark at the lowest page freed; the
-        faulting reservation gives up pages above its range without one."""
+        """Free unpinned resident (or UNKNOWN) pages of ``slot`` from the top down, up to ``amount``
+        bytes (rounded up to pages). Another model's reservation gets a watermark at the lowest page
+        freed; the faulting reservation gives up pages above its range without one."""
         r = slot.reservation
         ps = r.page_size
         own = protect is not None and protect[0] is slot
@@ -308,8 +543,12 @@ class ResidencyManager:
     def _free_pages(self, slot: _Slot, start: int, end: int) -> int:
         r = slot.reservation
         self._fence_before_free(slot)
-        dropped = self.session.free(r, start * r.page_size, (end - start) * r.page_size)
-        slot.resident[start:end] = bytes(end - start)
+        try:
+            dropped = self.session.free(r, start * r.page_size, (end - start) * r.page_size)
+        except Exception as exc:
+            slot.free_failed(start, end, exc)
+            raise
+        slot.freed(start, end, dropped)
         return dropped
 
     def _fence_before_free(self, slot: _Slot) -> None:
@@ -317,8 +556,12 @@ class ResidencyManager:
 
     # ------------------------------------------------------------------ unload
 
+    @_locked
     def free_memory(self, amount: int, device: Any) -> int:
         """Free at least ``amount`` bytes on ``device`` by priority (pinned pages stay); returns bytes freed."""
+        amount = _as_int(amount, "amount")
+        if amount < 0:
+            raise InvalidSize(f"amount must be >= 0 bytes, got {amount}")
         device = Device.parse(device)
         freed = 0
         for slot in self._by_priority(device):
@@ -330,32 +573,89 @@ class ResidencyManager:
         self._trace("free_memory", None, device=str(device), bytes=amount, result=freed)
         return freed
 
+    @_locked
     def full_unload(self, model: Model) -> int:
         """Fence, free every page, release the reservation on every device, and the same for what
-        the model owns indirectly (G1, G5). Returns bytes that were resident. The model stays usable."""
+        the model owns indirectly (G1, G5). Returns bytes that were resident. The model stays usable.
+
+        A device that fails does not stop the others: everything that can be unloaded is,
+        then one :class:`~membackend.types.PartialFailure` names each model and device that
+        failed (those keep their reservation; unloading again retries them).
+        """
+        self._check_registered(model)
+        failures: list[tuple[str, BaseException]] = []
+        dropped = self._unload(model, failures)
+        if failures:
+            raise PartialFailure(f"full unload of model {model.id!r}", failures)
+        return dropped
+
+    def _unload(self, model: Model, failures: list[tuple[str, BaseException]]) -> int:
         dropped = 0
         for child in list(model.owned):
-            dropped += self.full_unload(child)
+            dropped += self._unload(child, failures)
+        release = self.session.capabilities.release_on_full_unload
         for slot in model.slots.values():
             if not slot.alive:
                 continue
-            self.session.fence(reservation=slot.reservation)
-            slot.clear_pins()  # its pins go with it
-            if self.session.capabilities.release_on_full_unload:
-                dropped += self.session.release_reservation(slot.reservation)
-                slot.resident = bytearray(len(slot.resident))
-            else:
-                dropped += self._shed(slot, math.inf, None)
-        self._trace("full_unload", model, bytes=dropped,
-                    released=self.session.capabilities.release_on_full_unload, owned=[c.id for c in model.owned])
+            try:
+                dropped += self._unload_slot(slot, release)
+            except Exception as exc:
+                failures.append((f"model {model.id!r} on {slot.device}", exc))
+        self._trace("full_unload", model, bytes=dropped, released=release, owned=[c.id for c in model.owned])
         return dropped
 
-    def unload_all(self) -> int:
-        """Full unload of every registered model (ComfyUI's ``unload_all_models``)."""
-        return sum(self.full_unload(m) for m in list(self._models.values()) if m.owner is None)
+    def _unload_slot(self, slot: _Slot, release: bool) -> int:
+        r = slot.reservation
+        self.session.fence(reservation=r)
+        slot.clear_pins()  # its pins go with it
+        if not release:
+            return self._shed(slot, math.inf, None)
+        try:
+            dropped = self.session.release_reservation(r)
+        except Exception as exc:
+            slot.free_failed(0, r.pages, exc)
+            raise
+        slot.released()
+        return dropped
 
+    @_locked
+    def unload_all(self) -> int:
+        """Full unload of every registered model (ComfyUI's ``unload_all_models``), then give back
+        what the backend keeps for reuse (``Session.trim``), so the driver is back at its baseline (G1).
+
+        Carries on past failures and raises one :class:`~membackend.types.PartialFailure`
+        naming every model, device (and the trim) that failed. Returns bytes that were resident.
+        """
+        failures: list[tuple[str, BaseException]] = []
+        dropped = 0
+        for m in [m for m in self._models.values() if m.owner is None]:
+            try:
+                dropped += self.full_unload(m)
+            except PartialFailure as exc:
+                failures += exc.failures
+            except Exception as exc:
+                failures.append((f"model {m.id!r}", exc))
+        try:
+            self._trim()
+        except Exception as exc:
+            failures.append(("trim", exc))
+        if failures:
+            raise PartialFailure("unload_all", failures)
+        return dropped
+
+    def _trim(self, device: Device | None = None) -> None:
+        """Give back what the backend keeps for reuse on ``device`` (every device when None)."""
+        trim = getattr(self.session, "trim", None)  # sessions before issue 7 have no trim: nothing to give back
+        if trim is not None:
+            trim(device)
+
+    @_locked
     def unregister(self, model: Model) -> None:
-        """Full unload, then forget the model (and what it owns)."""
+        """Full unload, then forget the model (and what it owns).
+
+        When the unload fails (``PartialFailure``), the model stays registered so
+        that unregistering it again retries.
+        """
         self.full_unload(model)
         for child in list(model.owned):
             self.unregister(child)
@@ -366,8 +666,13 @@ class ResidencyManager:
 
     # ------------------------------------------------------------------ reporting
 
+    @_locked
     def stats(self, device: Any = None) -> dict[str, Any]:
-        """Per model: resident bytes and whether its reservation is alive, on one device or all."""
+        """Per model: resident bytes and whether its reservation is alive, on one device or all.
+
+        Resident bytes equal the session ledger's for the model's reservations, failed
+        verbs included (pages they may have changed are counted as the ledger counts them).
+        """
         dev = Device.parse(device) if device is not None else None
         return {
             m.id: {
@@ -420,7 +725,7 @@ class StockPolicy(ResidencyManager):
             if m.id in keep:
                 continue
             for slot in m.slots.values():
-                if slot.alive and slot.resident.count(1):
+                if slot.alive and any(slot.resident):
                     dropped = self._shed(slot, math.inf, None)
                     self._trace("evict_model", m, device=str(slot.device), bytes=dropped, reason="workflow change")
 
@@ -430,7 +735,9 @@ class StockPolicy(ResidencyManager):
     def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
         return 0  # aimdo evicts pages by VBAR priority, never whole models (vbars_free)
 
+    @_locked
     def full_unload(self, model: Model) -> int:
+        self._check_registered(model)
         dropped = 0
         for slot in model.slots.values():
             if slot.alive:
@@ -446,7 +753,7 @@ def _release_on_gc(session: Session, slots: list[_Slot], tracer: TraceObserver |
         if slot.alive:
             try:
                 session.release_reservation(slot.reservation)
-            except MembackendError as exc:  # a finalizer must not raise
+            except Exception as exc:  # a finalizer must not raise
                 log.warning("membackend: releasing a collected model's reservation failed: %s", exc)
     if tracer is not None:
         tracer.event("release_on_gc", policy="stock", bytes=sum(s.reservation.size for s in slots if s.reservation))

@@ -42,13 +42,28 @@ class Env:
     def size(self, fraction: float) -> int:
         return int(self.capacity * fraction) // self.page * self.page
 
+    def live_state(self, s: Session) -> dict:
+        """The driver's own view of live reservations (what the backend keeps for reuse left out)."""
+        st = s.inspect(self.device)
+        return {} if st is None else {"reserved": st.reserved, "resident": st.resident}
+
     def driver_state(self, s: Session) -> dict:
-        sim = getattr(s.backend, "_driver", None)
-        sim = getattr(sim, "sim", None)
+        """Everything the simulated driver holds, kept windows and spare handles included."""
+        sim = sim_of(s)
         if sim is None:
             return {}
         st = sim.state(self.device.index)
-        return {"reserved": st["reserved"], "mapped": st["mapped"], "commit": sim.private_commit}
+        return {"reserved": st["reserved"], "mapped": st["mapped"], "handles": st["handles"],
+                "commit": sim.private_commit}
+
+
+def sim_of(s: Session):
+    """The simulated platform under a VMM session, or None (host). The one place that knows where it lives."""
+    backend = s.backend
+    if isinstance(backend, HostBackend):
+        return None
+    driver = getattr(backend, "_driver", None) or backend.driver
+    return getattr(driver, "sim", None)
 
 
 @pytest.fixture(params=TARGETS)
@@ -170,7 +185,7 @@ def test_headroom_is_kept_free_for_activations(env):
 def test_full_unload_returns_everything_including_what_the_model_owns(env):
     s = env.session()
     policy = ResidencyManager(s)
-    baseline = s.ledger.account(env.device), env.driver_state(s)
+    baseline, raw = (s.ledger.account(env.device), env.live_state(s)), env.driver_state(s)
     unet = policy.register("unet", env.size(0.3), env.device, ModelKind.DIFFUSION)
     hook = policy.register("unet/hook", env.size(0.1), env.device, ModelKind.HOOK_DELEGATE, owner=unet)
     cast = policy.register("unet/cast", env.page, env.device, ModelKind.CAST_BUFFER, owner=unet)
@@ -180,10 +195,12 @@ def test_full_unload_returns_everything_including_what_the_model_owns(env):
     load(policy, cast)
     policy.full_unload(unet)
     assert all(not v["reserved"] and v["resident"] == 0 for v in policy.stats().values())
-    assert (s.ledger.account(env.device), env.driver_state(s)) == baseline
+    assert (s.ledger.account(env.device), env.live_state(s)) == baseline
     # the model object stays usable: it reserves again and its pages are new
     again = policy.fault(unet, 0, unet.size)
     assert again.ok and again.mapped == unet.size and set(again.generations).isdisjoint(first.generations)
+    policy.unload_all()  # everything: what the backend kept for reuse (a churn-limited window) goes back too
+    assert (s.ledger.account(env.device), env.driver_state(s)) == (baseline[0], raw)
 
 
 def test_unload_all_leaves_no_reservation(env):
@@ -199,7 +216,7 @@ def test_unload_all_leaves_no_reservation(env):
 def test_stock_full_unload_keeps_the_reservation_until_the_model_is_collected(env):
     s = env.session()
     stock = StockPolicy(s)
-    baseline = s.ledger.account(env.device), env.driver_state(s)
+    baseline, raw = (s.ledger.account(env.device), env.live_state(s)), env.driver_state(s)
     unet = stock.register("unet", env.size(0.3), env.device)
     hook = stock.register("unet/hook", env.size(0.1), env.device, ModelKind.HOOK_DELEGATE, owner=unet)
     load(stock, unet)
@@ -209,10 +226,12 @@ def test_stock_full_unload_keeps_the_reservation_until_the_model_is_collected(en
     assert acct.reservations_alive == 2, "the reservations stay (ComfyUI #15993)"
     assert stock.stats()["unet/hook"]["resident"] == hook.size, "the Hook delegate survives (ComfyUI #15533)"
     if env.target == "rocm-win-2gpu":
-        assert env.driver_state(s)["commit"] > baseline[1]["commit"], "private commit stays charged"
+        assert env.driver_state(s)["commit"] > raw["commit"], "private commit stays charged"
     del unet, hook
     gc.collect()
-    assert (s.ledger.account(env.device), env.driver_state(s)) == baseline
+    assert (s.ledger.account(env.device), env.live_state(s)) == baseline
+    stock.unload_all()
+    assert env.driver_state(s) == raw
 
 
 def test_both_policies_on_the_same_run(env):
@@ -239,7 +258,7 @@ def test_both_policies_on_the_same_run(env):
 def test_policy_decisions_and_verbs_go_to_the_trace(tmp_path, env):
     tracer = TraceObserver(tmp_path / "run.jsonl")
     s = env.session(observers=[tracer])
-    policy = ResidencyManager(s)
+    policy = ResidencyManager(s, tracer=tracer)
     a, b = policy.register("a", env.size(0.6), env.device), policy.register("b", env.size(0.6), env.device)
     policy.use([a])
     load(policy, a)
