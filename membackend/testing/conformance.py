@@ -1,15 +1,22 @@
 """The conformance kit: every rule of the contract as a test, plus property-based sequences.
 
-Run it against any installed backend::
+Run it against any backend::
 
     pytest --pyargs membackend.testing.conformance --membackend-backend NAME
+    pytest --pyargs membackend.testing.conformance --membackend-plugin package.module:MyBackend
 
 Each test gets a fresh session forced onto the target backend
-(``membackend_session``). After each test the kit releases what is left and
-checks that nothing leaked. The property test drives random verb sequences
-under random injected driver failures and checks after every step that the
-ledger equals the driver's own view, that no reservation leaked and that the
-sanitizer saw nothing.
+(``membackend_session``). The ledger is checked against the platform, not
+against the backend: for ``cpu`` backends against the kernel (``/proc/self/maps``
+and ``mincore`` after every verb), for GPU backends against the optional hook
+``membackend_inspect``. Driver failures are injected through the optional hook
+``membackend_inject_failures``. After each test the kit releases what is left
+and checks that nothing leaked. Checks that could not run are named in the
+terminal summary.
+
+Every ``test_*`` function of this module is collected wherever the module is
+star-imported (``__all__`` is computed from the names), so a new rule cannot
+be left out of a hand-kept list.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
+    run_state_machine_as_test
 
 from ..session import Session
 from ..types import (
@@ -33,27 +41,13 @@ from ..types import (
     SanitizerError,
     WrongDevice,
 )
-from .harness import async_work, build_session, driver_view, inject_failures, kit_device
-
-__all__ = []  # collected by pytest; nothing to import
+from .harness import async_work, build_session, checker_for, inject_failures, kit_device, note
 
 MiB = 1 << 20
 
 
-def _ledger_matches_driver(session: Session, device: Device) -> None:
-    view = driver_view(session, device)
-    acct = session.ledger.account(device)
-    if view is not None:
-        assert (acct.reserved, acct.resident) == (view.reserved, view.resident), \
-            f"ledger {acct} != driver {view}"
-    mine = sum(session.ledger.resident(r) for r in session.reservations() if r.device == device)
-    assert acct.resident == mine and acct.reservations_alive == len(
-        [r for r in session.reservations() if r.device == device])
-
-
-def _sim(session: Session):
-    driver = getattr(session.backend, "_driver", None)
-    return getattr(driver, "sim", None)
+def _verify(session: Session, device: Device, step: str) -> None:
+    checker_for(session).verify(device, step)
 
 
 def _pages(session: Session, n: int) -> tuple[Reservation, int]:
@@ -63,18 +57,25 @@ def _pages(session: Session, n: int) -> tuple[Reservation, int]:
     return session.reserve(kit_device(session), n * ps), ps
 
 
+def _account(session: Session, device: Device) -> tuple[int, int, int]:
+    a = session.ledger.account(device)
+    return a.reserved, a.resident, a.reservations_alive
+
+
 # --------------------------------------------------------------------------- rules
 
 
 def test_reserve_gives_whole_pages_and_no_memory(membackend_session):
     s = membackend_session
     dev = kit_device(s)
-    r = s.reserve(dev, 3 * MiB + 1)
-    assert isinstance(r, Reservation) and r.device == dev and not r.released
-    assert r.size >= 3 * MiB + 1 and r.size % r.page_size == 0 and r.size - r.page_size < 3 * MiB + 1
-    acct = s.ledger.account(dev)
-    assert (acct.reserved, acct.resident, acct.reservations_alive) == (r.size, 0, 1)
-    _ledger_matches_driver(s, dev)
+    want = 3 * MiB + 1
+    r = s.reserve(dev, want)
+    assert isinstance(r, Reservation) and r.device == dev and not r.released, f"reserve({dev}, {want}) returned {r!r}"
+    assert r.size >= want and r.size % r.page_size == 0 and r.size - r.page_size < want, \
+        f"reserve({dev}, {want}): size {r.size} with page size {r.page_size}; expected {want} rounded up to whole pages"
+    assert _account(s, dev) == (r.size, 0, 1), \
+        f"after reserve: ledger (reserved, resident, alive) = {_account(s, dev)}; expected ({r.size}, 0, 1)"
+    _verify(s, dev, f"reserve({dev}, {want})")
 
 
 @pytest.mark.parametrize("size", [0, -1])
@@ -98,42 +99,55 @@ def test_fault_backs_every_touched_page_with_generations(membackend_session):
     s = membackend_session
     r, ps = _pages(s, 4)
     f = s.fault(r, ps // 2, ps)  # touches pages 0 and 1
-    assert isinstance(f, Fault) and f.ok and f.first_page == 0 and len(f.generations) == 2 and f.mapped == 2 * ps
+    assert isinstance(f, Fault) and f.ok and f.first_page == 0 and len(f.generations) == 2 and f.mapped == 2 * ps, \
+        f"fault(#{r.id}, {ps // 2}, {ps}) returned {f!r}; expected ok, first_page 0, 2 generations, mapped {2 * ps}"
+    _verify(s, r.device, f"fault(#{r.id}, {ps // 2}, {ps})")
     again = s.fault(r, 0, 2 * ps)
-    assert again.ok and again.generations == f.generations and again.mapped == 0
-    assert s.ledger.resident(r) == 2 * ps
-    _ledger_matches_driver(s, r.device)
+    assert again.ok and again.generations == f.generations and again.mapped == 0, \
+        f"second fault(#{r.id}, 0, {2 * ps}) returned {again!r}; expected ok, generations {f.generations}, mapped 0"
+    assert s.ledger.resident(r) == 2 * ps, f"ledger resident {s.ledger.resident(r)}; expected {2 * ps}"
+    _verify(s, r.device, f"second fault(#{r.id}, 0, {2 * ps})")
 
 
 def test_a_page_gets_a_new_generation_when_it_gets_new_memory(membackend_session):
     s = membackend_session
     r, ps = _pages(s, 2)
     g1 = s.fault(r, 0, 2 * ps).generations
-    assert s.free(r, ps, ps) == ps
+    dropped = s.free(r, ps, ps)
+    assert dropped == ps, f"free(#{r.id}, {ps}, {ps}) of a resident page returned {dropped}; expected {ps}"
+    _verify(s, r.device, f"free(#{r.id}, {ps}, {ps})")
     g2 = s.fault(r, 0, 2 * ps).generations
-    assert g2[0] == g1[0] and g2[1] != g1[1]
+    assert g2[0] == g1[0] and g2[1] != g1[1], \
+        f"generations {g1} before and {g2} after page 1 was freed and faulted; expected page 0 kept, page 1 new"
 
 
 def test_free_drops_pages_and_keeps_the_range(membackend_session):
     s = membackend_session
     r, ps = _pages(s, 4)
     s.fault(r, 0, 4 * ps)
-    assert s.free(r, 0, 2 * ps) == 2 * ps
-    assert s.free(r, 0, 2 * ps) == 0
-    _ledger_matches_driver(s, r.device)
-    assert s.free(r) == 2 * ps
-    assert s.ledger.account(r.device).reserved == r.size and s.fault(r, 0, r.size).ok
-    _ledger_matches_driver(s, r.device)
+    for expected in (2 * ps, 0):
+        dropped = s.free(r, 0, 2 * ps)
+        assert dropped == expected, f"free(#{r.id}, 0, {2 * ps}) returned {dropped}; expected {expected}"
+        _verify(s, r.device, f"free(#{r.id}, 0, {2 * ps})")
+    dropped = s.free(r)
+    assert dropped == 2 * ps, f"free(#{r.id}) of the rest returned {dropped}; expected {2 * ps}"
+    assert s.ledger.account(r.device).reserved == r.size
+    _verify(s, r.device, f"free(#{r.id})")
+    f = s.fault(r, 0, r.size)
+    assert f.ok, f"fault(#{r.id}, 0, {r.size}) after free returned {f!r}; the range must stay usable"
+    _verify(s, r.device, f"fault(#{r.id}, 0, {r.size}) after free")
 
 
 def test_release_returns_everything(membackend_session):
     s = membackend_session
     r, ps = _pages(s, 3)
     s.fault(r, 0, 2 * ps)
-    assert s.release_reservation(r) == 2 * ps and r.released
-    acct = s.ledger.account(r.device)
-    assert (acct.reserved, acct.resident, acct.reservations_alive) == (0, 0, 0)
-    _ledger_matches_driver(s, r.device)
+    dropped = s.release_reservation(r)
+    assert dropped == 2 * ps and r.released, \
+        f"release_reservation(#{r.id}) returned {dropped}, released={r.released}; expected {2 * ps}, True"
+    assert _account(s, r.device) == (0, 0, 0), \
+        f"after release: ledger (reserved, resident, alive) = {_account(s, r.device)}; expected (0, 0, 0)"
+    _verify(s, r.device, f"release_reservation(#{r.id})")
 
 
 @pytest.mark.parametrize("verb", ["fault", "free", "release_reservation", "fence"])
@@ -160,7 +174,7 @@ def test_ranges_outside_the_reservation_are_refused(membackend_session, where):
         with pytest.raises(error):
             verb(r, offset, size)
     assert s.ledger.resident(r) == 0
-    _ledger_matches_driver(s, r.device)
+    _verify(s, r.device, f"refused calls on #{r.id}")
 
 
 def test_free_needs_whole_pages(membackend_session):
@@ -172,23 +186,61 @@ def test_free_needs_whole_pages(membackend_session):
     with pytest.raises(Misaligned):
         s.free(r, 0, ps // 2)
     assert s.ledger.resident(r) == 2 * ps
+    _verify(s, r.device, f"refused frees on #{r.id}")
 
 
-def test_out_of_memory_is_a_result_and_changes_nothing(membackend_session):
-    s = membackend_session
-    r, ps = _pages(s, 4)
-    s.fault(r, 0, ps)
-    before = s.ledger.account(r.device)
-    with inject_failures(s, probability=1.0) as injected:
-        if injected is None:
-            pytest.skip("this backend's driver cannot be reached for fault injection")
-        try:
-            f = s.fault(r, ps, 3 * ps)
-        except DriverError:
-            f = None  # a failure other than out of memory is a typed error: also allowed
-    assert f is None or not f.ok
-    assert s.ledger.account(r.device) == before
-    _ledger_matches_driver(s, r.device)
+OOM_CAPACITY = 4 * MiB
+
+
+@pytest.mark.parametrize("how", ["injected", "capacity"])
+def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
+    """Drive the backend out of memory (by injected driver failures, or past ``host_capacity``
+    where the backend honours it): the fault returns ok=False (or raises a typed ``DriverError``),
+    and the ledger, the kernel and the driver are exactly as before."""
+    check = f"out-of-memory rollback ({how})"
+    s = build_session(membackend_target, **({"host_capacity": OOM_CAPACITY} if how == "capacity" else {}))
+    try:
+        dev = kit_device(s)
+        if how == "capacity":
+            total = s.budget_query(dev).total
+            if total != OOM_CAPACITY:
+                if not checker_for(s).has["membackend_inject_failures"]:  # else injection drives it there
+                    note(membackend_target, check, f"does not honour host_capacity (budget total {total})")
+                pytest.skip(f"{membackend_target} does not honour host_capacity={OOM_CAPACITY}: budget total {total}")
+            probe = s.reserve(dev, 1)
+            ps = probe.page_size
+            s.release_reservation(probe)
+            r = s.reserve(dev, (OOM_CAPACITY // ps + 2) * ps)
+        else:
+            r, ps = _pages(s, 4)
+        assert s.fault(r, 0, ps).ok, f"fault(#{r.id}, 0, {ps}) of one page failed before any pressure"
+        before = _account(s, dev)
+        _verify(s, dev, f"fault(#{r.id}, 0, {ps})")
+        step = f"fault(#{r.id}, {ps}, {r.size - ps}) under {how} out of memory"
+        if how == "capacity":
+            f = s.fault(r, ps, r.size - ps)
+            assert not f.ok, f"{step}: returned {f!r}; expected ok=False past host_capacity={OOM_CAPACITY}"
+        else:
+            with inject_failures(s, probability=1.0) as injected:
+                if injected is None:
+                    note(membackend_target, check, "no membackend_inject_failures")
+                    pytest.skip(f"{membackend_target} cannot inject driver failures (no membackend_inject_failures)")
+                try:
+                    f = s.fault(r, ps, r.size - ps)
+                except DriverError:
+                    f = None  # a failure other than out of memory is a typed error: also allowed
+                assert f is None or not f.ok, f"{step}: returned {f!r} while every driver call failed"
+                assert injected.injected > 0, f"{step}: the backend's injection reported 0 failures"
+        assert _account(s, dev) == before, \
+            f"{step}: ledger (reserved, resident, alive) {_account(s, dev)}; expected unchanged {before}"
+        _verify(s, dev, step)
+        note(membackend_target, check, None, "host_capacity" if how == "capacity" else "membackend_inject_failures")
+        again = s.fault(r, ps, ps)
+        assert again.ok, f"fault(#{r.id}, {ps}, {ps}) after the pressure ended returned {again!r}; expected ok"
+        _verify(s, dev, f"fault(#{r.id}, {ps}, {ps}) after out of memory")
+    finally:
+        s.close()
+    checker_for(s).verify_nothing_left(dev)
 
 
 def test_free_and_release_wait_for_recorded_work(membackend_session):
@@ -197,16 +249,17 @@ def test_free_and_release_wait_for_recorded_work(membackend_session):
     s.fault(r, 0, 2 * ps)
     token = async_work(s, r, 0, ps)
     s.record(r, token)
-    assert s.ledger.account(r.device).pending_fences == 1
+    pending = s.ledger.account(r.device).pending_fences
+    assert pending == 1, f"after record on #{r.id}: {pending} pending fences; expected 1"
     s.free(r)
-    assert token.done() and s.ledger.account(r.device).pending_fences == 0
+    assert token.done(), f"free(#{r.id}) returned while recorded work was unfinished (G2)"
+    assert s.ledger.account(r.device).pending_fences == 0
+    _verify(s, r.device, f"free(#{r.id}) after recorded work")
     s.fault(r, 0, ps)
     token = async_work(s, r, 0, ps)
     s.record(r, token)
     s.release_reservation(r)
-    assert token.done()
-    sim = _sim(s)
-    assert sim is None or (sim.use_after_free, sim.bugchecks) == (0, 0)
+    assert token.done(), f"release_reservation(#{r.id}) returned while recorded work was unfinished (G2)"
 
 
 def test_device_fence_waits_for_everything_recorded(membackend_session):
@@ -219,15 +272,19 @@ def test_device_fence_waits_for_everything_recorded(membackend_session):
         tokens.append(async_work(s, r, 0, ps))
         s.record(r, tokens[-1])
     s.fence(a.device)
-    assert all(t.done() for t in tokens) and s.ledger.account(a.device).pending_fences == 0
+    unfinished = [i for i, t in enumerate(tokens) if not t.done()]
+    assert not unfinished, f"fence({a.device}) returned with work on #{a.id}/#{b.id} unfinished: tokens {unfinished}"
+    assert s.ledger.account(a.device).pending_fences == 0
 
 
 def test_budget_names_its_source(membackend_session):
     s = membackend_session
     for dev in s.devices():
         b = s.budget_query(dev)
-        assert isinstance(b, Budget) and b.total > 0 and 0 <= b.usable <= b.free <= b.total
-        assert b.usable == max(0, b.free - b.headroom) and b.source
+        assert isinstance(b, Budget) and b.total > 0 and 0 <= b.usable <= b.free <= b.total, \
+            f"budget_query({dev}) returned {b!r}; expected total > 0 and 0 <= usable <= free <= total"
+        assert b.usable == max(0, b.free - b.headroom) and b.source, \
+            f"budget_query({dev}) returned {b!r}; expected usable = free - headroom and a source"
 
 
 def test_sanitize_mode_catches_use_after_release(membackend_target):
@@ -247,27 +304,39 @@ SEQUENCES = {"runs": 0, "steps": 0, "injected": 0, "typed_errors": 0, "oom": 0}
 
 
 class VerbSequences(RuleBasedStateMachine):
-    """Random verbs under random driver failures; the ledger must equal the driver after every step."""
+    """Random verbs under random driver failures; the ledger must equal the platform after every step.
 
-    target = None  # set by the kit's fixture
+    Subclassed per target (``target``) and run by hypothesis's own runner.
+    Which pages are resident is modelled from the verbs' results alone (a page
+    is known resident after an ok fault, until a free of it is attempted), so
+    no backend internals are read.
+    """
+
+    target = None
 
     def __init__(self) -> None:
         super().__init__()
         self.session = build_session(self.target, sanitize=True)
+        self.checker = checker_for(self.session)
         self.device = kit_device(self.session)
         probe = self.session.reserve(self.device, 1)
         self.ps = probe.page_size
         self.session.release_reservation(probe)
         self.live: list[Reservation] = []
+        self.known: dict[int, set[int]] = {}  # reservation id -> pages known to be resident
         self.injector = None
+        self.step = "start"
+        self.steps = 0
         SEQUENCES["runs"] += 1
 
     @initialize(p=st.sampled_from([0.0, 0.05, 0.2]), seed=st.integers(0, 2**16))
     def start_injecting(self, p, seed):
-        self._ctx = inject_failures(self.session, p, seed)
-        self.injector = self._ctx.__enter__()
+        if p:
+            self.injector = self.checker.start_injection(p, seed)
 
-    def _call(self, fn, *args):
+    def _call(self, what: str, fn, *args):
+        self.steps += 1
+        self.step = f"step {self.steps}: {what}"
         SEQUENCES["steps"] += 1
         try:
             return fn(*args)
@@ -278,9 +347,11 @@ class VerbSequences(RuleBasedStateMachine):
     @rule(pages=st.integers(1, 6))
     def reserve(self, pages):
         if len(self.live) < 4:
-            r = self._call(self.session.reserve, self.device, pages * self.ps)
+            r = self._call(f"reserve({self.device}, {pages * self.ps})", self.session.reserve, self.device,
+                           pages * self.ps)
             if r is not None:
                 self.live.append(r)
+                self.known[r.id] = set()
 
     def _draw_range(self, data) -> tuple[Reservation, int, int]:
         """A live reservation and a whole-page range inside it."""
@@ -292,85 +363,71 @@ class VerbSequences(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def fault(self, data):
-        f = self._call(self.session.fault, *self._draw_range(data))
-        if f is not None and not f.ok:
+        r, offset, size = self._draw_range(data)
+        f = self._call(f"fault(#{r.id}, {offset}, {size})", self.session.fault, r, offset, size)
+        if f is not None and f.ok:
+            self.known[r.id].update(r.page_range(offset, size))
+        elif f is not None:
             SEQUENCES["oom"] += 1
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data):
-        self._call(self.session.free, *self._draw_range(data))
+        r, offset, size = self._draw_range(data)
+        self.known[r.id].difference_update(r.page_range(offset, size))
+        self._call(f"free(#{r.id}, {offset}, {size})", self.session.free, r, offset, size)
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: any(self.known[r.id] for r in self.live))
     @rule(data=st.data())
     def copy_then_maybe_free(self, data):
-        r = data.draw(st.sampled_from(self.live))
-        resident = [p for p in range(r.pages) if self._resident(r, p)]
-        if resident:
-            p = data.draw(st.sampled_from(resident))
-            self.session.record(r, async_work(self.session, r, p * self.ps, self.ps, seconds=0.0005))
-            if data.draw(st.booleans()):
-                self._call(self.session.free, r, p * self.ps, self.ps)
-
-    def _resident(self, r: Reservation, page: int) -> bool:
-        flags = getattr(r.handle, "ready", None)  # vmm: mapped and accessible
-        if flags is None:
-            flags = getattr(r.handle, "resident", None)  # host
-        return flags is not None and bool(flags[page])
+        r = data.draw(st.sampled_from([r for r in self.live if self.known[r.id]]))
+        p = data.draw(st.sampled_from(sorted(self.known[r.id])))
+        self.step = f"step {self.steps}: record(#{r.id}, copy into page {p})"
+        self.session.record(r, async_work(self.session, r, p * self.ps, self.ps, seconds=0.0005))
+        if data.draw(st.booleans()):
+            self.known[r.id].discard(p)
+            self._call(f"free(#{r.id}, {p * self.ps}, {self.ps}) during a copy", self.session.free, r,
+                       p * self.ps, self.ps)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def release(self, data):
         r = data.draw(st.sampled_from(self.live))
-        self._call(self.session.release_reservation, r)
+        self._call(f"release_reservation(#{r.id})", self.session.release_reservation, r)
         if r.released:
             self.live.remove(r)
+            self.known.pop(r.id)
 
     @rule()
     def fence_device(self):
-        self._call(self.session.fence, self.device)
+        self._call(f"fence({self.device})", self.session.fence, self.device)
 
     @rule()
     def budget(self):
-        self._call(self.session.budget_query, self.device)
+        self._call(f"budget_query({self.device})", self.session.budget_query, self.device)
 
     @invariant()
     def ledger_equals_driver(self):
-        _ledger_matches_driver(self.session, self.device)
-        sim = _sim(self.session)
-        if sim is not None:
-            assert (sim.use_after_free, sim.bugchecks, sim.crashes) == (0, 0, 0)
+        self.checker.verify(self.device, self.step)
 
     def teardown(self):
         if self.injector is not None:
-            self._ctx.__exit__(None, None, None)
-            SEQUENCES["injected"] += getattr(self.injector, "injected", 0) or 0
+            self.injector.stop()
+            SEQUENCES["injected"] += self.injector.injected
         try:
             self.session.close()
-            _check_nothing_left(self.session, self.device)
+            self.checker.verify_nothing_left(self.device, f"close() after {self.step}")
         finally:
             for r in self.session.reservations():  # only reached when close() failed
                 r.released = True
 
 
-def _check_nothing_left(session: Session, device: Device) -> None:
-    acct = session.ledger.account(device)
-    assert (acct.reserved, acct.resident, acct.reservations_alive, acct.pending_fences) == (0, 0, 0, 0)
-    view = driver_view(session, device)
-    if view is not None:
-        assert (view.reserved, view.resident) == (0, 0)
-    trim = getattr(session.backend, "trim", None)
-    if trim is not None:
-        trim(device)
-    sim = _sim(session)
-    if sim is not None:
-        left = sim.state(device.index)
-        assert (left["reservations"], left["handles"]) == (0, 0), f"leaked in the driver: {left}"
-
-
 def test_random_verb_sequences_keep_the_ledger_equal_to_the_driver(membackend_target, membackend_examples):
-    VerbSequences.target = membackend_target
-    case = VerbSequences.TestCase
-    case.settings = settings(max_examples=membackend_examples, stateful_step_count=25, deadline=None,
-                             suppress_health_check=list(HealthCheck))
-    case("runTest").runTest()
+    machine = type(f"VerbSequences[{membackend_target}]", (VerbSequences,), {"target": membackend_target})
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=membackend_examples, stateful_step_count=25, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+
+
+#: every rule above: ``from membackend.testing.conformance import *`` collects them all
+__all__ = sorted(name for name in list(globals()) if name.startswith("test_"))

@@ -1,168 +1,464 @@
-"""What the conformance kit needs around a backend: a session by name, a view of the
-driver's real state to check the ledger against, injected driver failures, and
-asynchronous work to fence.
+"""What the conformance kit needs around a backend: a session on a target, an independent
+view of what the platform holds, injected driver failures and asynchronous work to fence.
 
-A target is a string: a backend name (``host``, ``mybackend``) or, for a
-backend that runs over a simulated driver, ``NAME:PROFILE`` (``vmm:wddm-6gb``).
+The kit trusts nothing the backend says about itself. It checks the session's
+ledger against, in this order of preference:
+
+* the kernel, for every backend that serves ``cpu`` devices (whose
+  reservations are addresses in this process): ``/proc/self/maps`` for the
+  ranges and ``mincore(2)`` for resident pages, after every ``fault``,
+  ``free`` and ``release_reservation`` and after every step (Linux only);
+* the driver's own view, from the optional hook ``membackend_inspect``.
+
+Failures are injected through the optional hook ``membackend_inject_failures``.
+A check that cannot run is recorded by name with the reason
+(:data:`NOT_CHECKED`), and the kit's pytest plugin prints it in the terminal
+summary: a missing hook is never a silent pass.
+
+A target is a backend name (``host``), a backend over a simulated profile
+(``vmm:wddm-6gb``), or an import path ``package.module:Attr`` naming a backend
+class or object that need not be installed (the value an entry point would have).
 """
 
 from __future__ import annotations
 
-import errno
-import random
+import ctypes
+import importlib.metadata
+import os
 import sys
 import threading
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..backends.host import HostBackend
-from ..drivers import host as host_driver
-from ..drivers.sim import PROFILES
+import pluggy
+
+from .. import hookspec
+from ..drivers.host import os_page_size, resident_bytes
+from ..drivers.open import profile_names
 from ..fences import FutureToken
-from ..manager import BackendManager
+from ..hookspec import hookimpl
+from ..manager import ENTRY_POINT_GROUP, BackendManager
 from ..session import Session
 from ..settings import load_settings
-from ..types import Device, DriverError, FenceToken, Reservation
+from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
 
-__all__ = ["Target", "parse_target", "runs_on_simulations", "build_session", "DriverView", "driver_view", "inject_failures",
-           "async_work", "SIM_ERRORS"]
+__all__ = ["Target", "parse_target", "build_session", "checker_for", "Checker", "KernelWatch", "driver_view",
+           "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED"]
 
-#: per simulated API: the calls the property tests fail at random, and with which code
-SIM_ERRORS = {
-    "cuda": {"cuMemCreate": 2, "cuMemMap": 719, "cuMemSetAccess": 600, "cuMemUnmap": 1, "cuMemRelease": 1,
-             "cuMemAddressReserve": 2, "cuMemAddressFree": 1, "cuCtxSynchronize": 719},
-    "hip": {"hipMemCreate": 2, "hipMemMap": 1, "hipMemSetAccess": 600, "hipMemUnmap": 1, "hipMemRelease": 1,
-            "hipMemAddressReserve": 2, "hipMemAddressFree": 1, "hipDeviceSynchronize": 1},
-}
+#: per target: the checks the kit could not run, each with the reason (printed in the summary)
+NOT_CHECKED: dict[str, dict[str, str]] = {}
+#: per target: what each check was made against (printed in the summary)
+CHECKED: dict[str, dict[str, str]] = {}
+
+MAPS = "/proc/self/maps"
+
+
+def note(target: Any, check: str, why: str | None, against: str = "") -> None:
+    """Record that ``check`` could not run on ``target`` because ``why`` (None: it ran, against ``against``)."""
+    if why is None:
+        CHECKED.setdefault(str(target), {})[check] = against
+    else:
+        NOT_CHECKED.setdefault(str(target), {})[check] = why
+
+
+# --------------------------------------------------------------------------- targets
 
 
 @dataclass(frozen=True)
 class Target:
+    """``backend`` is an installed backend's name, or ``module:attr`` when ``import_path`` is true."""
+
     backend: str
     profile: str | None = None
+    import_path: bool = False
 
     def __str__(self) -> str:
         return f"{self.backend}:{self.profile}" if self.profile else self.backend
 
 
-def parse_target(text: str, profiles: list[str] | None = None, simulated: bool = True) -> list[Target]:
-    """``vmm:h200`` → [vmm over h200]; ``vmm:all`` → one per profile; a bare name gets ``profiles``
-    when its backend runs over a simulated driver (``simulated``), else stands alone."""
+def parse_target(text: str, profiles: list[str] | None = None, gpu: bool = True) -> list[Target]:
+    """``vmm:h200`` → [vmm over h200]; ``vmm:all`` → one per simulated profile; a bare name gets
+    ``profiles`` when its backend serves GPU devices (``gpu``), else stands alone."""
     name, _, profile = text.strip().partition(":")
-    chosen = [profile] if profile else (list(profiles or []) if simulated else [])
+    chosen = [profile] if profile else (list(profiles or []) if gpu else [])
     if "all" in chosen:
-        chosen = list(PROFILES)
+        chosen = list(profile_names())
     return [Target(name, p) for p in chosen] if chosen else [Target(name)]
 
 
-def runs_on_simulations(name: str) -> bool:
-    """Whether the installed backend ``name`` honours ``sim_profile`` (the VMM backend and plugins on it)."""
+def serves_gpus(name: str) -> bool:
+    """Whether the installed backend ``name`` serves a GPU device kind (profiles apply to it)."""
     record = BackendManager(load_settings()).records.get(name)
-    return bool(record and getattr(record.plugin, "honours_sim_profile", False))
+    kinds = getattr(record.plugin, "device_kinds", ()) if record else ()
+    return any(k != "cpu" for k in kinds)
 
 
-def build_session(target: Target, *, sanitize: bool = False, **settings: Any) -> Session:
-    """A session on exactly ``target`` (forced), as a user forcing it would get."""
-    s = load_settings(backend=target.backend, sim_profile=target.profile, sanitize=sanitize, **settings)
-    return BackendManager(s).session()
+def _entry_point(path: str) -> importlib.metadata.EntryPoint:
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise PluginError(f"--membackend-plugin {path!r} is not an import path; accepted: package.module:Attr")
+    return importlib.metadata.EntryPoint(name=attr.split(".")[-1].lower(), value=path, group=ENTRY_POINT_GROUP)
+
+
+_names: dict[str, str] = {}
+
+
+def _name_of(path: str) -> str:
+    """The name of the backend at import path ``path``, loaded exactly as an entry point would be."""
+    if path not in _names:
+        ep = _entry_point(path)
+        manager = BackendManager(load_settings(), entry_points=[ep])
+        origin = f"entry point {ep.name} = {ep.value}"
+        found = [r.name for r in manager.records.values() if r.origin == origin]
+        if not found:
+            raise PluginError(f"{path}: the backend did not load: " + "; ".join(manager.broken.values()))
+        _names[path] = found[0]
+    return _names[path]
+
+
+def build_session(target: Target, *, sanitize: bool = False, observers: tuple = (), **settings: Any) -> Session:
+    """A session forced onto ``target``, as a user forcing it would get, watched by the kit.
+
+    ``settings`` are further settings keywords (``host_capacity=...``). The
+    session's :class:`Checker` is :func:`checker_for` (session).
+    """
+    entry_points = None
+    name = target.backend
+    if target.import_path:
+        name = _name_of(target.backend)
+        entry_points = [_entry_point(target.backend)]
+    s = load_settings(backend=name, sim_profile=target.profile, sanitize=sanitize, **settings)
+    manager = BackendManager(s, entry_points=entry_points)
+    record = manager.records.get(name)
+    kinds = tuple(getattr(record.plugin, "device_kinds", ())) if record else ()
+    watch = KernelWatch() if "cpu" in kinds and kernel_visible() else None
+    session = manager.session(observers=[*observers, *([watch] if watch else [])])
+    _checkers[session] = Checker(target, session, watch)
+    return session
 
 
 def kit_device(session: Session) -> Device:
+    """The device the kit's rules run on: the first the backend serves on this machine."""
     return session.devices()[0]
 
 
-# --------------------------------------------------------------------------- the driver's view
+def kernel_visible() -> bool:
+    """Whether this OS shows the kit a process's mappings (/proc/self/maps) and residency (mincore)."""
+    return sys.platform.startswith("linux") and os.path.exists(MAPS)
 
 
-@dataclass
-class DriverView:
-    """What the platform itself holds on a device: reserved and resident bytes."""
-
-    reserved: int
-    resident: int
+# --------------------------------------------------------------------------- the kernel's view
 
 
-def driver_view(session: Session, device: Device) -> DriverView | None:
-    """Ask the driver, not the backend's bookkeeping; None where nothing can be asked.
+def mappings(lo: int, hi: int) -> list[tuple[int, int, str, str]]:
+    """Every mapping of this process that overlaps ``[lo, hi)``: (start, end, perms, rest of the line)."""
+    found = []
+    with open(MAPS) as f:
+        for line in f:
+            span, perms, rest = (line.rstrip("\n").split(" ", 2) + ["", ""])[:3]
+            start, _, end = span.partition("-")
+            a, b = int(start, 16), int(end, 16)
+            if a < hi and b > lo:
+                found.append((a, b, perms, rest))
+    return found
 
-    Backends that can (the VMM over a simulation) answer through ``driver_state``;
-    the host backend is checked against the kernel: /proc/self/maps for the
-    ranges and mincore(2) for resident pages.
+
+def mapped_bytes(lo: int, hi: int, maps: list[tuple[int, int, str, str]] | None = None) -> int:
+    """Bytes of ``[lo, hi)`` that lie in some mapping of this process."""
+    maps = mappings(lo, hi) if maps is None else maps
+    return sum(min(b, hi) - max(a, lo) for a, b, _, _ in maps if a < hi and b > lo)
+
+
+def resident_pages(r: Reservation, pages: range) -> list[bool] | None:
+    """Per page of ``pages``: whether every OS page of it is resident (mincore); None if not all mapped."""
+    if not pages:
+        return []
+    lo, hi = r.base + pages.start * r.page_size, r.base + pages.stop * r.page_size
+    os_page = os_page_size()
+    vec = (ctypes.c_ubyte * ((hi - lo) // os_page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    if libc.mincore(lo, hi - lo, vec) != 0:
+        return None
+    per = r.page_size // os_page
+    return [all(b & 1 for b in vec[i * per:(i + 1) * per]) for i in range(len(pages))]
+
+
+def _page_list(pages: list[int]) -> str:
+    shown = ", ".join(map(str, pages[:8]))
+    return f"[{shown}{', ...' if len(pages) > 8 else ''}]"
+
+
+def memfds() -> int:
+    """Open file descriptors of this process that are memfds (a backend's leaked memory shows here)."""
+    count = 0
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for fd in names:
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return count
+
+
+class KernelWatch:
+    """An observer around ``fault``, ``free`` and ``release_reservation`` of a ``cpu`` backend that
+    checks each call against the kernel and writes what it finds wrong into ``violations``.
+
+    It never raises from inside a verb (that would look like the backend's own
+    error); the kit asserts ``violations`` is empty after every step.
     """
-    backend = session.backend
-    state = getattr(backend, "driver_state", None)
-    if callable(state):
-        answer = state(device)
-        if answer is not None:
-            return DriverView(answer["reserved"], answer["resident"])
-    if isinstance(backend, HostBackend) and sys.platform.startswith("linux"):
-        alive = [r for r in session.reservations() if r.device == device]
-        return DriverView(sum(r.size for r in alive if host_driver.is_mapped(r.base)),
-                          sum(host_driver.resident_bytes(r.base, r.size) for r in alive))
-    return None
+
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.memfds_at_start = memfds()
+
+    @hookimpl(wrapper=True)
+    def membackend_fault(self, reservation: Reservation, offset: int, size: int):
+        r = reservation
+        pages = r.page_range(offset, size)
+        before = resident_pages(r, pages)
+        f = yield
+        after = resident_pages(r, pages)
+        where = f"fault(#{r.id}, offset={offset}, size={size}) on [{r.base:#x}, {r.base + r.size:#x})"
+        if after is None:
+            self.violations.append(f"{where}: the range is no longer mapped in {MAPS}")
+        elif f.ok:
+            missing = [p for p, ok in zip(pages, after) if not ok]
+            if missing:
+                self.violations.append(f"{where} returned ok but page(s) {_page_list(missing)} are not resident "
+                                       f"(mincore; expected all of pages {pages.start}..{pages.stop - 1})")
+            elif before is not None:
+                new = [p for p, was in zip(pages, before) if not was]
+                self._check_writes(where, r, new)
+        elif before is not None:
+            left = [p for p, was, now in zip(pages, before, after) if now and not was]
+            if left:
+                self.violations.append(f"{where} returned out of memory (ok=False) but left page(s) "
+                                       f"{_page_list(left)} resident (mincore): a failed fault must roll back")
+        return f
+
+    def _check_writes(self, where: str, r: Reservation, pages: list[int]) -> None:
+        """Write and read back a byte at both ends of each newly backed page.
+
+        Only pages the kernel reports resident and mapped read-write are
+        touched, so a wrong backend is reported, never a crash; newly backed
+        pages carry no recorded asynchronous work that could race the check.
+        """
+        if not pages:
+            return
+        maps = mappings(r.base + pages[0] * r.page_size, r.base + (pages[-1] + 1) * r.page_size)
+        for p in pages:
+            for addr in (r.base + p * r.page_size, r.base + (p + 1) * r.page_size - 1):
+                perms = next((pm for a, b, pm, _ in maps if a <= addr < b), "")
+                if not perms.startswith("rw"):
+                    self.violations.append(f"{where}: page {p} is resident but not writable ({MAPS} perms "
+                                           f"{perms or 'none'} at {addr:#x}; expected rw)")
+                    return
+                cell = ctypes.c_ubyte.from_address(addr)
+                old = cell.value
+                cell.value = old ^ 0xFF
+                back = cell.value
+                cell.value = old
+                if back != old ^ 0xFF:
+                    self.violations.append(f"{where}: wrote {old ^ 0xFF:#04x} at {addr:#x} (page {p}), read {back:#04x}")
+                    return
+
+    @hookimpl(wrapper=True)
+    def membackend_free(self, reservation: Reservation, offset: int, size: int):
+        r = reservation
+        dropped = yield
+        ps = r.page_size
+        lo, hi = r.base + offset, r.base + -(-(offset + size) // ps) * ps
+        try:
+            still = resident_bytes(lo, hi - lo)
+        except DriverError as exc:
+            self.violations.append(f"free(#{r.id}, offset={offset}, size={size}): the range is not mapped: {exc}")
+            return dropped
+        if still:
+            self.violations.append(f"free(#{r.id}, offset={offset}, size={size}) returned {dropped} but {still} bytes "
+                                   f"of [{lo:#x}, {hi:#x}) are still resident (mincore; expected 0)")
+        return dropped
+
+    @hookimpl(wrapper=True)
+    def membackend_release_reservation(self, reservation: Reservation):
+        r = reservation
+        before = set(mappings(r.base, r.base + r.size))
+        dropped = yield
+        # a fresh mapping may reuse the hole at once (the kernel hands out the highest gap that
+        # fits); only a line identical to one from before proves the range was never unmapped
+        kept = sorted(set(mappings(r.base, r.base + r.size)) & before)
+        if kept:
+            lines = "; ".join(f"{a:#x}-{b:#x} {pm} {rest}".rstrip() for a, b, pm, rest in kept)
+            self.violations.append(f"release_reservation(#{r.id}) of [{r.base:#x}, {r.base + r.size:#x}) returned "
+                                   f"{dropped} but the range is still mapped ({MAPS}: {lines}; expected gone)")
+        return dropped
+
+    def take(self) -> list[str]:
+        found, self.violations = self.violations, []
+        return found
 
 
-# --------------------------------------------------------------------------- fault injection
+# --------------------------------------------------------------------------- the checker
 
 
-class _FlakyHostDriver:
-    """Wraps a host driver; ``commit``/``populate``/``decommit`` fail at random like the kernel can."""
+def _hooks(backend: Any) -> pluggy.PluginManager:
+    """A plugin manager holding only ``backend``, for calling its optional hooks as pluggy would."""
+    pm = pluggy.PluginManager(hookspec.PROJECT)
+    pm.add_hookspecs(hookspec)
+    pm.register(backend, name="backend")
+    return pm
 
-    def __init__(self, real: Any, probability: float, seed: int):
-        self.real, self.p, self.rng, self.injected = real, probability, random.Random(seed), 0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
+class Checker:
+    """Everything the kit checks one session against, besides the session's own ledger."""
 
-    def _maybe(self, call: str, code: int) -> None:
-        if self.rng.random() < self.p:
-            self.injected += 1
-            raise DriverError(code, call, "injected")
+    def __init__(self, target: Target, session: Session, watch: KernelWatch | None):
+        self.target, self.session, self.watch = target, session, watch
+        self.pm = _hooks(session.backend)
+        self.has = {h: bool(getattr(self.pm.hook, h).get_hookimpls()) for h in hookspec.OPTIONAL_HOOKS}
+        cpu = "cpu" in session.device_kinds
+        if watch is not None:
+            note(target, "ledger vs kernel", None, f"{MAPS} and mincore after every verb")
+        elif cpu:
+            note(target, "ledger vs kernel", f"{MAPS} and mincore are not available on {sys.platform}")
+        if self.has["membackend_inspect"]:
+            note(target, "ledger vs driver", None, "membackend_inspect")
+        elif not cpu:
+            note(target, "ledger vs driver", "no membackend_inspect")
+            note(target, "leaks in the driver", "no membackend_inspect")
+        if not self.has["membackend_inject_failures"]:
+            note(target, "rollback under injected driver failures", "no membackend_inject_failures")
+        self.inspect_says_none = False
 
-    def commit(self, addr: int, size: int) -> None:
-        self._maybe("mprotect", errno.ENOMEM)
-        self.real.commit(addr, size)
+    # ------------------------------------------------------------------ views
 
-    def populate(self, addr: int, size: int) -> None:
-        self._maybe("madvise(MADV_POPULATE_WRITE)", errno.ENOMEM)
-        self.real.populate(addr, size)
+    def inspect(self, device: Device) -> DriverState | None:
+        if not self.has["membackend_inspect"]:
+            return None
+        state = self.pm.hook.membackend_inspect(device=device)
+        if state is None:
+            if not self.inspect_says_none:
+                self.inspect_says_none = True
+                note(self.target, "ledger vs driver", "membackend_inspect returned None (the driver cannot be asked)")
+            return None
+        assert isinstance(state, DriverState), \
+            f"membackend_inspect({device}) returned {state!r}; expected a membackend.types.DriverState or None"
+        return state
+
+    def kernel_state(self, device: Device) -> DriverState | None:
+        """Reserved and resident bytes of this session's live reservations, as the kernel counts them."""
+        if self.watch is None or device.kind != "cpu":
+            return None
+        alive = [r for r in self.session.reservations() if r.device == device]
+        reserved = sum(mapped_bytes(r.base, r.base + r.size) for r in alive)
+        resident = sum(resident_bytes(r.base, r.size) if mapped_bytes(r.base, r.base + r.size) == r.size else 0
+                       for r in alive)
+        return DriverState(reserved, resident, source=f"kernel ({MAPS}, mincore)")
+
+    # ------------------------------------------------------------------ checks
+
+    def verify(self, device: Device, step: str = "") -> None:
+        """Assert that the ledger equals the kernel's and the driver's views; messages carry the values."""
+        s = self.session
+        acct = s.ledger.account(device)
+        alive = [r for r in s.reservations() if r.device == device]
+        problems = self.watch.take() if self.watch is not None else []
+        if self.watch is not None and device.kind == "cpu":
+            for r in alive:
+                mapped = mapped_bytes(r.base, r.base + r.size)
+                if mapped != r.size:
+                    problems.append(f"reservation #{r.id} [{r.base:#x}, {r.base + r.size:#x}) of {r.size} bytes: "
+                                    f"{mapped} bytes mapped in {MAPS} (expected all)")
+                    continue
+                found, expected = resident_bytes(r.base, r.size), s.ledger.resident(r)
+                if found != expected:
+                    problems.append(f"reservation #{r.id}: ledger says {expected} bytes resident, the kernel "
+                                    f"(mincore) finds {found}")
+        state = self.inspect(device)
+        if state is not None and (state.reserved, state.resident) != (acct.reserved, acct.resident):
+            problems.append(f"{device}: ledger reserved={acct.reserved} resident={acct.resident}, driver "
+                            f"({state.source or 'membackend_inspect'}) reserved={state.reserved} resident={state.resident}")
+        mine = sum(s.ledger.resident(r) for r in alive)
+        if (acct.resident, acct.reservations_alive) != (mine, len(alive)):
+            problems.append(f"{device}: ledger account resident={acct.resident} alive={acct.reservations_alive}, "
+                            f"but its reservations sum to resident={mine} alive={len(alive)}")
+        assert not problems, f"{self.target}{' after ' + step if step else ''}: " + "; ".join(problems)
+
+    def verify_nothing_left(self, device: Device, step: str = "after close()") -> None:
+        """After ``close()``: nothing in the ledger, the kernel or the driver; trimmed memory given back."""
+        s = self.session
+        acct = s.ledger.account(device)
+        problems = self.watch.take() if self.watch is not None else []
+        left = (acct.reserved, acct.resident, acct.reservations_alive, acct.pending_fences)
+        if left != (0, 0, 0, 0):
+            problems.append(f"ledger still holds reserved={left[0]} resident={left[1]} alive={left[2]} "
+                            f"pending fences={left[3]} (expected all 0)")
+        if self.has["membackend_trim"]:
+            self.pm.hook.membackend_trim(device=device)
+        state = self.inspect(device)
+        if state is not None and (state.reserved, state.resident, state.held) != (0, 0, 0):
+            trimmed = " after membackend_trim" if self.has["membackend_trim"] else " (no membackend_trim)"
+            problems.append(f"leaked in the driver{trimmed}: reserved={state.reserved} resident={state.resident} "
+                            f"held={state.held} ({state.source}; expected all 0)")
+        if self.watch is not None and memfds() > self.watch.memfds_at_start:
+            problems.append(f"{memfds() - self.watch.memfds_at_start} memfd descriptor(s) left open "
+                            f"(/proc/self/fd; expected none)")
+        assert not problems, f"{self.target} {step}: " + "; ".join(problems)
+
+    # ------------------------------------------------------------------ failure injection
+
+    def start_injection(self, probability: float, seed: int) -> Any:
+        """The backend's ``FailureInjection``, or None where it cannot inject (noted by name)."""
+        if not self.has["membackend_inject_failures"]:
+            return None
+        injection = self.pm.hook.membackend_inject_failures(probability=probability, seed=seed)
+        if injection is None:
+            note(self.target, "rollback under injected driver failures", "membackend_inject_failures returned None")
+            return None
+        note(self.target, "rollback under injected driver failures", None, "membackend_inject_failures")
+        assert callable(getattr(injection, "stop", None)) and isinstance(getattr(injection, "injected", None), int), \
+            f"membackend_inject_failures returned {injection!r}; expected an object with injected (int) and stop()"
+        return injection
+
+
+_checkers: "weakref.WeakKeyDictionary[Session, Checker]" = weakref.WeakKeyDictionary()
+
+
+def checker_for(session: Session) -> Checker:
+    """The kit's :class:`Checker` of a session made by :func:`build_session`."""
+    try:
+        return _checkers[session]
+    except KeyError:
+        raise PluginError("this session was not made by membackend.testing.build_session") from None
+
+
+def driver_view(session: Session, device: Device) -> DriverState | None:
+    """What the platform holds on ``device``: the kernel's view for ``cpu``, else ``membackend_inspect``'s."""
+    checker = checker_for(session)
+    return checker.kernel_state(device) or checker.inspect(device)
 
 
 @contextmanager
 def inject_failures(session: Session, probability: float, seed: int = 0) -> Iterator[Any]:
-    """Fail driver calls at random while inside; yields an object whose ``injected`` counts them.
+    """Fail the backend's driver calls at random while inside (``membackend_inject_failures``).
 
-    Simulated drivers fail their VMM calls (``SIM_ERRORS``); the host driver
-    fails commits and populates with ENOMEM. Yields None where the backend's
-    driver cannot be reached (a third-party backend).
+    Yields the ``FailureInjection`` (its ``injected`` counts the failures), or
+    None when the backend cannot inject; stops it on the way out.
     """
-    backend = session.backend
-    driver = getattr(backend, "_driver", None) or getattr(backend, "driver", None)
-    sim = getattr(driver, "sim", None)
-    if sim is not None:
-        rules = [sim.faults.add(call, code, probability=probability)
-                 for call, code in SIM_ERRORS[sim.profile.vendor].items()]
-        sim.faults.rng.seed(seed)
-        before = sim.faults.injected
-        counter = type("Injected", (), {})()
-        try:
-            yield counter
-        finally:
-            counter.injected = sim.faults.injected - before
-            for rule in rules:
-                sim.faults.rules.remove(rule)
-        return
-    if isinstance(backend, HostBackend):
-        flaky = _FlakyHostDriver(backend.driver, probability, seed)
-        backend.driver = flaky
-        try:
-            yield flaky
-        finally:
-            backend.driver = flaky.real
-        return
-    yield None
+    injection = checker_for(session).start_injection(probability, seed)
+    try:
+        yield injection
+    finally:
+        if injection is not None:
+            injection.stop()
 
 
 # --------------------------------------------------------------------------- asynchronous work
@@ -170,36 +466,42 @@ def inject_failures(session: Session, probability: float, seed: int = 0) -> Iter
 _copies = ThreadPoolExecutor(2, thread_name_prefix="membackend-kit-copy")
 
 
+class _TimerToken:
+    """Work the kit cannot start on the device: a timer that touches nothing."""
+
+    def __init__(self, seconds: float):
+        self._event = threading.Event()
+        threading.Timer(seconds, self._event.set).start()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+
+
 def async_work(session: Session, r: Reservation, offset: int, size: int, seconds: float = 0.002) -> FenceToken:
     """Start asynchronous work on a resident range and return its fence token.
 
-    On a simulated driver: a real async copy on a stream, fenced by an event.
-    On the host: a thread that writes the range after a delay (it would crash
-    the process if the range were freed under it). Elsewhere: a timer that
-    touches nothing.
+    ``cpu`` reservations: a thread writes the range after a delay (freeing it
+    under the copy would crash the process or show up as resident again).
+    Backends with a public ``fence_token(reservation, stream)`` and a
+    ``driver`` that copies asynchronously (the VMM backend): a real copy on a
+    stream, fenced by an event. Elsewhere a timer that touches nothing, and the
+    summary says so.
     """
     backend = session.backend
-    driver = getattr(backend, "_driver", None)
-    if driver is not None and getattr(driver, "sim", None) is not None:
-        driver.set_device(r.device.index)
-        stream = driver.stream_create()
-        driver.memcpy_htod_async(r.base + offset, 0, size, stream)
-        return backend.fence_token(r, stream)
-    if isinstance(backend, HostBackend):
-        import ctypes
-        import time
-
+    if r.device.kind == "cpu":
         def copy() -> None:
             time.sleep(seconds)
             ctypes.memset(r.base + offset, 0x5A, size)
         return FutureToken(_copies.submit(copy))
-    event = threading.Event()
-    threading.Timer(seconds, event.set).start()
-
-    class _Timer:
-        def done(self) -> bool:
-            return event.is_set()
-
-        def wait(self) -> None:
-            event.wait()
-    return _Timer()
+    driver = getattr(backend, "driver", None)
+    if callable(getattr(backend, "fence_token", None)) and hasattr(driver, "memcpy_htod_async"):
+        driver.set_device(r.device.index)
+        stream = driver.stream_create()
+        driver.memcpy_htod_async(r.base + offset, 0, size, stream)
+        return backend.fence_token(r, stream)
+    note(str(checker_for(session).target), "fences against device work",
+         "the kit cannot start work on this backend's devices (timer tokens only)")
+    return _TimerToken(seconds)
