@@ -31,7 +31,8 @@ CORRECT = "membackend_memfd:MemfdBackend"
 
 def _kit(target: str, cwd: Path, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(FIXTURE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    paths = [str(FIXTURE), str(TESTS / "fixtures" / "example_backend"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "membackend.testing.conformance",
            "--membackend-plugin", target, "--membackend-examples", "5", *extra]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -90,3 +91,27 @@ def test_the_summary_names_the_checks_a_backend_gives_no_way_to_run(tmp_path):
     assert "rollback under injected driver failures (no membackend_inject_failures)" in line, line
     assert "out-of-memory rollback (capacity) (does not honour host_capacity" in line, line
     assert "out-of-memory rollback (injected) (no membackend_inject_failures)" in line, line
+
+
+def test_the_kit_extra_brings_exactly_what_the_kit_imports_and_test_includes_it():
+    import tomllib
+
+    extras = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {e: {req.split(">")[0].split("=")[0].split("[")[0].strip() for req in reqs} for e, reqs in extras.items()}
+    assert names["kit"] == {"pytest", "hypothesis"}, names["kit"]
+    assert names["kit"] <= names["test"], names["test"]
+
+
+def test_the_pytest_plugin_works_in_an_install_without_hypothesis(tmp_path):
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    assert True\n")
+    code = ("import sys\n"
+            "class NoHypothesis:\n"  # as if not installed: importing it raises ModuleNotFoundError
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'hypothesis': raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, NoHypothesis())\n"
+            "import pytest; rc = pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:hypothesispytest', "
+            "'test_plain.py'])\n"
+            "assert 'membackend.testing.plugin' in sys.modules and 'membackend.testing.conformance' not in sys.modules\n"
+            "sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout + p.stderr
