@@ -203,3 +203,31 @@ def test_probe_on_a_simulated_profile():
     c = backend.membackend_probe(machine=machine_for(settings))
     assert c.score == 20 and "NVIDIA GB10" in c.reason and "simulated" in c.reason
     assert backend.device_kinds == ("cuda",)
+
+
+def test_an_event_token_shared_by_threads_destroys_its_event_once():
+    import threading
+
+    s = session_on("h200")
+    r = s.reserve("cuda:0", PAGE)
+    s.fault(r, 0, PAGE)
+    d = s.backend.driver
+    stream = d.stream_create()
+    d.memcpy_htod_async(r.base, 0, PAGE, stream)
+    token = s.backend.fence_token(r, stream)
+    errors = []
+
+    def wait():
+        try:
+            for _ in range(50):
+                token.done()
+                token.wait()
+        except Exception as exc:  # a second destroy would be a DriverError here
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and token.done()

@@ -10,6 +10,7 @@ raises instead of returning a code) gives ``DriverError("unavailable", ...)``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ..types import DriverError
@@ -134,22 +135,33 @@ class GpuDriver:
 
 
 class EventToken:
-    """A fence token (``done()``/``wait()``) over an event recorded on a stream; destroys it once waited."""
+    """A fence token (``done()``/``wait()``) over an event recorded on a stream; destroys it once waited.
 
-    __slots__ = ("driver", "event", "device", "_done")
+    Safe to share between threads: the event is queried, waited for and
+    destroyed under the token's own lock, so it is destroyed exactly once.
+    """
+
+    __slots__ = ("driver", "event", "device", "_done", "_lock")
 
     def __init__(self, driver: GpuDriver, event: Any, device: int):
         self.driver, self.event, self.device, self._done = driver, event, device, False
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
-        if not self._done and self.driver.event_query(self.event):
-            self._finish()
+        if self._done:
+            return True
+        with self._lock:
+            if not self._done and self.driver.event_query(self.event):
+                self._finish()
         return self._done
 
     def wait(self) -> None:
-        if not self._done:
-            self.driver.event_synchronize(self.event)
-            self._finish()
+        if self._done:
+            return
+        with self._lock:
+            if not self._done:
+                self.driver.event_synchronize(self.event)
+                self._finish()
 
     def _finish(self) -> None:
         self._done = True
