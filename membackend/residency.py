@@ -19,7 +19,11 @@ module is policy, on top of a :class:`~membackend.session.Session`:
   (when the backend's capabilities say so, the default) and do the same for
   what the model owns indirectly (Hook delegates, cast buffers) and its pins.
   The model object stays usable: its next fault reserves again and reports new
-  generations, so the caller copies again.
+  generations, so the caller copies again. Unloading everything also trims the
+  session (recycled handles, kept windows), so the driver is back at its
+  baseline. Unloads carry on past failures and raise one ``PartialFailure``.
+* **Threads and failures**: see :class:`ResidencyManager` and the residency
+  section of ``docs/architecture.md``.
 * **Keep warm by budget** (G4): a workflow switch (:meth:`~ResidencyManager.use`)
   keeps other models resident while the budget allows; when it does not,
   whole models are evicted least recently used first, never one the current
@@ -694,11 +698,11 @@ class StockPolicy(ResidencyManager):
       sync) but the reservation (the ``ModelVBAR``) stays alive until the model
       object is garbage-collected: "The ModelVBAR object (the VA reservation)
       stays in BaseModel.dynamic_vbars for as long as the BaseModel lives"
-      (reference/comfyui-internals.md, unload_all_models step 6; ComfyUI #15993).
+      (ComfyUI's ``unload_all_models``; ComfyUI #15993).
       What the model owns indirectly is left alone (the Hook delegate of
       ComfyUI #15533 survives).
-    * Frees are fenced by a device-wide sync (``cuCtxSynchronize`` on the VBAR
-      paths, reference/aimdo-internals.md 1.4), not per reservation.
+    * Frees are fenced by a device-wide sync (comfy-aimdo's VBAR free paths
+      call ``cuCtxSynchronize``), not per reservation.
     * When the workflow changes, the models of the previous one lose their
       residency: ComfyUI's cache drops their outputs and the unload frees their
       pages (ComfyUI #14519: image → video → image reloads everything).
