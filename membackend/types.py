@@ -385,6 +385,8 @@ class DriverState:
     resident: int
     held: int = 0
     source: str = ""
+    committed: int | None = None  # process memory the platform charges for it (Windows private commit), if known
+    hazards: int = 0  # unsafe operations the driver saw: unmaps or releases while async work used the memory
 
 
 @runtime_checkable

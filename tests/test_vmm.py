@@ -136,7 +136,7 @@ def test_a_failed_set_access_rolls_back_the_pages_the_fault_mapped():
     s = session_on("h200", plan)
     r = s.reserve("cuda:0", 4 * PAGE)
     s.fault(r, 0, PAGE)
-    plan.add("cuMemSetAccess", 600, nth=plan.calls.get("cuMemSetAccess", 0) + 3)
+    plan.add("cuMemSetAccess", 1, nth=plan.calls.get("cuMemSetAccess", 0) + 3)  # INVALID_VALUE: no retry
     before = s.ledger.account(Device("cuda", 0)), sim(s).state(0)
     with pytest.raises(DriverError, match="cuMemSetAccess"):
         s.fault(r, 0, 4 * PAGE)  # pages 1 and 2 map, page 3 fails: all three roll back
@@ -231,3 +231,47 @@ def test_an_event_token_shared_by_threads_destroys_its_event_once():
     for t in threads:
         t.join()
     assert errors == [] and token.done()
+
+
+def test_not_ready_on_map_or_set_access_is_retried_after_a_fence_then_typed():
+    from cuda.bindings import driver as cu
+
+    NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
+    plan = FaultPlan()
+    plan.add("cuMemMap", NOT_READY, nth=1)
+    plan.add("cuMemSetAccess", NOT_READY, nth=2)
+    s = session_on("wddm-6gb", plan)
+    r = s.reserve("cuda:0", 2 * PAGE)
+    assert s.fault(r, 0, 2 * PAGE).ok, "each retried after a fence"
+    plan.add("cuMemSetAccess", NOT_READY, probability=1.0)
+    r2 = s.reserve("cuda:0", PAGE)
+    with pytest.raises(DriverError, match="CUDA_ERROR_NOT_READY"):
+        s.fault(r2, 0, PAGE)
+    state = s.inspect(Device("cuda", 0))
+    assert (state.reserved, state.resident) == (s.ledger.account(Device("cuda", 0)).reserved,
+                                                s.ledger.account(Device("cuda", 0)).resident)
+
+
+def test_a_unified_pool_refuses_a_fault_that_would_cross_it_before_the_driver_is_asked():
+    s = session_on("gb10-128gb", unified_pool=True)
+    d = s.backend.driver
+    avail = sim(s).meminfo()["MemAvailable"]
+    r = s.reserve("cuda:0", avail)  # the whole pool: more than is left after the headroom
+    creates = sim(s).faults.calls.get("cuMemCreate", 0)
+    f = s.fault(r, 0, r.size)
+    assert not f.ok and sim(s).faults.calls.get("cuMemCreate", 0) == creates, "the driver was never asked"
+    assert s.fault(r, 0, 64 * PAGE).ok
+    assert d is s.backend.driver
+
+
+def test_inspect_reports_the_hazards_the_driver_saw():
+    """On ROCm the simulated driver lets an unmap race a copy (no bugcheck, no wait): inspect counts it,
+    so the conformance kit sees it too."""
+    s = session_on("rocm-win-2gpu")
+    r = s.reserve("hip:0", PAGE)
+    s.fault(r, 0, PAGE)
+    s.fence("hip:0")
+    d = s.backend.driver
+    d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())  # nobody records it: a broken promise
+    s.free(r)
+    assert s.inspect(Device("hip", 0)).hazards == 1

@@ -69,6 +69,7 @@ __all__ = ["VmmBackend", "AddressSpaceExhausted"]
 
 MiB = 1 << 20
 RECYCLE_LIMIT = 16  # physical handles kept per device for reuse, at most
+NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
 WINDOW_POOL_LIMIT = 4  # released address windows kept per device under a reserve-churn limit, at most
 
 
@@ -256,6 +257,8 @@ class VmmBackend:
         state = self._use(rng.index)
         d = self.driver
         handles, ready, gens = rng.handles, rng.ready, rng.generations
+        if self._unified and not self._pool_has_room(rng, first, last, state):
+            return Fault(False, (), first, 0)
         mapped: list[tuple[int, Any]] = []
         finished: list[int] = []  # pages left mapped by an earlier failure, now given access
         for p in range(first, last):
@@ -265,10 +268,10 @@ class VmmBackend:
             try:
                 if not is_mapped:
                     h = state.spare.pop() if state.spare else d.create(ps, rng.index)
-                    d.map(va, ps, h)
+                    self._not_ready_retried(state, d.map, va, ps, h)
                     is_mapped = True
                     mapped.append((p, h))
-                d.set_access(va, ps, rng.index)
+                self._not_ready_retried(state, d.set_access, va, ps, rng.index)
             except DriverError as exc:
                 state.dirty = True
                 if not is_mapped and h is not None:
@@ -288,6 +291,34 @@ class VmmBackend:
             gens[p] = next(self._generation)
         state.resident += len(mapped) * ps
         return Fault(True, tuple(gens[first:last]), first, len(mapped) * ps)
+
+    @property
+    def _unified(self) -> bool:
+        return self.capabilities.unified_pool or self.platform.budget_source == "unified"
+
+    def _pool_has_room(self, rng: _Range, first: int, last: int, state: _DeviceState) -> bool:
+        """One pool shared with the host: a fault that would cross it is out of memory before the
+        driver is asked (a GB10 driver refusing late ends in NV_ERR_NO_MEMORY and aborts, ComfyUI #15285)."""
+        need = sum(1 for p in range(first, last) if rng.handles[p] is None) - len(state.spare)
+        if need <= 0:
+            return True
+        _total, free, _source = self.driver.budget(self.platform.budget_source if self.platform.budget_source
+                                                   == "unified" else "device", rng.index)
+        return need * state.page_size <= free - self.headroom
+
+    def _not_ready_retried(self, state: _DeviceState, call: Any, *args: Any) -> None:
+        """Run a map or set-access; a "not ready" answer (the driver still evicting, as WDDM can after
+        an eviction) is retried after a device fence a bounded number of times, then raised typed."""
+        for attempt in range(NOT_READY_RETRIES + 1):
+            try:
+                call(*args)
+                return
+            except DriverError as exc:
+                if exc.code != self.driver.NOT_READY or attempt == NOT_READY_RETRIES:
+                    raise
+                log.info("membackend: %s answered not ready; fencing the device and retrying", exc.call)
+                self.driver.device_synchronize()
+                state.dirty = False
 
     def _unwind(self, state: _DeviceState, r: Reservation, mapped: list[tuple[int, Any]]) -> int:
         """Roll back a failed fault; returns the bytes that had to stay mapped.
@@ -450,7 +481,8 @@ class VmmBackend:
             state = self._devices.get(index)
             pooled = state.pooled if state is not None else 0
         return DriverState(reserved=raw["reserved"] - pooled, resident=raw["mapped"],
-                           held=pooled + raw["physical"] - raw["mapped"], source=f"driver tables ({self.driver.label})")
+                           held=pooled + raw["physical"] - raw["mapped"], source=f"driver tables ({self.driver.label})",
+                           committed=raw.get("committed"), hazards=raw.get("hazards", 0))
 
     @hookimpl
     def membackend_inject_failures(self, probability: float, seed: int) -> Any:

@@ -386,6 +386,9 @@ class Checker:
         if state is not None and (state.reserved, state.resident) != (acct.reserved, acct.resident):
             problems.append(f"{device}: ledger reserved={acct.reserved} resident={acct.resident}, driver "
                             f"({state.source or 'membackend_inspect'}) reserved={state.reserved} resident={state.resident}")
+        if state is not None and state.hazards:
+            problems.append(f"{device}: the driver saw {state.hazards} unsafe operation(s) on memory that "
+                            f"asynchronous work still used ({state.source or 'membackend_inspect'}; expected 0)")
         mine = sum(s.ledger.resident(r) for r in alive)
         if (acct.resident, acct.reservations_alive) != (mine, len(alive)):
             problems.append(f"{device}: ledger account resident={acct.resident} alive={acct.reservations_alive}, "

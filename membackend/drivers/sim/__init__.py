@@ -73,7 +73,9 @@ class _Simulated:
 
     def inspect(self, index: int) -> dict[str, int]:
         st = self.sim.state(index)
-        return {"reserved": st["reserved"], "mapped": st["mapped"], "physical": st["physical"]}
+        return {"reserved": st["reserved"], "mapped": st["mapped"], "physical": st["physical"],
+                "committed": self.sim.private_commit if self.sim.profile.private_commit_reservations else None,
+                "hazards": self.sim.use_after_free + self.sim.bugchecks + self.sim.crashes}
 
     def inject_failures(self, probability: float, seed: int) -> SimInjection:
         return SimInjection(self.sim, probability, seed)
