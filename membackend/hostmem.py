@@ -86,3 +86,11 @@ def host_memory(root: Path = CGROUP_ROOT) -> HostMemory:
         total, source = limit, "cgroup memory limit"
         available = max(0, min(available, limit - (usage or 0)))
     return HostMemory(total, available, source, ram_total, ram_available, limit)
+
+
+def process_private_bytes() -> int | None:
+    """This process's private committed bytes on Windows (psutil's ``private``, the figure Task
+    Manager and ComfyUI #15993 report); None elsewhere, where no such commit charge exists."""
+    info = psutil.Process().memory_info()
+    private = getattr(info, "private", None)
+    return int(private) if private is not None else None

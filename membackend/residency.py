@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
+from .hostmem import process_private_bytes
 from .types import (
     Device,
     DriverError,
@@ -588,7 +589,10 @@ class ResidencyManager:
         """
         self._check_registered(model)
         failures: list[tuple[str, BaseException]] = []
+        before = self._committed(model)
         dropped = self._unload(model, failures)
+        if before is not None:
+            self._trace("commit", model, committed_before=before, committed_after=self._committed(model))
         if failures:
             raise PartialFailure(f"full unload of model {model.id!r}", failures)
         return dropped
@@ -621,6 +625,15 @@ class ResidencyManager:
             raise
         slot.released()
         return dropped
+
+    def _committed(self, model: Model) -> int | None:
+        """Process memory the platform charges (Windows private bytes; a simulation's commit accounting),
+        for the trace around each unload; None where the platform charges none."""
+        inspect = getattr(self.session, "inspect", None)
+        state = inspect(model.devices[0]) if inspect is not None else None
+        if state is not None and state.committed is not None:
+            return state.committed
+        return process_private_bytes()
 
     @_locked
     def unload_all(self) -> int:

@@ -401,3 +401,23 @@ def test_a_server_thread_frees_and_unloads_while_the_worker_faults(target, busy_
     assert (acct.reservations_alive, acct.reserved, acct.resident) == (0, 0, 0)
     state = env.driver_state(s)
     assert not state or (state["reserved"], state["mapped"], state["handles"]) == (0, 0, 0)
+
+
+def test_each_full_unload_traces_the_commit_before_and_after(tmp_path):
+    """rocm-win-2gpu charges reservations to private commit: the trace shows it go back on unload."""
+    import json
+
+    from membackend.manager import BackendManager
+    from membackend.residency import ResidencyManager
+    from membackend.settings import load_settings
+
+    trace = tmp_path / "t.jsonl"
+    s = BackendManager(load_settings(backend="vmm", sim_profile="rocm-win-2gpu", trace=trace)).session()
+    policy = ResidencyManager(s)
+    m = policy.register("unet", 1 << 30, "hip:0")
+    policy.fault(m, 0, 64 << 20)
+    policy.full_unload(m)
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    commit = [e for e in events if e["event"] == "commit"]
+    assert commit and commit[0]["committed_before"] == 1 << 30 and commit[0]["committed_after"] == 0
+    s.close()
