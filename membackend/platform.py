@@ -45,7 +45,9 @@ class Platform:
       video-memory budget) or ``unified`` (MemAvailable capped by the cgroup).
     * ``page_size``: rounded up to the driver's granularity per device.
     * ``headroom``: bytes kept free on every device (for activations, and
-      what the OS needs); a ``headroom`` setting replaces it.
+      what the OS needs), or a function of the device's total bytes (e.g. a
+      fraction of a unified pool within bounds); a ``headroom`` setting
+      replaces it.
     """
 
     name: str
@@ -54,7 +56,7 @@ class Platform:
     budget_source: str = "device"
     capabilities: Capabilities = field(default_factory=Capabilities)
     page_size: int = 2 * MiB
-    headroom: int = 256 * MiB  # comfy-aimdo keeps this much VRAM free too (its VRAM_HEADROOM)
+    headroom: int | Callable[[int], int] = 256 * MiB  # comfy-aimdo keeps this much VRAM free (VRAM_HEADROOM)
     description: str = ""
     version: str | None = None
 
@@ -68,8 +70,16 @@ class Platform:
                              f"accepted: {', '.join(BUDGET_SOURCES)}")
         if not callable(self.probe):
             raise ValueError(f"platform {self.name!r}: probe must be callable(machine) -> Candidate")
-        if self.page_size <= 0 or self.headroom < 0:
-            raise ValueError(f"platform {self.name!r}: page_size must be > 0 and headroom >= 0")
+        if self.page_size <= 0 or (not callable(self.headroom) and self.headroom < 0):
+            raise ValueError(f"platform {self.name!r}: page_size must be > 0 and headroom >= 0 "
+                             "(or a function of the device's total bytes)")
+
+    def headroom_for(self, total: int) -> int:
+        """The headroom in bytes on a device of ``total`` bytes."""
+        value = self.headroom(total) if callable(self.headroom) else self.headroom
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"platform {self.name!r}: headroom({total}) gave {value!r}; accepted: an int >= 0")
+        return value
 
 
 def _generic_probe(machine: Machine) -> Candidate:

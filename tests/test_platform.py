@@ -136,3 +136,12 @@ def test_every_capability_is_read_by_someone():
     users = "".join(p.read_text() for p in [root / "backends" / "vmm.py", root / "residency.py"])
     for f in dataclasses.fields(Capabilities):
         assert f"capabilities.{f.name}" in users or f"caps.{f.name}" in users, f"nobody reads {f.name}"
+
+
+def test_a_headroom_rule_is_a_function_of_the_device_total():
+    b = backend_on("gb10-128gb", budget_source="unified",
+                   headroom=lambda total: min(8 * GiB, max(2 * GiB, total // 20)))
+    budget = b.membackend_budget_query(Device("cuda", 0))
+    assert budget.headroom == min(8 * GiB, max(2 * GiB, budget.total // 20)) == 6_400_000_000
+    with pytest.raises(ValueError, match="accepted: an int >= 0"):
+        backend_on("h200", headroom=lambda total: -1).membackend_budget_query(Device("cuda", 0))

@@ -127,7 +127,7 @@ class VmmBackend:
         self.name = platform.name
         self.version = platform.version or __version__
         self.capabilities = capabilities or platform.capabilities
-        self.headroom = platform.headroom if headroom is None else headroom
+        self._headroom = headroom  # None: the platform's own, per device
         self.requested_page_size = page_size or platform.page_size
         self._driver = driver
         self._driver_factory = driver_factory
@@ -139,6 +139,15 @@ class VmmBackend:
         if vendor is None:
             raise ValueError("VmmBackend needs a driver or a driver_factory")
         self.device_kinds = (vendor,)
+
+    def headroom_for(self, total: int) -> int:
+        """Bytes kept free on a device of ``total`` bytes: the override, else the platform's."""
+        return self._headroom if self._headroom is not None else self.platform.headroom_for(total)
+
+    @property
+    def headroom(self) -> int | Any:
+        """The fixed headroom, or the platform's rule (a function of the device total)."""
+        return self._headroom if self._headroom is not None else self.platform.headroom
 
     @classmethod
     def from_settings(cls, settings: Any, platform: Platform = GENERIC) -> "VmmBackend":
@@ -304,7 +313,7 @@ class VmmBackend:
             return True
         _total, free, _source = self.driver.budget(self.platform.budget_source if self.platform.budget_source
                                                    == "unified" else "device", rng.index)
-        return need * state.page_size <= free - self.headroom
+        return need * state.page_size <= free - self.headroom_for(_total)
 
     def _not_ready_retried(self, state: _DeviceState, call: Any, *args: Any) -> None:
         """Run a map or set-access; a "not ready" answer (the driver still evicting, as WDDM can after
@@ -439,7 +448,7 @@ class VmmBackend:
             total, free, source = self.driver.budget(self.platform.budget_source, index)
             unified = self.capabilities.unified_pool or self.platform.budget_source == "unified" \
                 or self.driver.integrated(index)
-        return Budget.of(total, free, self.headroom, source, unified=unified)
+        return Budget.of(total, free, self.headroom_for(total), source, unified=unified)
 
     @hookimpl
     def membackend_trim(self, device: Device) -> int:
