@@ -1,0 +1,132 @@
+"""membackend platform plugin ``cuda_wddm``: CUDA on Windows under WDDM, meant for cards with little VRAM.
+
+One :class:`membackend.platform.Platform` record, :data:`PLATFORM`, behind one
+entry point in the ``membackend.backends`` group; membackend builds its
+virtual-memory backend (named ``cuda_wddm``) from it, over the real
+cuda-python driver or, with ``MEMBACKEND_SIM_PROFILE``, its simulated twin.
+
+What it tells the mechanism and the policy, and why:
+
+* **Probe.** Fits when the OS is Windows and every NVIDIA device runs the WDDM
+  driver model (``DeviceInfo.driver_model``, from NVML's driver model or
+  cuda-python's ``CU_DEVICE_ATTRIBUTE_TCC_DRIVER``). TCC and MCDM devices are
+  not managed by the WDDM video memory manager (no deferred page-in, no
+  sysmem fallback) and DXGI does not report their budget: score 0, with the
+  device named. The score rises as VRAM falls (:func:`score_for`), because
+  the smaller the card, the more a load evicts: ComfyUI #16246 is a 6 GB
+  RTX 3050 evicting about 20 GB of staged weights to load the next 19 GB.
+* **Budget** (``budget_source="wddm"``): DXGI ``QueryVideoMemoryInfo``'s
+  budget of the process minus its current usage, minus :func:`headroom`.
+  Past the budget a WDDM driver does not fail, it spills to shared system
+  memory (ComfyUI PR #11845), so the policy treats the budget as the end.
+* **Headroom**: 512 MiB by default, the ``WDDM_BUDGET_HEADROOM`` comfy-aimdo
+  keeps on Windows "to avoid deadlocked sysmem fallback" (aimdo
+  ``src-win/shmem-detect.c``); ``MEMBACKEND_CUDA_WDDM_HEADROOM`` changes it
+  for this plugin, the generic ``MEMBACKEND_HEADROOM`` for every backend.
+* **Less churn** (``recycle_handles``): physical handles freed by an eviction
+  are kept (bounded per device) and mapped again by the next fault instead of
+  released and created again; a full unload of everything gives them back.
+* **Fence before free** (``fence_granularity="reservation"``): frees and
+  releases wait for the events recorded on the reservation (the session's
+  fence tokens); the mechanism adds a device synchronize only when pages were
+  mapped since the last one, since a fresh mapping may still be paging in and
+  no event covers that (the page-in use-after-free of ComfyUI #16246).
+* **Pages of 32 MiB**, comfy-aimdo's VBAR page: WDDM pages whole allocations
+  in, so fewer and larger allocations mean fewer page-ins and driver calls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from membackend.platform import Platform
+from membackend.settings import SIZE_ACCEPTED, parse_bytes
+from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
+
+__all__ = ["PLATFORM", "NAME", "HEADROOM_ENV", "DEFAULT_HEADROOM", "headroom", "probe", "score_for"]
+
+MiB, GiB = 1 << 20, 1 << 30
+NAME = "cuda_wddm"
+HEADROOM_ENV = "MEMBACKEND_CUDA_WDDM_HEADROOM"
+#: comfy-aimdo's WDDM_BUDGET_HEADROOM (src-win/shmem-detect.c): "to avoid deadlocked sysmem fallback"
+DEFAULT_HEADROOM = 512 * MiB
+#: cards up to about this size are what the plugin is meant for (the score keeps rising below it)
+MEANT_FOR = 12 * GiB
+SCORE_TOP, SCORE_FLOOR = 90, 60
+
+
+def score_for(vram: int) -> int:
+    """The probe's score for the smallest WDDM device: ``96 - 2 per GiB of VRAM`` (rounded up),
+    kept within 60-90 of the platform band: 4 GB 88, 6 GB 84, 8 GB 80, 12 GB 72, 18 GB and up 60.
+    Unknown VRAM (0) scores as a large card."""
+    if vram <= 0:
+        return SCORE_FLOOR
+    return max(SCORE_FLOOR, min(SCORE_TOP, 96 - 2 * math.ceil(vram / GiB)))
+
+
+def headroom(total: int = 0) -> int:
+    """Bytes kept free under the WDDM budget: ``MEMBACKEND_CUDA_WDDM_HEADROOM`` when set (read at
+    every budget query, so it can change at run time), else :data:`DEFAULT_HEADROOM`.
+
+    Raises ``ConfigError`` (key ``MEMBACKEND_CUDA_WDDM_HEADROOM``) for a value that is not a size,
+    or one that would leave nothing of a ``total``-byte budget.
+    """
+    raw = os.environ.get(HEADROOM_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_HEADROOM
+    try:
+        value = parse_bytes(raw.strip())
+    except ValueError as exc:
+        raise ConfigError(HEADROOM_ENV, "env", str(exc), SIZE_ACCEPTED) from None
+    if total and value >= total:
+        raise ConfigError(HEADROOM_ENV, "env", f"{value} bytes would leave nothing of the {total} byte WDDM budget",
+                          f"a size below {total} bytes")
+    return value
+
+
+def probe(machine: Machine) -> Candidate:
+    """Windows, and every NVIDIA device under WDDM; the score rises as VRAM falls (:func:`score_for`).
+
+    Pure: reads machine facts only, no GPU context. A headroom setting that
+    cannot be parsed is reported here too (``ConfigError``), so the doctor
+    shows it before the first budget query.
+    """
+    if machine.os != "windows":
+        return Candidate(NAME, Score.NONE, f"the OS is {machine.os}, not Windows: WDDM is Windows' display driver "
+                                           "model")
+    gpus = machine.gpus("cuda")
+    if not gpus:
+        return Candidate(NAME, Score.NONE, "no NVIDIA (CUDA) device found")
+    others = [d for d in gpus if d.driver_model != "wddm"]
+    if others:
+        named = ", ".join(f"{d.device} ({d.name or 'unnamed'}): "
+                          f"{d.driver_model.upper() if d.driver_model else 'driver model unknown'}" for d in others)
+        return Candidate(NAME, Score.NONE,
+                         f"not every NVIDIA device runs under WDDM ({named}); TCC and MCDM devices have no WDDM "
+                         "page-in or sysmem fallback and no DXGI budget: the generic vmm backend serves them "
+                         f"(force this one with MEMBACKEND_BACKEND={NAME} if the driver model is misreported)")
+    smallest = min(gpus, key=lambda d: d.total_memory or math.inf)
+    score = score_for(smallest.total_memory)
+    vram = f"{smallest.total_memory / GiB:.1f} GiB" if smallest.total_memory else "unknown VRAM"
+    fit = "a small card, what this plugin is meant for" if 0 < smallest.total_memory <= MEANT_FOR \
+        else "more than the ~12 GB this plugin is meant for, so it scores low in the band"
+    room = headroom()
+    return Candidate(NAME, score,
+                     f"Windows, {len(gpus)} NVIDIA device(s) under WDDM; smallest {smallest.device} "
+                     f"({smallest.name or 'unnamed'}) has {vram}, {fit}; score = 96 - 2 per GiB of VRAM, "
+                     f"within {SCORE_FLOOR}-{SCORE_TOP}; budget = DXGI budget - usage - {room // MiB} MiB headroom")
+
+
+#: the platform record (entry point ``cuda_wddm = "membackend_cuda_wddm:PLATFORM"``)
+PLATFORM = Platform(
+    name=NAME,
+    vendor="cuda",
+    probe=probe,
+    budget_source="wddm",
+    capabilities=Capabilities(recycle_handles=True, fence_granularity="reservation", release_on_full_unload=True),
+    page_size=32 * MiB,
+    headroom=headroom,
+    description="CUDA on Windows WDDM with little VRAM: DXGI budget, recycled handles, event fences before frees",
+    version="0.1.0",
+)
