@@ -1,7 +1,11 @@
 """``membackend doctor | backends | budget`` — what membackend sees and whether it works.
 
+``membackend comfyui install|uninstall <ComfyUI folder>`` adds or removes the
+custom node that starts membackend inside ComfyUI (see ``docs/comfyui.md``).
+
 Exit codes: 0 ok; 1 the self-test failed; 2 a configuration error (its message
-is printed), including a forced backend that is not available.
+is printed), including a forced backend that is not available and a folder
+that is not a ComfyUI checkout.
 """
 
 from __future__ import annotations
@@ -232,6 +236,22 @@ def run(command: str, as_json: bool) -> int:
     return 0 if session is None or out["selftest"]["ok"] else 1
 
 
+def _comfyui(action: str, folder: str) -> int:
+    from .comfyui.install import install, uninstall
+
+    try:
+        node, changed = (install if action == "install" else uninstall)(folder)
+    except MembackendError as exc:
+        print(f"membackend: {exc}", file=sys.stderr)
+        return 2
+    if action == "install":
+        print(f"membackend: {'installed' if changed else 'already installed'}: {node}")
+        print(f"  into this Python: {sys.executable} (it must be the one that runs ComfyUI)")
+    else:
+        print(f"membackend: {'removed' if changed else 'not installed'}: {node}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="membackend", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"membackend {__version__}")
@@ -241,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
                             ("budget", "each device's budget and its source")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    comfy = sub.add_parser("comfyui", help="add or remove the ComfyUI custom node that starts membackend")
+    comfy.add_argument("action", choices=("install", "uninstall"))
+    comfy.add_argument("folder", help="the ComfyUI checkout (the folder holding main.py)")
     args = parser.parse_args(argv)
+    if args.command == "comfyui":
+        return _comfyui(args.action, args.folder)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(args.command, args.json)
