@@ -1,0 +1,190 @@
+"""membackend platform for ROCm on Windows (one or more AMD GPUs): the ``rocm_windows`` backend.
+
+One :class:`membackend.platform.Platform` record, published as the entry point
+``rocm_windows = "membackend_rocm_windows:PLATFORM"``. membackend builds the
+virtual-memory backend from it; this module only says when it fits and how
+the mechanism and the policy must treat the platform:
+
+* **Release on full unload** (G1). Windows ROCm charges reserved GPU address
+  space to the process's private commit: a reservation kept after a full
+  unload kept 41.58 GB of private bytes committed, 7.33 GB once released
+  (ComfyUI #15993). ``release_on_full_unload`` is on.
+* **Address quota.** The runtime caps a process's GPU virtual addresses
+  (reservations and physical mappings draw from one budget) and crashes with
+  an access violation when the cap is passed: the 16th 16 GiB window (at
+  240 GiB) crashed (rocm-systems #9823). Reserves are refused up front with
+  ``AddressSpaceExhausted`` (a ``MemoryError``) at the quota minus a margin of
+  1/16. The quota is, first found: ``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA``
+  (a size, e.g. ``512GiB``); ``OCL_SET_SVM_SIZE`` (the runtime's own setting,
+  in MiB: ComfyUI sets ``4194304`` for 4 TB, PR #16199, earlier ``262144``
+  for 256 GB); else 256 GiB, the Windows default #9823 measured.
+* **Reserve/free churn.** The HIP VMM on Windows fails large address reserves
+  after repeated reserve/free rounds (the standalone reproducer fails at
+  iteration 14, rocm-systems #6191): ``reserve_churn_limit=14`` makes the
+  mechanism keep released windows of at least 1 GiB in a bounded per-device
+  pool and reuse them for equal or smaller reservations; they count as
+  committed while held and go back on a trim (unload of everything, close).
+* **Per device.** Budgets come from each device's own mem-get-info minus the
+  headroom (``budget_source="device"``); the mechanism makes the device
+  current before every call (HIP calls on another device's memory fail with
+  a second device visible, TheRock #6224).
+* **Pages** of 32 MiB, comfy-aimdo's VBAR page: fewer mappings per model
+  (#9823: 3072 mappings of 32 MiB in one reservation are healthy).
+
+Settings are read from the environment when the entry point is loaded (when a
+``BackendManager`` is built): ``PLATFORM`` is computed from the current
+``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA`` and ``OCL_SET_SVM_SIZE`` on each
+access (cached per value). A bad ``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA``
+raises ``ConfigError`` there, so membackend lists the plugin as broken with
+that message; a bad ``OCL_SET_SVM_SIZE`` (set for the runtime, not for us) is
+logged and the ROCm default used. Importing this module never fails on either.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from typing import Any, Mapping
+
+from membackend.platform import Platform
+from membackend.settings import SIZE_ACCEPTED, parse_bytes
+from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
+
+__all__ = ["PLATFORM", "build_platform", "address_quota", "probe", "NAME", "QUOTA_ENV", "SVM_ENV"]
+__version__ = "0.1.0"
+
+log = logging.getLogger(__name__)
+
+MiB, GiB = 1 << 20, 1 << 30
+NAME = "rocm_windows"
+QUOTA_ENV = "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA"
+SVM_ENV = "OCL_SET_SVM_SIZE"
+SVM_UNIT = MiB  # OCL_SET_SVM_SIZE counts MiB: 4194304 is ComfyUI's "4TB" (PR #16199), 262144 its 256 GB
+SVM_MAX = 2**32 - 1  # the runtime reads it as a 32-bit uint (ROCm CLR flags: "OCL_SET_SVM_SIZE uint")
+ROCM_DEFAULT_QUOTA = 256 * GiB  # Windows, no OCL_SET_SVM_SIZE: ~256 GiB per process (rocm-systems #9823)
+MIN_QUOTA = 1 * GiB  # below this no model fits: "256" is a unit slip (bytes), not a quota
+QUOTA_MARGIN = 16  # 1/16 kept below the crash point: #9823 crashed on the window that reached 256 GiB
+CHURN_LIMIT = 14  # rocm-systems #6191: the reproducer's reserve fails at iteration 14
+CHURN_WINDOW = 1 * GiB  # #6191 churns VBARs of 64 and 192 x 32 MiB pages (2 and 6 GiB); smaller ones are freed
+PAGE_SIZE = 32 * MiB  # comfy-aimdo's VBAR_PAGE_SIZE
+SCORE_TORCH = 70  # Windows, a ROCm build of torch, AMD devices listed
+SCORE_LISTED = 60  # Windows, AMD devices listed (hip-python or overrides), torch absent
+
+
+def _parse_svm(raw: str) -> int | None:
+    """``OCL_SET_SVM_SIZE`` in bytes, or None (logged) when the runtime could not use it either."""
+    text = raw.strip()
+    if not re.fullmatch(r"[0-9]+", text) or not 0 < int(text) <= SVM_MAX:
+        log.warning("membackend rocm_windows: %s=%r is not a whole number of MiB from 1 to %d; "
+                    "assuming the ROCm default quota of %d GiB", SVM_ENV, raw, SVM_MAX, ROCM_DEFAULT_QUOTA // GiB)
+        return None
+    return int(text) * SVM_UNIT
+
+
+def address_quota(environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """The runtime's per-process GPU address quota in bytes, and where it came from.
+
+    First found: ``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA`` (a size as membackend
+    reads sizes, at least 1 GiB; anything else raises ``ConfigError``),
+    ``OCL_SET_SVM_SIZE`` (MiB; a value the runtime could not use is logged and
+    skipped), the ROCm default (256 GiB). The limit membackend enforces is this
+    minus 1/16 (see :data:`QUOTA_MARGIN`).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(QUOTA_ENV)
+    if raw is not None and raw.strip():
+        try:
+            quota = parse_bytes(raw.strip())
+        except ValueError as exc:
+            raise ConfigError(QUOTA_ENV.lower().removeprefix("membackend_"), f"env {QUOTA_ENV}", str(exc),
+                              f"{SIZE_ACCEPTED}; at least 1 GiB") from None
+        if quota < MIN_QUOTA:
+            raise ConfigError(QUOTA_ENV.lower().removeprefix("membackend_"), f"env {QUOTA_ENV}",
+                              f"{raw!r} is {quota} bytes, below 1 GiB (a unit missing?)",
+                              f"{SIZE_ACCEPTED}; at least 1 GiB")
+        return quota, f"{QUOTA_ENV}={raw.strip()}"
+    svm = env.get(SVM_ENV)
+    if svm is not None:
+        quota = _parse_svm(svm)
+        if quota is not None:
+            return quota, f"{SVM_ENV}={svm.strip()} MiB"
+    return ROCM_DEFAULT_QUOTA, "the ROCm default"
+
+
+def enforced(quota: int) -> int:
+    """The limit checked before every reserve: the quota minus the crash margin."""
+    return quota - quota // QUOTA_MARGIN
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:,.0f} GiB" if n % GiB == 0 or n >= 10 * GiB else f"{n / MiB:,.0f} MiB"
+
+
+def probe(machine: Machine, policy: str = "") -> Candidate:
+    """Windows, a ROCm (or no) torch build, and AMD (``gfx``) HIP devices listed; 0 with the reason elsewhere.
+
+    Pure: reads the machine facts only (no GPU context). ``policy`` is appended to
+    the reason when it fits, so the doctor says what the platform changes.
+    """
+    if machine.os != "windows":
+        return Candidate(NAME, Score.NONE, f"not Windows (this machine runs {machine.os}); "
+                                           "ROCm elsewhere is served by the generic vmm backend")
+    if machine.torch_vendor in ("cuda", "cpu"):
+        return Candidate(NAME, Score.NONE, f"torch is a {machine.torch_vendor} build, which does not use AMD GPUs; "
+                                           "install a ROCm build of torch")
+    gpus = machine.gpus("hip")
+    if not gpus:
+        return Candidate(NAME, Score.NONE, "no HIP device listed (ROCm torch or hip-python finds none; "
+                                           "check the driver and HIP_VISIBLE_DEVICES)")
+    foreign = [d for d in gpus if d.arch and not d.arch.startswith("gfx")]
+    if foreign:
+        listed = ", ".join(f"{d.device} {d.name} ({d.arch})" for d in foreign)
+        return Candidate(NAME, Score.NONE, f"HIP device(s) that are not AMD GPUs: {listed}")
+    listed = ", ".join(f"{d.device} {d.name or 'unnamed'} ({d.arch or 'architecture unknown'})" for d in gpus)
+    if machine.torch_vendor == "rocm":
+        score, via = SCORE_TORCH, "a ROCm build of torch"
+    else:
+        score, via = SCORE_LISTED, "no torch; HIP devices listed"
+    return Candidate(NAME, score, f"Windows ROCm on {len(gpus)} device(s): {listed}; {via}"
+                                  + (f"; {policy}" if policy else ""))
+
+
+def build_platform(environ: Mapping[str, str] | None = None) -> Platform:
+    """The ``rocm_windows`` Platform for the settings in ``environ`` (default: the process environment)."""
+    env = os.environ if environ is None else environ
+    return _build(env.get(QUOTA_ENV), env.get(SVM_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _build(quota_setting: str | None, svm_setting: str | None) -> Platform:
+    env = {k: v for k, v in ((QUOTA_ENV, quota_setting), (SVM_ENV, svm_setting)) if v is not None}
+    quota, source = address_quota(env)
+    limit = enforced(quota)
+    policy = (f"reservations released on full unload; address quota {_size(limit)} "
+              f"({_size(quota)} from {source}, 1/{QUOTA_MARGIN} kept as margin); released windows of "
+              f">= {_size(CHURN_WINDOW)} pooled per device against the reserve/free churn defect")
+    return Platform(
+        name=NAME,
+        vendor="hip",
+        probe=functools.partial(probe, policy=policy),
+        budget_source="device",
+        capabilities=Capabilities(
+            release_on_full_unload=True,
+            address_quota=limit,
+            reserve_churn_limit=CHURN_LIMIT,
+            reserve_churn_window=CHURN_WINDOW,
+            fence_granularity="reservation",
+        ),
+        page_size=PAGE_SIZE,
+        description=f"ROCm on Windows: {policy}",
+        version=__version__,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """``PLATFORM``: built from the environment each time the entry point is loaded (cached per value)."""
+    if name == "PLATFORM":
+        return build_platform()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,121 @@
+"""rocm_windows: the Platform record alone (probe, address quota, entry point), no session."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+import pytest
+
+import membackend_rocm_windows as rw
+from membackend.platform import Platform
+from membackend.types import ConfigError, Device, DeviceInfo, Machine, Score
+
+MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
+
+
+def machine(os="windows", torch="rocm", devices=(("AMD Radeon RX 9070 XT", "gfx1201"),) * 2, kind="hip"):
+    return Machine(os=os, cpus=16, ram_total=64 * GiB, ram_available=64 * GiB, cgroup_limit=None,
+                   torch_version="2.13.0+rocm10.0.0" if torch == "rocm" else None, torch_vendor=torch,
+                   devices=tuple(DeviceInfo(Device(kind, i), name=n, total_memory=16 * GiB, arch=a)
+                                 for i, (n, a) in enumerate(devices)))
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def test_fits_windows_rocm_and_names_every_device_and_architecture():
+    c = rw.probe(machine(devices=(("AMD Radeon RX 9070 XT", "gfx1201"), ("AMD Radeon RX 7900 XTX", "gfx1100"))))
+    assert c.score in Score.PLATFORM and c.score == rw.SCORE_TORCH
+    assert "hip:0 AMD Radeon RX 9070 XT (gfx1201)" in c.reason and "hip:1 AMD Radeon RX 7900 XTX (gfx1100)" in c.reason
+    assert "2 device(s)" in c.reason and "ROCm build of torch" in c.reason
+
+
+def test_devices_listed_without_torch_fit_lower_than_with_a_rocm_torch():
+    c = rw.probe(machine(torch=None))
+    assert c.score in Score.PLATFORM and c.score < rw.SCORE_TORCH and "no torch" in c.reason
+
+
+@pytest.mark.parametrize("m, why", [
+    (machine(os="linux"), "not Windows (this machine runs linux)"),
+    (machine(torch="cuda"), "torch is a cuda build"),
+    (machine(torch="cpu"), "torch is a cpu build"),
+    (machine(devices=()), "no HIP device listed"),
+    (machine(devices=(("NVIDIA GeForce RTX 3050", "sm_86"),)), "not AMD GPUs: hip:0 NVIDIA GeForce RTX 3050 (sm_86)"),
+    (machine(devices=(("NVIDIA GeForce RTX 3050", "sm_86"),), kind="cuda"), "no HIP device listed"),
+])
+def test_does_not_fit_elsewhere_and_says_why(m, why):
+    c = rw.probe(m)
+    assert c.score == Score.NONE and why in c.reason
+
+
+def test_an_unknown_architecture_still_fits_and_says_so():
+    assert "hip:0 unnamed (architecture unknown)" in rw.probe(machine(devices=(("", None),))).reason
+
+
+# --------------------------------------------------------------------------- address quota
+
+
+def test_default_quota_is_the_rocm_default_with_a_margin_below_the_crash_point():
+    p = rw.build_platform({})
+    assert rw.address_quota({}) == (256 * GiB, "the ROCm default")
+    assert p.capabilities.address_quota == 240 * GiB  # 256 GiB minus 1/16: #9823 crashed on reaching 256
+    assert p.capabilities.address_quota < 256 * GiB
+
+
+@pytest.mark.parametrize("value, quota", [("4194304", 4 * TiB), ("262144", 256 * GiB), (" 65536 ", 64 * GiB)])
+def test_ocl_set_svm_size_counts_mib(value, quota):
+    """ComfyUI sets 4194304 for "4TB" (PR #16199) and earlier 262144 for 256 GB: the unit is MiB."""
+    assert rw.address_quota({"OCL_SET_SVM_SIZE": value})[0] == quota
+    assert rw.build_platform({"OCL_SET_SVM_SIZE": value}).capabilities.address_quota == quota - quota // 16
+
+
+@pytest.mark.parametrize("value", ["4TB", "-1", "0", "", "1.5", "0x400000", str(2**32), "lots"])
+def test_an_ocl_set_svm_size_the_runtime_cannot_use_is_logged_and_the_default_kept(value, caplog):
+    with caplog.at_level(logging.WARNING, logger="membackend_rocm_windows"):
+        assert rw.address_quota({"OCL_SET_SVM_SIZE": value}) == (256 * GiB, "the ROCm default")
+    assert "OCL_SET_SVM_SIZE" in caplog.text and "whole number of MiB" in caplog.text
+
+
+def test_the_membackend_setting_wins_over_ocl_set_svm_size():
+    env = {"MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA": "512GiB", "OCL_SET_SVM_SIZE": "4194304"}
+    assert rw.address_quota(env) == (512 * GiB, "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA=512GiB")
+    assert rw.build_platform(env).capabilities.address_quota == 480 * GiB
+
+
+@pytest.mark.parametrize("value, says", [("lots", "is not a size"), ("-5GiB", "not a size"),
+                                         ("256", "below 1 GiB"), ("true", "not a size")])
+def test_a_bad_quota_setting_is_a_config_error_naming_the_key_and_what_is_accepted(value, says):
+    with pytest.raises(ConfigError) as info:
+        rw.build_platform({"MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA": value})
+    err = info.value
+    assert err.source == "env MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA" and says in str(err)
+    assert "at least 1 GiB" in err.accepted and "GiB" in err.accepted
+
+
+def test_importing_never_fails_and_platform_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "nonsense")
+    importlib.reload(rw)  # the module imports with a bad value in the environment ...
+    with pytest.raises(ConfigError):
+        rw.PLATFORM  # ... and the entry point's load reports it, typed
+    monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "64GiB")
+    assert rw.PLATFORM.capabilities.address_quota == 60 * GiB
+    assert rw.PLATFORM is rw.PLATFORM  # cached per value
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def test_the_record_tunes_the_mechanism_for_the_documented_defects():
+    p = rw.build_platform({})
+    caps = p.capabilities
+    assert isinstance(p, Platform) and (p.name, p.vendor, p.budget_source) == ("rocm_windows", "hip", "device")
+    assert caps.release_on_full_unload and caps.reserve_churn_limit == 14 and caps.reserve_churn_window == GiB
+    assert p.page_size == 32 * MiB and p.headroom_for(16 * GiB) == 256 * MiB
+
+
+def test_one_entry_point_in_the_backends_group():
+    eps = importlib.metadata.distribution("membackend-rocm-windows").entry_points
+    assert [(e.group, e.name, e.value) for e in eps] == [
+        ("membackend.backends", "rocm_windows", "membackend_rocm_windows:PLATFORM")]
+    assert isinstance(tuple(eps)[0].load(), Platform)
