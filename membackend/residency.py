@@ -681,6 +681,60 @@ class ResidencyManager:
         self._models.pop(model.id, None)
         self._trace("unregister", model)
 
+    # ------------------------------------------------------------------ per-reservation controls
+    # (what a comfy-aimdo ModelVBAR offers per reservation; the ComfyUI facade calls them)
+
+    @_locked
+    def deprioritize(self, model: Model) -> None:
+        """Least recently used from now on: the model's pages are the first evicted."""
+        self._check_registered(model)
+        model.last_used = 0
+
+    @_locked
+    def shed(self, model: Model, amount: int, device: Any = None, floor: int = 0) -> int:
+        """Free up to ``amount`` bytes of ``model``'s unpinned resident pages from the top down,
+        never below byte ``floor``; returns bytes freed. The reservation stays (no watermark is set)."""
+        slot = self._slot(model, device)
+        amount, floor = _as_int(amount, "amount"), _as_int(floor, "floor")
+        if amount < 0 or floor < 0:
+            raise InvalidSize(f"amount and floor must be >= 0 bytes, got {amount} and {floor}")
+        if not slot.alive or not amount:
+            return 0
+        ps = slot.reservation.page_size
+        low = -(-floor // ps)  # pages wholly above the floor
+        freed = self._shed(slot, amount, (slot, 0, low)) if low < slot.reservation.pages else 0
+        self._trace("free_memory", model, device=str(slot.device), bytes=amount, result=freed, floor=floor)
+        return freed
+
+    @_locked
+    def set_watermark(self, model: Model, limit: int | None, device: Any = None) -> None:
+        """Faults reaching above byte ``limit`` fail fast until the model is prioritized (None: no limit)."""
+        slot = self._slot(model, device)
+        slot.watermark = None if limit is None else _as_int(limit, "watermark")
+
+    @_locked
+    def watermark(self, model: Model, device: Any = None) -> int | None:
+        return self._slot(model, device).watermark
+
+    @_locked
+    def residency(self, model: Model, device: Any = None) -> list[int]:
+        """One entry per page of the model's reservation: bit 0 resident (or possibly resident),
+        bit 1 pinned; empty when the reservation is not alive."""
+        slot = self._slot(model, device)
+        if not slot.alive:
+            return []
+        return [(1 if r else 0) | (2 if p else 0) for r, p in zip(slot.resident, slot.pins)]
+
+    @_locked
+    def evictable(self, device: Any) -> int:
+        """Bytes of unpinned resident pages on ``device`` (what eviction could give back now)."""
+        device = Device.parse(device)
+        total = 0
+        for slot in self._by_priority(device):
+            ps = slot.reservation.page_size
+            total += sum(1 for r, p in zip(slot.resident, slot.pins) if r and not p) * ps
+        return total
+
     # ------------------------------------------------------------------ reporting
 
     @_locked
