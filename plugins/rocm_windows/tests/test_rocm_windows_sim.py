@@ -1,0 +1,240 @@
+"""rocm_windows on the simulated Windows ROCm machine (``rocm-win-2gpu``: 2 x RX 9070 XT, gfx1201).
+
+The simulation charges reserved address space to private commit (ComfyUI
+#15993), crashes past a 256 GiB per-process address quota (rocm-systems
+#9823), fails large reserves after 14 large frees (rocm-systems #6191) and
+fails calls on a device that is not current (TheRock #6224).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from membackend.backends.vmm import AddressSpaceExhausted
+from membackend.manager import BackendManager
+from membackend.residency import ResidencyManager, StockPolicy
+from membackend.settings import load_settings
+from membackend.types import Device, DriverError
+
+MiB, GiB = 1 << 20, 1 << 30
+PROFILE = "rocm-win-2gpu"
+PAGE = 32 * MiB  # the plugin's page
+HIP0, HIP1 = Device("hip", 0), Device("hip", 1)
+KREA2 = {"text_encoder": 5 * 10**9, "unet": 12 * 10**9, "vae": 3 * 10**8}  # Krea2-sized set, bytes
+
+
+def session(backend: str | None = None, **settings):
+    s = BackendManager(load_settings(backend=backend, sim_profile=PROFILE, **settings)).session()
+    assert s.backend.name == (backend or "rocm_windows")
+    return s
+
+
+def sim(s):
+    return s.backend.driver.sim
+
+
+def run_krea2(policy, device=HIP0):
+    """Register the set on ``device``, run text encoder -> UNet -> VAE (fault everything, unpin)."""
+    models = {name: policy.register(name, size, device, kind={"unet": "diffusion"}.get(name, name))
+              for name, size in KREA2.items()}
+    for name in ("text_encoder", "unet", "vae"):
+        m = models[name]
+        policy.use([m])
+        assert policy.fault(m, 0, m.size).ok
+        policy.unpin(m, 0, m.size)
+    return models
+
+
+# --------------------------------------------------------------------------- the seed (#15993), side by side
+
+
+def test_seed_stock_keeps_commit_by_the_reserved_size_the_plugin_returns_to_baseline():
+    stock_s, plugin_s = session("vmm"), session()
+    results = {}
+    for name, s, cls in (("stock", stock_s, StockPolicy), ("plugin", plugin_s, ResidencyManager)):
+        baseline = sim(s).private_commit
+        policy = cls(s)
+        models = run_krea2(policy)  # held, as ComfyUI holds its model objects
+        reserved = sum(m.reservation(HIP0).size for m in models.values())
+        policy.unload_all()
+        results[name] = {"over": sim(s).private_commit - baseline, "reserved": reserved,
+                         "alive": s.ledger.account(HIP0).reservations_alive,
+                         "driver": sim(s).state()["reservations"], "resident": sim(s).state()["mapped"],
+                         "hazards": sim(s).crashes + sim(s).use_after_free}
+    stock, plugin = results["stock"], results["plugin"]
+    # reservations sized to the models (pages of 32 MiB), not ten times their size
+    assert plugin["reserved"] == sum(-(-n // PAGE) * PAGE for n in KREA2.values())
+    assert stock["over"] == stock["reserved"] and stock["alive"] == stock["driver"] == 3
+    assert abs(plugin["over"]) <= PAGE and plugin["alive"] == plugin["driver"] == 0
+    assert stock["resident"] == plugin["resident"] == 0 and stock["hazards"] == plugin["hazards"] == 0
+    assert sim(plugin_s).state(1)["reserved"] == sim(plugin_s).state(1)["physical"] == 0  # device 1 untouched
+    stock_s.close()
+    plugin_s.close()
+
+
+def test_each_full_unload_traces_private_commit_and_keeps_only_the_bounded_pool_until_close(tmp_path):
+    trace = tmp_path / "run.jsonl"
+    s = session(trace=str(trace))
+    policy = ResidencyManager(s)
+    models = run_krea2(policy)
+    for m in models.values():
+        policy.full_unload(m)
+    commits = [json.loads(line) for line in trace.read_text().splitlines()]
+    commits = {e["model"]: e for e in commits if e["event"] == "commit"}
+    pooled = sum(-(-KREA2[n] // PAGE) * PAGE for n in ("text_encoder", "unet"))  # >= 1 GiB: kept; VAE freed
+    assert set(commits) == set(KREA2) and commits["vae"]["committed_after"] == pooled
+    assert s.ledger.account(HIP0).reservations_alive == 0  # no reservation of an unloaded model survives (G1)
+    state = s.inspect(HIP0)
+    assert (state.reserved, state.resident, state.held, state.committed) == (0, 0, pooled, pooled)
+    assert policy.fault(models["unet"], 0, PAGE).ok  # reuse re-reserves transparently, from the pool
+    assert sim(s).churn_frees == 0
+    policy.full_unload(models["unet"])
+    s.close()  # shutdown drains the pool
+    assert sim(s).private_commit == 0 and sim(s).state()["reservations"] == 0
+
+
+# --------------------------------------------------------------------------- 200 cycles on both devices
+
+
+def cycles(s, n: int) -> dict:
+    """``n`` load/run/unload cycles of the text encoder and the UNet, alternating hip:0 and hip:1."""
+    policy = ResidencyManager(s)
+    models = {d: [policy.register(f"{k}@{d}", KREA2[k], d) for k in ("text_encoder", "unet")] for d in (HIP0, HIP1)}
+    limit = s.capabilities.address_quota
+    out = {"done": 0, "commit": [], "peak_quota_used": 0, "error": None}
+    for i in range(n):
+        device = (HIP0, HIP1)[i % 2]
+        try:
+            for m in models[device]:
+                policy.use([m])
+                assert policy.fault(m, 0, m.size).ok
+                out["peak_quota_used"] = max(out["peak_quota_used"], sim(s).quota_used())
+                policy.unpin(m, 0, m.size)
+            for m in models[device]:
+                policy.full_unload(m)
+        except DriverError as exc:
+            out["error"] = f"cycle {i}: {exc}"
+            break
+        out["done"] += 1
+        out["commit"].append(sim(s).private_commit)
+        assert limit is None or out["peak_quota_used"] <= limit
+    return out
+
+
+def test_200_cycles_alternating_devices_no_churn_failure_commit_flat_quota_never_crossed():
+    s = session()
+    r = cycles(s, 200)
+    assert r["error"] is None and r["done"] == 200
+    assert sim(s).churn_frees == 0 and sim(s).crashes == 0
+    assert len(set(r["commit"][2:])) == 1, "commit flat once each device has its windows pooled"
+    assert r["commit"][-1] == 2 * sum(-(-KREA2[k] // PAGE) * PAGE for k in ("text_encoder", "unet"))
+    assert r["peak_quota_used"] <= s.capabilities.address_quota
+    for d in (HIP0, HIP1):  # each device's pool holds its own windows, nothing of the other's
+        assert s.inspect(d).reserved == 0 and s.inspect(d).held == r["commit"][-1] // 2
+    s.close()
+    assert sim(s).private_commit == 0 and sim(s).state()["reservations"] == 0
+
+
+def test_the_same_cycles_on_the_generic_vmm_hit_the_churn_defect():
+    """The control: without the pool each unload frees two large windows; #6191 fails the 15th reserve."""
+    s = session("vmm")
+    r = cycles(s, 200)
+    assert r["error"] is not None and r["done"] < 10 and sim(s).churn_frees >= 14
+    s.close()
+
+
+# --------------------------------------------------------------------------- the quota
+
+
+def test_reserving_until_the_quota_is_refused_typed_and_the_session_stays_usable():
+    s = session()
+    kept = []
+    with pytest.raises(AddressSpaceExhausted, match="GPU address quota") as info:
+        for i in range(40):
+            kept.append(s.reserve((HIP0, HIP1)[i % 2], 16 * GiB))  # one quota for the process, both devices
+    assert isinstance(info.value, MemoryError)
+    assert sim(s).crashes == 0 and sim(s).quota_used() <= s.capabilities.address_quota < 256 * GiB
+    assert len(kept) >= 13  # 13 x 16 GiB = 208 GiB reserved before the refusal
+    s.release_reservation(kept.pop())
+    r = s.reserve(HIP1, 16 * GiB)  # usable again: the pooled window is reused
+    assert s.fault(r, 0, 4 * PAGE).ok and s.free(r) == 4 * PAGE
+    s.close()
+    assert sim(s).private_commit == 0 and sim(s).crashes == 0
+
+
+def test_a_configured_quota_is_enforced_through_the_entry_point(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "64GiB")
+    s = session()
+    assert s.capabilities.address_quota == 60 * GiB
+    a, b = s.reserve(HIP0, 16 * GiB), s.reserve(HIP1, 16 * GiB)
+    with pytest.raises(AddressSpaceExhausted, match=str(60 * GiB)):
+        s.reserve(HIP0, 16 * GiB)
+    s.release_reservation(a)
+    s.release_reservation(b)
+    s.close()
+
+
+def test_a_bad_quota_setting_leaves_the_plugin_broken_with_the_reason(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "plenty")
+    mgr = BackendManager(load_settings(sim_profile=PROFILE))
+    sel = mgr.select()
+    assert sel.record.name != "rocm_windows"
+    assert "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA" in next(v for k, v in sel.broken.items() if "rocm_windows" in k)
+
+
+# --------------------------------------------------------------------------- per device
+
+
+def test_per_device_budgets_and_nothing_left_on_the_other_device():
+    s = session()
+    r = s.reserve(HIP1, 2 * GiB)
+    assert s.fault(r, 0, GiB).ok
+    b0, b1 = s.budget_query(HIP0), s.budget_query(HIP1)
+    assert b0.total == b1.total == 16 * GiB and b0.headroom == b1.headroom == 256 * MiB
+    assert (b0.free, b1.free) == (16 * GiB, 15 * GiB) and b1.usable == 15 * GiB - 256 * MiB
+    s.release_reservation(r)
+    assert s.inspect(HIP1).held == 2 * GiB and s.inspect(HIP0).held == 0  # the pool is per device
+    assert sim(s).state(0) == {"reserved": 0, "reservations": 0, "mapped": 0, "handles": 0, "physical": 0,
+                               "pending_ops": 0}
+    assert s.trim(HIP1) == 2 * GiB and s.inspect(HIP1).held == 0
+    s.close()
+
+
+# --------------------------------------------------------------------------- selection and the doctor
+
+
+@pytest.mark.parametrize("profile", ["rocm-win-2gpu", "wddm-6gb", "gb10-128gb", "h200"])
+def test_auto_selected_on_windows_rocm_only(profile):
+    sel = BackendManager(load_settings(sim_profile=profile)).select()
+    c = sel.candidates["rocm_windows"]
+    if profile == PROFILE:
+        assert sel.record.name == "rocm_windows" and sel.how == "auto" and c.score in range(50, 100)
+        assert "hip:0 AMD Radeon RX 9070 XT (gfx1201), hip:1 AMD Radeon RX 9070 XT (gfx1201)" in c.reason
+    else:
+        assert sel.record.name != "rocm_windows" and c.score == 0 and c.reason
+
+
+def test_forced_by_name_even_where_its_probe_says_no():
+    sel = BackendManager(load_settings(backend="rocm_windows", sim_profile=PROFILE)).select()
+    assert (sel.record.name, sel.how) == ("rocm_windows", "forced")
+    linux = BackendManager(load_settings(backend="rocm_windows", sim_profile=PROFILE, machine={"os": "linux"}))
+    sel = linux.select()
+    assert sel.how == "forced" and "does not fit: not Windows" in sel.reason
+
+
+def test_the_doctor_explains_auto_and_forced_selection(monkeypatch, capsys):
+    from membackend.cli import main
+
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", PROFILE)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "selected: rocm_windows (auto): highest probe score (70): Windows ROCm on 2 device(s)" in out
+    assert "address quota 240 GiB (256 GiB from the ROCm default" in out and "self-test: passed" in out
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "rocm_windows")
+    monkeypatch.setenv("MEMBACKEND_MACHINE__OS", "linux")
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "selected: rocm_windows (forced): forced by backend='rocm_windows'; its probe says it does not fit: " \
+           "not Windows (this machine runs linux)" in out
