@@ -31,8 +31,9 @@ What it tells the mechanism and the policy, and why:
   fence tokens); the mechanism adds a device synchronize only when pages were
   mapped since the last one, since a fresh mapping may still be paging in and
   no event covers that (the page-in use-after-free of ComfyUI #16246).
-* **Pages of 32 MiB**, comfy-aimdo's VBAR page: WDDM pages whole allocations
-  in, so fewer and larger allocations mean fewer page-ins and driver calls.
+* **Pages of 64 MiB**, twice comfy-aimdo's 32 MiB VBAR page: WDDM pages whole
+  allocations in, so fewer, larger allocations mean fewer page-ins and
+  driver calls, and the bounded recycle pool (16 handles) holds 1 GiB.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ PLATFORM = Platform(
     probe=probe,
     budget_source="wddm",
     capabilities=Capabilities(recycle_handles=True, fence_granularity="reservation", release_on_full_unload=True),
-    page_size=32 * MiB,
+    page_size=64 * MiB,
     headroom=headroom,
     description="CUDA on Windows WDDM with little VRAM: DXGI budget, recycled handles, event fences before frees",
     version="0.1.0",

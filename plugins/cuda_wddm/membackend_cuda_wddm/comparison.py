@@ -1,0 +1,351 @@
+"""The ComfyUI #16246 seed, side by side: stock ComfyUI + comfy-aimdo against this plugin, on ``wddm-6gb``.
+
+Used by this plugin's tests and by ``benchmarks/bench_cuda_wddm.py``; the
+backend itself never imports it.
+
+**The workload** (one seed): on the simulated 6 GB RTX 3050 under WDDM, an
+LTX-video-sized model (20 GB) is staged layer by layer, then a Z-Image text
+encoder (7.7 GB) and Lumina2 (11.7 GB) are loaded the same way, each one
+evicting what came before, as the dynamic loader did in the report. Per
+layer: fault its pages, copy the weights in (an asynchronous host-to-device
+copy on a stream), let the host run ahead for a while (the kernels), unpin.
+The seed draws the WDDM page-in latency, the copy bandwidth (so the copy
+durations) and the time the host runs ahead after each layer. A fault that
+finds no memory is streamed instead (ComfyUI's fallback), as is one that
+raises a typed driver error. At the end everything is unloaded.
+
+**Stock** (:func:`stock_session`): :class:`StockPolicy` (today's ComfyUI)
+over :class:`AimdoStockVmm`, the VMM mechanism made to do what comfy-aimdo
+0.5.x does on this path (each behaviour's source is on the method), under
+:class:`AimdoLoadPolicy` (evictions made by a fault skip the device sync, as
+aimdo's ``vbars_free`` does while the prefetch's malloc graph is
+sync-paused). It records no fence tokens: aimdo has none, it relies on
+``cuCtxSynchronize``.
+
+**Plugin** (:func:`plugin_session`): :class:`ResidencyManager` over the
+``cuda_wddm`` platform's own backend; every copy records an event token.
+
+A simulated bugcheck (:class:`SimulatedBugcheck`) would end the machine. By
+default the stock side carries on past one so that its handle counts cover the
+whole workload like the plugin's: the unsafe call is counted (the driver's own
+``bugchecks`` counter), the device is synchronized and the call made again.
+``carry_on=False`` lets it end the run instead.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from membackend.backends.vmm import VmmBackend
+from membackend.drivers.open import machine_for
+from membackend.drivers.sim import SimulatedBugcheck, get_profile, sim_driver
+from membackend.ledger import Ledger
+from membackend.platform import Platform
+from membackend.residency import ResidencyManager, StockPolicy
+from membackend.session import Session
+from membackend.settings import load_settings
+from membackend.types import Candidate, Capabilities, Device, MembackendError, Score
+
+from . import PLATFORM
+
+__all__ = ["MODELS", "Timing", "timing_for", "AimdoStockVmm", "AimdoLoadPolicy", "stock_session",
+           "plugin_session", "BudgetPoolVmm", "run_seed", "SeedResult", "PROFILE", "LAYER", "SIDES"]
+
+MiB, GB = 1 << 20, 10**9
+PROFILE = "wddm-6gb"
+DEVICE = Device("cuda", 0)
+#: the report's models (ComfyUI #16246): the staging evicted, then the two loaded after it
+MODELS = (("ltx_video", 20 * GB), ("z_image_text_encoder", int(7.7 * GB)), ("lumina2", int(11.7 * GB)))
+LAYER = 256 * MiB  # bytes faulted, copied and used at a time
+SIDES = ("stock", "plugin", "plugin+core")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What one seed draws: WDDM page-in latency, host-to-device copy bandwidth, host run-ahead per layer."""
+
+    pagein_seconds: float
+    copy_bandwidth: float
+    run_ahead: tuple[float, ...]  # seconds the host runs ahead after each layer, cycled
+
+    @property
+    def profile(self) -> Any:
+        return replace(get_profile(PROFILE), pagein_seconds=self.pagein_seconds, copy_bandwidth=self.copy_bandwidth)
+
+
+def timing_for(seed: int) -> Timing:
+    """Page-in 1-40 ms (a 6 GB card's VidMm paging a 64 MiB allocation in), copies at 3-25 GB/s (a busy
+    PCIe 3.0 x8 RTX 3050 up to PCIe 4.0 x16), the host 0-30 ms ahead after each layer."""
+    rng = random.Random(seed)
+    return Timing(rng.uniform(0.001, 0.040), rng.uniform(3e9, 25e9), tuple(rng.uniform(0.0, 0.030) for _ in range(64)))
+
+
+# --------------------------------------------------------------------------- stock: comfy-aimdo 0.5.x
+
+
+def _stock_probe(machine: Any) -> Candidate:
+    return Candidate("aimdo_stock", Score.NONE, "comparison only: comfy-aimdo's mechanism on the VMM backend")
+
+
+#: comfy-aimdo on Windows: budget from the DXGI budget with its 512 MiB WDDM_BUDGET_HEADROOM
+#: (src-win/shmem-detect.c), pages kept by the policy until the model is collected
+STOCK_PLATFORM = Platform(name="aimdo_stock", vendor="cuda", probe=_stock_probe, budget_source="wddm",
+                          capabilities=Capabilities(release_on_full_unload=False), headroom=512 * MiB,
+                          description="comfy-aimdo 0.5.x's free path, for side-by-side comparison only")
+
+
+class AimdoStockVmm(VmmBackend):
+    """The VMM mechanism doing what comfy-aimdo 0.5.x does, for the comparison only.
+
+    * Each page is created, mapped and given access on fault
+      (``three_stooges``: ``cuMemCreate`` → ``cuMemMap`` → ``cuMemSetAccess``).
+    * Freeing a page unmaps it and releases its handle at once
+      (``mod1``: ``cuMemUnmap`` → ``cuMemRelease``; "Physical memory is
+      returned to the driver, not pooled"); nothing is recycled.
+    * The mechanism never synchronizes by itself: aimdo's only fence is the
+      ``cuCtxSynchronize`` inside its VBAR free paths, which the policy issues
+      (:class:`AimdoLoadPolicy`), and no free path waits for the WDDM page-in
+      of a fresh mapping.
+    * A failed fault is unwound with no sync (``three_stooges`` unwinds with
+      ``cuMemUnmap`` → ``cuMemRelease``).
+
+    ``carry_on``: after a simulated bugcheck, count it (the driver does) and
+    carry on as if the machine had survived, so the handle figures cover the
+    whole workload; False lets the bugcheck end the run.
+    """
+
+    def __init__(self, driver: Any, *, page_size: int, carry_on: bool = True):
+        super().__init__(STOCK_PLATFORM, driver, page_size=page_size)
+        self.carry_on = carry_on
+
+    def _unsafe(self, call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except SimulatedBugcheck:
+            if not self.carry_on:
+                raise
+            self.driver.device_synchronize()  # the bugcheck is counted by the driver; the rest must go on
+            call(*args)
+
+    def _release_or_keep(self, state: Any, handle: Any) -> None:
+        self._unsafe(self.driver.release, handle)  # mod1: released at once, never pooled
+
+    def _drop(self, r: Any, first: int, last: int) -> int:
+        rng = r.handle
+        pages = [p for p in range(first, last) if rng.handles[p] is not None]
+        if not pages:
+            return 0
+        state = self._use(rng.index)
+        ps, dropped = r.page_size, 0
+        for p in pages:  # mod1 per page: unmap, release; no sync of its own
+            self._unsafe(self.driver.unmap, r.base + p * ps, ps)
+            self._release_or_keep(state, rng.handles[p])
+            rng.handles[p] = None
+            rng.ready[p] = 0
+            dropped += ps
+            state.resident -= ps
+        return dropped
+
+    def _unwind(self, state: Any, r: Any, mapped: list) -> int:
+        for p, h in mapped:  # three_stooges' unwind: no sync
+            self._unsafe(self.driver.unmap, r.base + p * r.page_size, r.page_size)
+            self._release_or_keep(state, h)
+        return 0
+
+
+class AimdoLoadPolicy(StockPolicy):
+    """:class:`StockPolicy` with comfy-aimdo 0.5.x's pressure path during a load.
+
+    A fault that must make room calls ``vbars_free``, which in 0.5.x skips
+    both of its ``cuCtxSynchronize`` calls while the thread's malloc graph is
+    sync-paused, as ComfyUI 0.35's ``model_prefetch`` runs it; so evictions
+    made by a fault are not fenced. Other frees (a workflow switch, an unload:
+    ``vbar_free_memory``) still synchronize the device first.
+    """
+
+    _loading = False
+
+    def fault(self, model: Any, offset: int, size: int, device: Any = None) -> Any:
+        with self._lock:
+            self._loading = True
+            try:
+                return super().fault(model, offset, size, device)
+            finally:
+                self._loading = False
+
+    def _fence_before_free(self, slot: Any) -> None:
+        if not self._loading:
+            super()._fence_before_free(slot)
+
+
+# --------------------------------------------------------------------------- the core change this plugin asks for
+
+
+class BudgetPoolVmm(VmmBackend):
+    """The VMM backend with the recycle pool this plugin needs from the core, measured side by side.
+
+    Not the shipped mechanism: it is the change proposed for
+    ``membackend/backends/vmm.py`` (this plugin's README, "What it needs from
+    the core"), so the benchmark can print what it would give. Two rules:
+
+    * the pool is bounded by the budget, not by ``RECYCLE_LIMIT`` handles: a
+      freed handle is kept (its memory was within the budget when it was
+      mapped); and the budget reports kept handles as free, since the next
+      fault maps them without asking the driver;
+    * the pool shrinks when the budget needs the memory: when the driver's
+      own free (DXGI budget minus current usage, kept handles included) is
+      below the headroom, kept handles are released until it is not. They are
+      quiet: every free fenced them before they were unmapped.
+    """
+
+    def _release_or_keep(self, state: Any, handle: Any) -> None:
+        if self.capabilities.recycle_handles:
+            state.spare.append(handle)
+            return
+        super()._release_or_keep(state, handle)
+
+    def membackend_budget_query(self, device: Device) -> Any:
+        from membackend.types import Budget
+
+        index = self._device_index(device)
+        with self._lock:
+            state = self._use(index)
+            total, free, source = self.driver.budget(self.platform.budget_source, index)
+            room = self.headroom_for(total)
+            while state.spare and free < room:  # the budget needs the memory: give kept handles back
+                self.driver.release(state.spare[-1])
+                state.spare.pop()
+                free += state.page_size
+            free += len(state.spare) * state.page_size
+        return Budget.of(total, free, room, source)
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+def _session(backend: VmmBackend) -> Session:
+    return Session(backend, machine=machine_for(load_settings(sim_profile=PROFILE)), ledger=Ledger())
+
+
+def stock_session(timing: Timing, page_size: int, carry_on: bool = True) -> Session:
+    """A session over :class:`AimdoStockVmm` on a fresh simulated machine with the seed's timing."""
+    return _session(AimdoStockVmm(sim_driver(timing.profile), page_size=page_size, carry_on=carry_on))
+
+
+def plugin_session(timing: Timing, page_size: int, proposed_core: bool = False) -> Session:
+    """A session over the ``cuda_wddm`` platform's backend on a fresh simulated machine with the seed's
+    timing; ``proposed_core``: over :class:`BudgetPoolVmm` (the core change asked for) instead."""
+    cls = BudgetPoolVmm if proposed_core else VmmBackend
+    return _session(cls(PLATFORM, sim_driver(timing.profile), page_size=page_size))
+
+
+# --------------------------------------------------------------------------- one seed
+
+
+@dataclass
+class SeedResult:
+    """One run's figures, read from the simulated driver (its counters and call counts)."""
+
+    bugchecks: int = 0
+    creates: int = 0
+    releases: int = 0
+    spilled: int = 0
+    typed_errors: list[str] = field(default_factory=list)
+    not_ready_injected: int = 0
+    streamed_layers: int = 0
+    loaded_bytes: int = 0
+    ledger_matches_driver: bool = True
+    mismatches: list[str] = field(default_factory=list)
+    baseline_after_unload: bool = True
+
+
+def _check_ledger(session: Session, policy: ResidencyManager, where: str, result: SeedResult) -> None:
+    """The ledger, the policy's page map and the driver's own tables must agree."""
+    acct = session.ledger.account(DEVICE)
+    drv = session.inspect(DEVICE)
+    mapped = sum(s["resident"] for s in policy.stats(DEVICE).values())
+    if (acct.reserved, acct.resident) != (drv.reserved, drv.resident) or mapped != acct.resident:
+        result.ledger_matches_driver = False
+        result.mismatches.append(f"{where}: ledger reserved {acct.reserved} resident {acct.resident}, driver "
+                                 f"reserved {drv.reserved} resident {drv.resident}, policy resident {mapped}")
+
+
+def run_seed(seed: int, side: str, *, page_size: int = PLATFORM.page_size, not_ready: float = 0.0,
+             carry_on: bool = True) -> SeedResult:
+    """Run the workload once on ``side`` with seed ``seed``: ``"stock"``, ``"plugin"`` (the shipped
+    mechanism) or ``"plugin+core"`` (with :class:`BudgetPoolVmm`, the core change asked for).
+
+    ``not_ready``: probability that each ``cuMemMap`` and ``cuMemSetAccess``
+    answers ``CUDA_ERROR_NOT_READY`` (as after a forced eviction, aimdo #100).
+    A typed membackend error from a fault is noted and the layer streamed; the
+    ledger is compared with the driver after every model and after the unload.
+    Anything else (a simulated bugcheck with ``carry_on=False`` included) propagates.
+    """
+    if side not in SIDES:
+        raise ValueError(f"side {side!r}; accepted: {', '.join(SIDES)}")
+    timing = timing_for(seed)
+    if side == "stock":
+        session = stock_session(timing, page_size, carry_on)
+        policy: ResidencyManager = AimdoLoadPolicy(session)
+    else:
+        session = plugin_session(timing, page_size, proposed_core=side == "plugin+core")
+        policy = ResidencyManager(session)
+    backend = session.backend
+    driver = backend.driver
+    sim = driver.sim
+    if not_ready:
+        from cuda.bindings.driver import CUresult
+
+        sim.faults.rng.seed(seed)
+        for call in ("cuMemMap", "cuMemSetAccess"):
+            sim.faults.add(call, CUresult.CUDA_ERROR_NOT_READY, probability=not_ready)
+    result = SeedResult()
+    stream = driver.stream_create()
+    try:
+        models = [policy.register(name, size, DEVICE) for name, size in MODELS]
+        step = 0
+        for model in models:
+            policy.use([model])
+            for offset in range(0, model.size, LAYER):
+                size = min(LAYER, model.size - offset)
+                try:
+                    f = policy.fault(model, offset, size)
+                except MembackendError as exc:  # typed: ComfyUI streams the layer instead
+                    result.typed_errors.append(f"{type(exc).__name__}: {exc}")
+                    result.streamed_layers += 1
+                    continue
+                if not f.ok:
+                    result.streamed_layers += 1
+                    continue
+                r = model.reservation(DEVICE)
+                driver.memcpy_htod_async(r.base + offset, 0, size, stream)
+                if side != "stock":  # the copy's event: frees of this reservation wait for it (G2)
+                    policy.record(model, backend.fence_token(r, stream))
+                result.loaded_bytes += size
+                sim.advance(timing.run_ahead[step % len(timing.run_ahead)])
+                step += 1
+                policy.unpin(model, offset, size)
+            _check_ledger(session, policy, f"after loading {model.id}", result)
+        try:
+            policy.unload_all()
+        finally:
+            _check_ledger(session, policy, "after unload_all", result)
+        if side != "stock":
+            # G1: the driver back at its baseline (stock keeps its reservations until the models are collected)
+            drv = session.inspect(DEVICE)
+            result.baseline_after_unload = (drv.resident, drv.held, sim.state(0)["handles"]) == (0, 0, 0)
+    except SimulatedBugcheck:
+        # the machine is gone; let nothing that runs afterwards (the stock models' finalizers) bugcheck again
+        backend.carry_on = True
+        driver.device_synchronize()
+        raise
+    del models, policy
+    session.close()
+    result.bugchecks = sim.bugchecks
+    result.creates = sim.faults.calls.get("cuMemCreate", 0)
+    result.releases = sim.faults.calls.get("cuMemRelease", 0)
+    result.spilled = sim.spilled_bytes
+    result.not_ready_injected = sim.faults.injected
+    return result

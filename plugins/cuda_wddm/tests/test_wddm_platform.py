@@ -1,0 +1,178 @@
+"""The cuda_wddm Platform record: probe rule, headroom setting, budget, and the mechanism it asks for."""
+
+from __future__ import annotations
+
+import pytest
+
+import membackend_cuda_wddm as wddm
+from membackend.backends.vmm import VmmBackend
+from membackend.drivers.sim import sim_driver
+from membackend.manager import BackendManager
+from membackend.settings import load_settings
+from membackend.types import ConfigError, Device, DeviceInfo, Machine, Score
+
+MiB, GiB = 1 << 20, 1 << 30
+CUDA0 = Device("cuda", 0)
+
+
+def machine(os="windows", *devices: DeviceInfo) -> Machine:
+    return Machine(os=os, cpus=8, ram_total=32 * GiB, ram_available=32 * GiB, cgroup_limit=None,
+                   torch_version=None, torch_vendor="cuda", devices=devices)
+
+
+def gpu(index=0, vram=6 * GiB, model="wddm", kind="cuda", name="NVIDIA GeForce RTX 3050") -> DeviceInfo:
+    return DeviceInfo(Device(kind, index), name, vram, driver_model=model)
+
+
+# ------------------------------------------------------------------ probe
+
+
+def test_probe_fits_windows_wddm_in_the_platform_band_and_states_the_rule():
+    c = wddm.probe(machine("windows", gpu()))
+    assert c.name == "cuda_wddm" and c.score in Score.PLATFORM and not c.opt_in
+    assert c.score == 84  # 96 - 2 x 6 GiB
+    assert "96 - 2 per GiB" in c.reason and "6.0 GiB" in c.reason and "512 MiB headroom" in c.reason
+
+
+def test_score_rises_as_vram_falls_and_stays_inside_the_band():
+    sizes = [2, 4, 6, 8, 10, 12, 16, 24, 48]
+    scores = [wddm.probe(machine("windows", gpu(vram=g * GiB))).score for g in sizes]
+    assert scores == sorted(scores, reverse=True)
+    assert scores[sizes.index(4)] > scores[sizes.index(6)] > scores[sizes.index(8)] > scores[sizes.index(12)]
+    assert all(s in Score.PLATFORM for s in scores)
+    assert min(scores) == wddm.SCORE_FLOOR and max(scores) == wddm.SCORE_TOP
+    assert "meant for" in wddm.probe(machine("windows", gpu(vram=24 * GiB))).reason
+
+
+def test_several_devices_score_by_the_smallest():
+    c = wddm.probe(machine("windows", gpu(0, 24 * GiB), gpu(1, 8 * GiB, name="RTX 4060")))
+    assert c.score == wddm.score_for(8 * GiB) and "cuda:1" in c.reason
+
+
+@pytest.mark.parametrize("model, word", [("tcc", "TCC"), ("mcdm", "MCDM"), (None, "driver model unknown")])
+def test_tcc_mcdm_or_unknown_driver_model_does_not_fit_and_names_the_device(model, word):
+    c = wddm.probe(machine("windows", gpu(model=model, name="NVIDIA A4000")))
+    assert c.score == Score.NONE
+    assert word in c.reason and "cuda:0 (NVIDIA A4000)" in c.reason and "vmm" in c.reason
+
+
+def test_a_tcc_device_next_to_a_wddm_one_does_not_fit():
+    c = wddm.probe(machine("windows", gpu(0), gpu(1, 48 * GiB, "tcc", name="RTX A6000")))
+    assert c.score == Score.NONE and "cuda:1 (RTX A6000): TCC" in c.reason
+
+
+def test_not_windows_or_no_nvidia_device_does_not_fit():
+    linux = wddm.probe(machine("linux", gpu(model=None)))
+    assert linux.score == Score.NONE and "linux" in linux.reason
+    amd = wddm.probe(machine("windows", gpu(kind="hip", model=None, name="AMD Radeon")))
+    assert amd.score == Score.NONE and "no NVIDIA" in amd.reason
+    assert wddm.probe(machine("windows")).score == Score.NONE
+
+
+# ------------------------------------------------------------------ headroom
+
+
+def test_headroom_default_is_aimdo_s_512_mib_and_the_env_setting_changes_it(monkeypatch):
+    assert wddm.headroom(6 * GiB) == wddm.DEFAULT_HEADROOM == 512 * MiB
+    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "1GiB")
+    assert wddm.headroom(6 * GiB) == GiB
+    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "0")
+    assert wddm.headroom(6 * GiB) == 0
+
+
+@pytest.mark.parametrize("value", ["lots", "-5MiB", "1.5 parsecs"])
+def test_a_headroom_that_is_not_a_size_is_a_config_error_naming_the_key(monkeypatch, value):
+    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", value)
+    with pytest.raises(ConfigError) as err:
+        wddm.headroom(6 * GiB)
+    assert err.value.key == "MEMBACKEND_CUDA_WDDM_HEADROOM" and "MiB" in err.value.accepted
+
+
+def test_a_headroom_that_leaves_nothing_of_the_budget_is_refused(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "6GiB")
+    with pytest.raises(ConfigError, match="would leave nothing"):
+        wddm.headroom(5 * GiB)
+
+
+def _session(**settings):
+    return BackendManager(load_settings(sim_profile="wddm-6gb", **settings)).session()
+
+
+def test_budget_is_the_dxgi_budget_minus_usage_minus_the_headroom(monkeypatch):
+    s = _session()
+    try:
+        b = s.budget_query(CUDA0)
+        dxgi = s.backend.driver.sim.wddm_budget(0)  # VRAM minus what the OS keeps
+        assert s.backend.name == "cuda_wddm" and "DXGI" in b.source
+        assert (b.total, b.free, b.headroom, b.usable) == (dxgi, dxgi, 512 * MiB, dxgi - 512 * MiB)
+        r = s.reserve(CUDA0, 256 * MiB)
+        s.fault(r, 0, 256 * MiB)
+        assert s.budget_query(CUDA0).free == dxgi - 256 * MiB  # current usage counts against it
+        monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "1GiB")  # read at every query
+        assert s.budget_query(CUDA0).headroom == GiB
+    finally:
+        s.close()
+
+
+def test_the_generic_headroom_setting_overrides_the_plugin_s(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "1GiB")
+    s = _session(headroom=128 * MiB)
+    try:
+        assert s.budget_query(CUDA0).headroom == 128 * MiB
+    finally:
+        s.close()
+
+
+def test_a_bad_headroom_shows_as_a_broken_plugin_with_the_reason(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "lots")
+    sel = BackendManager(load_settings(sim_profile="wddm-6gb")).select()
+    assert sel.record.name != "cuda_wddm"
+    assert "MEMBACKEND_CUDA_WDDM_HEADROOM" in sel.broken["cuda_wddm"]
+
+
+# ------------------------------------------------------------------ what the record asks of the mechanism
+
+
+def test_the_record_asks_for_recycling_event_fences_and_release_on_unload():
+    caps = wddm.PLATFORM.capabilities
+    assert caps.recycle_handles and caps.release_on_full_unload and caps.fence_granularity == "reservation"
+    assert wddm.PLATFORM.vendor == "cuda" and wddm.PLATFORM.budget_source == "wddm"
+
+
+def test_a_freed_handle_is_mapped_again_and_trim_gives_every_one_back():
+    backend = VmmBackend(wddm.PLATFORM, sim_driver("wddm-6gb"))
+    from membackend.ledger import Ledger
+    from membackend.session import Session
+
+    s = Session(backend, machine=machine("windows", gpu()), ledger=Ledger())
+    sim = backend.driver.sim
+    r = s.reserve(CUDA0, 4 * backend.requested_page_size)
+    s.fault(r, 0, r.size)
+    created = sim.faults.calls["cuMemCreate"]
+    s.free(r, 0, r.size)
+    assert s.inspect(CUDA0).held == r.size and sim.faults.calls.get("cuMemRelease", 0) == 0
+    f = s.fault(r, 0, r.size)
+    assert f.ok and sim.faults.calls["cuMemCreate"] == created  # remapped, not created again
+    s.release_reservation(r)
+    assert s.trim(CUDA0) == r.size and s.inspect(CUDA0).held == 0
+    assert sim.faults.calls["cuMemRelease"] == created and sim.state(0)["handles"] == 0
+    s.close()
+
+
+def test_a_free_waits_for_the_copy_event_before_unmapping():
+    backend = VmmBackend(wddm.PLATFORM, sim_driver("wddm-6gb"))
+    from membackend.ledger import Ledger
+    from membackend.session import Session
+
+    s = Session(backend, machine=machine("windows", gpu()), ledger=Ledger())
+    d, sim = backend.driver, backend.driver.sim
+    r = s.reserve(CUDA0, backend.requested_page_size)
+    s.fault(r, 0, r.size)
+    s.fence(CUDA0)  # the page-in is done; only the copy below is pending
+    stream = d.stream_create()
+    d.memcpy_htod_async(r.base, 0, r.size, stream)
+    s.record(r, backend.fence_token(r, stream))
+    assert sim.state(0)["pending_ops"] == 1
+    s.free(r, 0, r.size)  # would be a SimulatedBugcheck without the wait
+    assert sim.bugchecks == 0 and sim.state(0)["pending_ops"] == 0
+    s.close()
