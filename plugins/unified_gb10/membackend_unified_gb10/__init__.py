@@ -1,0 +1,164 @@
+"""membackend platform ``unified_gb10``: integrated CUDA devices that share one memory pool with the host.
+
+On a GB10 (DGX Spark), a Jetson or any other integrated NVIDIA part there is
+no VRAM of its own: device pages, pinned host buffers, staging copies and the
+rest of the system all draw from one pool of system memory. This record tells
+membackend's generic virtual-memory backend so (it subclasses nothing; the
+mechanism is :class:`membackend.backends.vmm.VmmBackend`):
+
+* **When it fits** (:func:`probe`): every CUDA device of the machine reports
+  the *integrated* attribute (``cudaDeviceProp.integrated``; torch's
+  ``is_integrated``). Unified addressing alone never decides it: every
+  discrete GPU on 64-bit Linux has unified addressing too. A machine that
+  mixes integrated and discrete CUDA devices is left to the generic ``vmm``
+  backend, since one budget source cannot describe both. The score is
+  :data:`SCORE`, in the platform band, above the generic backends.
+* **One pool (G3)**: the budget source is ``unified`` — ``MemAvailable``
+  (which counts reclaimable page cache) capped by the memory cgroup — never
+  the driver's mem-get-info, which reports ``MemFree`` on these parts
+  (ComfyUI #15285; NVML memory queries are unsupported on GB10). Device pages
+  and pinned host memory lower ``MemAvailable`` alike, so both count.
+* **Refused up front**: ``Capabilities(unified_pool=True)``: a fault that
+  would take the pool below the headroom is out of memory (``Fault(ok=False)``)
+  before the driver is asked, and the residency manager evicts whole models,
+  least recently used first, and retries. Without it a GB10 driver refuses late
+  with ``NV_ERR_NO_MEMORY`` and the loader aborts (ComfyUI #15285: 4 SIGABRTs
+  loading a 39 GB UNet at about 95 of 121 GiB).
+* **Keep warm (G4)**: nothing here evicts on a workflow switch; the residency
+  manager keeps every model resident while this budget allows (ComfyUI #14519:
+  image → video → image went back from about 9 s to about 120 s).
+* **Headroom** (:func:`headroom`): :data:`HEADROOM_FRACTION` of the pool,
+  within :data:`HEADROOM_MIN` and :data:`HEADROOM_MAX` (16 GiB on a 128 GB
+  GB10 is what a GB10 user in ComfyUI #15285 needed as ``--reserve-vram 16``).
+  ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` (a size: ``12GiB``, ``8000MB``) replaces
+  it; it is read at every budget query, so it can change while running. The
+  generic ``MEMBACKEND_HEADROOM`` setting overrides every backend's headroom,
+  this one's included.
+* **Pages** of :data:`PAGE_SIZE` (comfy-aimdo's 32 MiB VBAR page): a 45 GB
+  model is about 1,300 maps instead of about 21,000 at the 2 MiB granularity.
+  Freed physical memory is released, not kept for reuse: on one pool a kept
+  handle is memory the host cannot have.
+"""
+
+from __future__ import annotations
+
+import os
+
+from membackend.platform import Platform
+from membackend.settings import SIZE_ACCEPTED, parse_bytes
+from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
+
+__all__ = ["PLATFORM", "probe", "headroom", "HEADROOM_ENV", "HEADROOM_FRACTION", "HEADROOM_MIN", "HEADROOM_MAX",
+           "SCORE", "PAGE_SIZE"]
+
+__version__ = "0.1.0"
+
+MiB, GiB = 1 << 20, 1 << 30
+
+#: probe score when it fits: platform band, above the generic backends (vmm 20, aimdo 10)
+SCORE = 70
+#: the environment variable that replaces the default headroom
+HEADROOM_ENV = "MEMBACKEND_UNIFIED_GB10_HEADROOM"
+#: default headroom: this fraction of the pool, clamped to [HEADROOM_MIN, HEADROOM_MAX]
+HEADROOM_FRACTION = 1 / 8
+HEADROOM_MIN = 1 * GiB  # what the OS and the process's own activations need on a small Jetson
+HEADROOM_MAX = 16 * GiB  # ComfyUI #15285: a GB10 (121 GiB) user ran stably with --reserve-vram 16
+PAGE_SIZE = 32 * MiB  # comfy-aimdo's VBAR page: fewer map calls per multi-GB model
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def configured_headroom() -> int | None:
+    """The headroom ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` asks for, or None when it is unset (or empty).
+
+    Raises :class:`~membackend.types.ConfigError` (key: the variable) when it is
+    not a size.
+    """
+    raw = os.environ.get(HEADROOM_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_bytes(raw)
+    except ValueError as exc:
+        raise ConfigError(HEADROOM_ENV, "env", str(exc), SIZE_ACCEPTED) from None
+
+
+def headroom(total: int) -> int:
+    """Bytes kept free of a pool of ``total`` bytes.
+
+    ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` when set (it must be smaller than the
+    pool), else ``total * HEADROOM_FRACTION`` clamped to ``[HEADROOM_MIN,
+    HEADROOM_MAX]`` (and never more than half the pool). Raises ``ConfigError``
+    on a value that cannot be used.
+    """
+    wanted = configured_headroom()
+    if wanted is not None:
+        if total > 0 and wanted >= total:
+            raise ConfigError(HEADROOM_ENV, "env", f"{wanted} bytes is not less than the {total} byte pool",
+                              f"a size below the pool ({_gb(total)})")
+        return wanted
+    return min(max(int(total * HEADROOM_FRACTION), HEADROOM_MIN), HEADROOM_MAX, total // 2)
+
+
+def _pool(machine: Machine, device_total: int) -> tuple[int, str]:
+    """The pool's size as this process sees it, and how it was found."""
+    size, how = machine.ram_total or device_total, "system memory"
+    if machine.cgroup_limit is not None and machine.cgroup_limit < size:
+        size, how = machine.cgroup_limit, f"the memory cgroup's limit (system memory {_gb(machine.ram_total)})"
+    return size, how
+
+
+def probe(machine: Machine) -> Candidate:
+    """Fits when every CUDA device is integrated; pure (machine facts only, no GPU context).
+
+    Raises ``ConfigError`` when ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` is set and
+    unusable, so the doctor shows the backend as broken with that message.
+    """
+    configured_headroom()
+    name = PLATFORM_NAME
+    cuda = machine.gpus("cuda")
+    if not cuda:
+        others = machine.gpus()
+        seen = f" (found {', '.join(f'{d.device} {d.name}'.strip() for d in others)})" if others else ""
+        return Candidate(name, Score.NONE, f"no CUDA device{seen}; this platform serves integrated CUDA devices "
+                                           "(GB10, Jetson)")
+    integrated = [d for d in cuda if d.integrated]
+    discrete = [d for d in cuda if not d.integrated]
+    if not integrated:
+        d = discrete[0]
+        why = " (unified addressing alone is not a shared pool)" if d.unified else ""
+        return Candidate(name, Score.NONE, f"{d.device} {d.name} is not integrated{why}: it has "
+                                           f"{_gb(d.total_memory)} of its own memory; the generic vmm serves it")
+    if discrete:
+        return Candidate(name, Score.NONE, f"{integrated[0].device} {integrated[0].name} is integrated but "
+                                           f"{discrete[0].device} {discrete[0].name} is discrete: one pool's budget "
+                                           "cannot serve both; the generic vmm serves them")
+    d = integrated[0]
+    size, how = _pool(machine, d.total_memory)
+    more = f" and {len(integrated) - 1} more" if len(integrated) > 1 else ""
+    return Candidate(name, SCORE, f"{d.device} {d.name}{more} is integrated: one {_gb(size)} pool ({how}) shared "
+                                  "with the host; budget from MemAvailable, faults past it refused up front, "
+                                  "models kept warm while it allows")
+
+
+PLATFORM_NAME = "unified_gb10"
+
+#: the one record this distribution publishes (entry point ``unified_gb10`` in ``membackend.backends``)
+PLATFORM = Platform(
+    name=PLATFORM_NAME,
+    vendor="cuda",
+    probe=probe,
+    budget_source="unified",
+    capabilities=Capabilities(
+        unified_pool=True,  # refuse a fault past the pool before the driver is asked
+        release_on_full_unload=True,  # a full unload gives the range and its pages back to the one pool (G1)
+        recycle_handles=False,  # a kept physical handle is pool memory the host cannot use
+        fence_granularity="reservation",  # Linux cuMemUnmap synchronizes; no device-wide sync needed
+    ),
+    page_size=PAGE_SIZE,
+    headroom=headroom,
+    description="integrated CUDA (GB10, Jetson): one pool shared with the host, budget from MemAvailable",
+    version=__version__,
+)
