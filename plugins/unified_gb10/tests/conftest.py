@@ -1,0 +1,40 @@
+"""Fixtures of the unified_gb10 tests: a clean environment and workloads on the simulated GB10.
+
+The plugin is found only through its entry point, so these tests need the
+distribution installed (``scripts/test`` and ``tox`` install every
+``plugins/*/``; by hand: ``pip install --no-deps -e plugins/unified_gb10``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gb10_workload import Workload, gb10_session, stock_session
+from membackend.residency import ResidencyManager, StockPolicy
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+    """No MEMBACKEND_* variables (this plugin's own included), in an empty directory."""
+    for key in list(os.environ):
+        if key.startswith("MEMBACKEND_"):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
+def workload():
+    """``workload("plugin")``: the membackend policy on the auto-selected backend (this plugin);
+    ``workload("stock")``: the stock policy on today's generic VMM; each on a fresh simulated GB10."""
+    made = []
+
+    def make(side: str = "plugin") -> Workload:
+        w = Workload(gb10_session(), ResidencyManager) if side == "plugin" else Workload(stock_session(), StockPolicy)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.session.close()

@@ -1,0 +1,21 @@
+"""The conformance kit passes on this plugin over the simulated GB10, run as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_the_conformance_kit_passes_on_unified_gb10_over_the_gb10_profile(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "membackend.testing.conformance", "-q", "-p", "no:cacheprovider",
+         "--membackend-backend", "unified_gb10:gb10-128gb", "--membackend-examples", "8"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    # checked against the driver's own tables, with injected failures; nothing left unchecked but host_capacity
+    assert "unified_gb10:gb10-128gb: checked: ledger vs driver (membackend_inspect)" in out, out[-4000:]
+    assert "not checked" not in out, out[-4000:]
+    assert " passed" in out and " failed" not in out
