@@ -77,3 +77,21 @@ def test_not_ready_on_map_and_set_access_completes_or_raises_typed(side):
         assert r.loaded_bytes > 0 and r.streamed_layers == len(r.typed_errors)  # nothing else failed
     assert injected > 0
     assert errors < injected / 10  # most are absorbed by the bounded retry
+
+
+def test_the_benchmark_prints_every_side_s_figures(capsys):
+    """``benchmarks/bench_cuda_wddm.py`` keeps working (a smoke run of 2 seeds; the figures come from 1,000)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_cuda_wddm.py"
+    spec = importlib.util.spec_from_file_location("bench_cuda_wddm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--seeds", "2", "--jobs", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["stock"]["seeds_with_bugcheck"] == 2 and data["plugin"]["bugchecks"] == 0
+    assert data["plugin+core"]["creates"] * 5 <= data["stock"]["creates"]
+    injected = data["plugin, NOT_READY p=0.3"]
+    assert injected["not_ready_injected"] > 0 and injected["ledger_mismatches"] == 0
