@@ -1,0 +1,143 @@
+"""The wiring patches on ``comfy.model_management``, made when membackend starts.
+
+Each is feature-detected (a name this ComfyUI lacks is skipped and listed in
+the status), wrapped by :meth:`Runtime.guard` (an exception inside restores every
+original and calls ComfyUI's own function with the same arguments, G6), and
+undone by :meth:`Runtime.abort` / :meth:`Runtime.stop`.
+
+* **Budgets (G3).** ``get_free_memory(dev=None, torch_free_too=False)`` answers the
+  backend's usable budget (free minus headroom, from the platform's source);
+  ``get_total_memory(dev=None, torch_total_too=False)`` its total; the import-time
+  ``total_vram`` (MiB) is set from it.
+* **Keep warm (G4).** ``free_memory(memory_required, device, keep_loaded=[], ...)``:
+  when the policy can make the room itself (``memory_required`` no more than the
+  usable budget plus the bytes it could evict), dynamic models are hidden from
+  ComfyUI's victim choice, so a workflow switch leaves them resident; the policy
+  evicts on pressure, least recently used first, never a model of the current run.
+  An "everything" request (ComfyUI's ``1e30`` sentinel: ``unload_all_models``) hides nothing.
+  ``load_models_gpu(models, ...)`` declares the run (``ResidencyManager.use``).
+* **Full unload (G1) and the Hook delegate (G5).** After ``free_memory`` returns, every
+  dynamic model it removed whose nn.Module no loaded model still uses (clones share
+  one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
+  quiescent point (between nodes) while any page is pinned. Its patcher's
+  ``non_dynamic_delegate_model`` is dropped with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import vbar as facade
+
+if TYPE_CHECKING:
+    from .startup import Runtime
+
+__all__ = ["wire"]
+
+EVERYTHING = 1e29  # ComfyUI asks for 1e30 / 1e32 when it means "unload everything"
+
+
+def _vbars_of(patcher: Any) -> list[facade.ModelVBAR]:
+    module = getattr(patcher, "model", None)
+    vbars = getattr(module, "dynamic_vbars", None) or {}
+    return [v for v in list(vbars.values()) if isinstance(v, facade.ModelVBAR)]
+
+
+def _dynamic(lm: Any) -> bool:
+    patcher = lm.model
+    return patcher is not None and bool(_vbars_of(patcher))
+
+
+def wire(rt: "Runtime") -> None:
+    mm = importlib.import_module("comfy.model_management")
+    p = rt.patches
+
+    # ---- G3: budgets from the backend
+    def free_of(dev: Any = None) -> int:
+        return rt.session.budget_query(rt.device_for(dev)).usable
+
+    def total_of(dev: Any = None) -> int:
+        return rt.session.budget_query(rt.device_for(dev)).total
+
+    if hasattr(mm, "get_free_memory"):
+        def get_free_memory(dev=None, torch_free_too=False):
+            free = free_of(dev)
+            return (free, free) if torch_free_too else free
+        p.replace(mm, "get_free_memory", rt.guard("get_free_memory", mm.get_free_memory, get_free_memory))
+    else:
+        p.skipped.append("comfy.model_management.get_free_memory")
+    if hasattr(mm, "get_total_memory"):
+        def get_total_memory(dev=None, torch_total_too=False):
+            total = total_of(dev)
+            return (total, total) if torch_total_too else total
+        p.replace(mm, "get_total_memory", rt.guard("get_total_memory", mm.get_total_memory, get_total_memory))
+    else:
+        p.skipped.append("comfy.model_management.get_total_memory")
+    p.replace(mm, "total_vram", total_of(0) / (1024 * 1024), required=False)
+
+    # ---- G1, G4, G5: free_memory
+    if hasattr(mm, "free_memory") and hasattr(mm, "current_loaded_models"):
+        original_free = mm.free_memory
+
+        def free_memory(memory_required, device, keep_loaded=[], *args, **kwargs):
+            loaded = mm.current_loaded_models
+            before = list(loaded)
+            sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
+            hide = []
+            if memory_required < EVERYTHING:
+                dev = rt.device_for(device)
+                room = rt.session.budget_query(dev).usable + rt.residency.evictable(dev)
+                if memory_required <= room:
+                    hide = [lm for lm in before if not lm.is_dead() and _dynamic(lm)]
+            if hide:
+                hidden = {id(lm) for lm in hide}
+                loaded[:] = [lm for lm in before if id(lm) not in hidden]
+            try:
+                result = original_free(memory_required, device, keep_loaded, *args, **kwargs)
+            finally:
+                if hide:
+                    kept = {id(lm) for lm in loaded}
+                    new = [lm for lm in loaded if all(lm is not b for b in before)]
+                    loaded[:] = new + [lm for lm in before if id(lm) in hidden or id(lm) in kept]
+            removed = [lm for lm in before if all(lm is not a for a in loaded)]
+            if removed:
+                try:
+                    _retire(rt, removed, loaded, sizes)
+                except Exception as exc:  # ComfyUI's own free_memory already ran: do not run it twice
+                    rt.abort(exc, "the full unload after free_memory")
+            return result
+        p.replace(mm, "free_memory", rt.guard("free_memory", original_free, free_memory))
+    else:
+        p.skipped.append("comfy.model_management.free_memory")
+
+    # ---- G4: the current run
+    if hasattr(mm, "load_models_gpu"):
+        original_load = mm.load_models_gpu
+
+        def load_models_gpu(models, *args, **kwargs):
+            result = original_load(models, *args, **kwargs)
+            vbars = [v for m in models for v in _vbars_of(m)]
+            for v in vbars:
+                rt.pending.discard(v)
+            if vbars:
+                rt.residency.use([v._model for v in vbars])
+            return result
+        p.replace(mm, "load_models_gpu", rt.guard("load_models_gpu", original_load, load_models_gpu))
+    else:
+        p.skipped.append("comfy.model_management.load_models_gpu")
+
+
+def _retire(rt: "Runtime", removed: list[Any], loaded: list[Any], sizes: dict[int, int]) -> None:
+    """Full unload (G1) of removed dynamic models no loaded model still uses; drop their delegates (G5)."""
+    in_use = {id(lm.model.model) for lm in loaded if not lm.is_dead() and lm.model is not None}
+    for lm in removed:
+        patcher = lm.model
+        if patcher is None:
+            continue
+        if getattr(patcher, "non_dynamic_delegate_model", None) is not None:
+            patcher.non_dynamic_delegate_model = None  # G5: the legacy second copy goes with its owner
+        if id(patcher.model) in in_use:
+            continue  # a clone still loaded shares this nn.Module and its reservation
+        for v in _vbars_of(patcher):
+            rt.unload_vbar(v, "unloaded by ComfyUI", earlier=max(0, sizes.get(id(v), 0) - v.loaded_size()))

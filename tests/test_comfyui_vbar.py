@@ -1,0 +1,163 @@
+"""The comfy_aimdo.model_vbar facade: every name and signature of the installed comfy-aimdo (0.6.0), and
+each method's behaviour on the residency manager over the host backend."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("comfy_aimdo")
+torch = pytest.importorskip("torch")
+
+import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
+import comfy_aimdo.torch as aimdo_torch  # noqa: E402
+
+from membackend.comfyui import vbar as facade  # noqa: E402
+from membackend.comfyui.startup import FACADE_NAMES, Runtime  # noqa: E402
+from membackend.drivers.open import machine_for  # noqa: E402
+from membackend.manager import BackendManager  # noqa: E402
+from membackend.residency import ResidencyManager  # noqa: E402
+from membackend.settings import load_settings  # noqa: E402
+from membackend.tensors import NotResident  # noqa: E402
+
+PS = 2 << 20
+METHODS = ["prioritize", "deprioritize", "alloc", "fault", "unpin", "loaded_size", "set_watermark_limit",
+           "set_watermark", "free_memory", "get_nr_pages", "get_watermark", "get_residency", "close", "__init__"]
+
+
+def _params(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_modelvbar_method_has_aimdos_parameters(name):
+    assert hasattr(aimdo_vbar.ModelVBAR, name), f"comfy-aimdo has no ModelVBAR.{name}"
+    assert _params(getattr(facade.ModelVBAR, name)) == _params(getattr(aimdo_vbar.ModelVBAR, name))
+
+
+@pytest.mark.parametrize("name", [n for n in FACADE_NAMES if n != "ModelVBAR"])
+def test_every_function_has_aimdos_parameters(name):
+    assert _params(getattr(facade, name)) == _params(getattr(aimdo_vbar, name))
+
+
+def test_no_public_name_of_aimdos_modelvbar_is_missing():
+    ours = {n for n in dir(facade.ModelVBAR) if not n.startswith("_")}
+    theirs = {n for n in dir(aimdo_vbar.ModelVBAR) if not n.startswith("_")}
+    assert theirs <= ours
+    assert _params(facade.aimdo_to_tensor) == _params(aimdo_torch.aimdo_to_tensor)
+
+
+@pytest.fixture
+def rt():
+    settings = load_settings(backend="host", headroom=0, host_capacity=16 * PS, page_size=PS)
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    runtime = Runtime(mgr, machine, mgr.select(machine))
+    runtime.session = mgr.session(machine, selection=runtime.selection)
+    runtime.residency = ResidencyManager(runtime.session)
+    runtime.devices = [runtime.device_for(0)]
+    facade.set_runtime(runtime)
+    yield runtime
+    runtime.stop()
+
+
+def test_without_a_runtime_construction_fails_like_an_uninitialised_aimdo():
+    assert facade.get_runtime() is None
+    with pytest.raises(RuntimeError, match="not initialized"):
+        facade.ModelVBAR(1 << 20, 0)
+    assert facade.vbars_analyze() == 0
+    facade.vbars_reset_watermark_limits()
+
+
+def test_alloc_is_aimdos_aligned_bump_allocator(rt):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(100)
+    b = v.alloc(10)
+    assert a == (v, v.base_addr, 100) and b[1] == v.base_addr + 512
+    with pytest.raises(MemoryError, match="VBAR OOM"):
+        v.alloc(4 * PS)
+    assert v.get_nr_pages() == 4
+
+
+def test_fault_copy_compare_unpin_and_residency_bits(rt):
+    v = facade.ModelVBAR(4 * PS, 0)
+    w = torch.randn(1000)
+    a = v.alloc(w.numel() * 4)
+    sig = facade.vbar_fault(a)
+    t = facade.aimdo_to_tensor(a, torch.device("cpu")).view(torch.float32)
+    t.copy_(w)
+    assert v.get_residency()[0] == 3  # resident and pinned
+    facade.vbar_unpin(a)
+    assert v.get_residency()[0] == 1 and v.loaded_size() == PS
+    again = facade.vbar_fault(a)
+    assert facade.vbar_signature_compare(again, sig)  # same pages: no copy needed
+    assert torch.equal(facade.aimdo_to_tensor(a, "cpu").view(torch.float32), w)
+    facade.vbar_unpin(a)
+    assert facade.vbars_analyze(0) == PS  # unpinned and resident: what eviction could give back
+    assert v.free_memory(1e32) == PS and v.loaded_size() == 0
+    with pytest.raises(NotResident):
+        facade.aimdo_to_tensor(a, "cpu")  # never a tensor over freed pages
+    refaulted = facade.vbar_fault(a)
+    assert not facade.vbar_signature_compare(refaulted, sig)  # new pages: the caller copies again
+    assert facade.vbar_signature_compare(None, sig) is False
+    with pytest.raises(ValueError, match="mismatched length"):
+        facade.vbar_signature_compare(sig, sig[:1])
+
+
+def test_watermark_limit_keeps_the_bottom_and_reset_lifts_it(rt):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(4 * PS)
+    facade.vbar_fault(a)
+    facade.vbar_unpin(a)
+    v.set_watermark_limit(2 * PS)
+    assert v.free_memory(1e32) == 2 * PS and v.loaded_size() == 2 * PS
+    facade.vbars_reset_watermark_limits()
+    assert v.free_memory(1e32) == 2 * PS and v.loaded_size() == 0
+
+
+def test_set_watermark_fails_faults_above_it_until_prioritized(rt):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(4 * PS)
+    v.set_watermark(PS)
+    assert v.get_watermark() == PS
+    assert facade.vbar_fault(a) is None  # above the watermark: out of memory, as aimdo answers
+    v.prioritize()
+    assert facade.vbar_fault(a) is not None and v.get_watermark() == 4 * PS
+
+
+def test_out_of_memory_evicts_the_deprioritized_model_first(rt):
+    old, new = facade.ModelVBAR(10 * PS, 0), facade.ModelVBAR(10 * PS, 0)
+    a = old.alloc(10 * PS)
+    facade.vbar_fault(a)
+    facade.vbar_unpin(a)
+    old.deprioritize()
+    b = new.alloc(10 * PS)
+    assert facade.vbar_fault(b) is not None  # 16 pages of capacity: old, outside the run, goes whole
+    assert old.loaded_size() == 0 and new.loaded_size() == 10 * PS
+    assert facade.vbar_fault(a) is None  # evicted: fails fast until the model is used again
+    facade.vbar_unpin(b)
+    old.prioritize()
+    assert facade.vbar_fault(a) is not None and old.loaded_size() == 10 * PS and new.loaded_size() == 0
+
+
+def test_close_returns_the_reservation_and_is_idempotent(rt):
+    v = facade.ModelVBAR(4 * PS, 0)
+    facade.vbar_fault(v.alloc(PS))
+    assert len(rt.session.reservations()) == 1
+    v.close()
+    v.close()
+    assert rt.session.reservations() == []
+
+
+def test_a_full_unload_is_put_off_while_pages_are_pinned(rt):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(PS)
+    facade.vbar_fault(a)
+    rt.unload_vbar(v, "test")
+    assert len(rt.session.reservations()) == 1 and v in rt.pending  # pinned: never destroyed under a copy
+    facade.vbar_unpin(a)
+    facade.vbars_reset_watermark_limits()  # ComfyUI's between-nodes call: the quiescent point
+    assert rt.session.reservations() == [] and rt.unloads[-1]["reservations"] == 1
+    sig = facade.vbar_fault(a)  # used again: reserved again, transparently
+    assert sig is not None and len(rt.session.reservations()) == 1
