@@ -154,7 +154,9 @@ class VmmBackend:
         """Over the driver the settings pick (a simulated profile's twin, or the real bindings), opened
         on first use; the generic platform takes the vendor of the torch build or the profile."""
         vendor = resolve_vendor(platform.vendor, settings)
-        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile))
+        # the headroom setting replaces the platform's here too, so the up-front refusal of a unified
+        # pool keeps the same headroom as the budget the session reports
+        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile), headroom=settings.headroom)
 
     # ------------------------------------------------------------------ driver access
 
