@@ -115,7 +115,8 @@ def test_a_failing_start_restores_everything_and_answers_with_the_original(monke
     assert calls == [[(0, 0)]]  # the generator was consumed once and handed on as a list
     assert control.init_devices is original
     assert {n: getattr(aimdo_vbar, n) for n in startup.FACADE_NAMES} == originals[1]
-    assert not comfy_args.enable_dynamic_vram and startup.current() is None
+    assert not comfy_args.enable_dynamic_vram and startup.current() is None and vbar.get_runtime() is None
+    assert rt.session is not None and rt.session.reservations() == []
     warn = [ln for ln in lines() if "switched off" in ln]
     assert len(warn) == 1 and "injected into the wiring" in warn[0] and "every original restored" in warn[0]
     monkeypatch.setattr(control, "init_devices", originals[0])

@@ -115,6 +115,14 @@ def prestartup() -> "Runtime | None":
         return None
 
 
+class _ComfyRaised(Exception):
+    """Carries an exception ComfyUI's own function raised through a guarded replacement."""
+
+    def __init__(self, exc: Exception):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
 class Runtime:
     """The adapter in one process: selection, session, policy, facade objects and every patch."""
 
@@ -164,6 +172,7 @@ class Runtime:
                 self.started = False
                 original = self._original_init
                 self.abort(exc, "starting")
+                self._close_quietly()  # nothing reached ComfyUI yet: give back what start opened
                 return original(ids) if original is not None else False
 
     def start(self, ids: list[Any]) -> None:
@@ -206,12 +215,17 @@ class Runtime:
     # ------------------------------------------------------------------ G6
 
     def guard(self, what: str, original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
-        """``replacement`` with the same call; any exception in it aborts the adapter and calls ``original``."""
+        """``replacement`` with the same call; any exception in it aborts the adapter and calls ``original``.
+
+        An exception raised by ComfyUI's own function called through :meth:`comfy` is ComfyUI's, not the
+        adapter's: it propagates unchanged and nothing is switched off or called twice."""
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.aborted is not None:
                 return original(*args, **kwargs)
             try:
                 return replacement(*args, **kwargs)
+            except _ComfyRaised as raised:
+                raise raised.exc.with_traceback(raised.exc.__traceback__) from None
             except Exception as exc:
                 self.abort(exc, what)
                 return original(*args, **kwargs)
@@ -220,6 +234,14 @@ class Runtime:
         call.__doc__ = getattr(original, "__doc__", None)
         call._membackend = what  # type: ignore[attr-defined]
         return call
+
+    @staticmethod
+    def comfy(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ComfyUI's own ``fn`` from inside a guarded replacement (see :meth:`guard`)."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise _ComfyRaised(exc) from None
 
     def abort(self, exc: BaseException, where: str) -> None:
         """Restore every original and say so in one line; ComfyUI carries on stock."""
@@ -327,6 +349,15 @@ class Runtime:
                                for r in self.session.reservations()]
         out["models"] = self.residency.stats()
         return out
+
+    def _close_quietly(self) -> None:
+        if facade.get_runtime() is self:
+            facade.set_runtime(None)
+        if self.session is not None:
+            try:
+                self.session.close()
+            except Exception as exc:
+                log.debug("membackend: closing the session after a failed start: %s", exc)
 
     def stop(self) -> None:
         """Undo everything (tests, or a host application shutting the adapter down)."""

@@ -94,7 +94,7 @@ def wire(rt: "Runtime") -> None:
                 hidden = {id(lm) for lm in hide}
                 loaded[:] = [lm for lm in before if id(lm) not in hidden]
             try:
-                result = original_free(memory_required, device, keep_loaded, *args, **kwargs)
+                result = rt.comfy(original_free, memory_required, device, keep_loaded, *args, **kwargs)
             finally:
                 if hide:
                     kept = {id(lm) for lm in loaded}
@@ -116,7 +116,7 @@ def wire(rt: "Runtime") -> None:
         original_load = mm.load_models_gpu
 
         def load_models_gpu(models, *args, **kwargs):
-            result = original_load(models, *args, **kwargs)
+            result = rt.comfy(original_load, models, *args, **kwargs)
             vbars = [v for m in models for v in _vbars_of(m)]
             for v in vbars:
                 rt.pending.discard(v)

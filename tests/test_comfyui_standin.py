@@ -1,0 +1,151 @@
+"""The adapter inside a stand-in ComfyUI (tests/fixtures/comfyui_standin): installed with the real
+``membackend comfyui install``, booted in main.py's order, weights as real torch tensors over
+host-backend reservations, every check numerical. Each scenario runs in its own process (ComfyUI's
+modules are process-global); they run four at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("comfy_aimdo")
+
+from membackend.cli import main as cli  # noqa: E402
+
+STANDIN = Path(__file__).parent / "fixtures" / "comfyui_standin"
+MiB = 1 << 20
+HOST = {"MEMBACKEND_BACKEND": "host", "MEMBACKEND_HEADROOM": "0", "MEMBACKEND_HOST_CAPACITY": "256MiB"}
+
+SCENARIOS = {  # name: (argv, environment); each is one process booting the stand-in
+    "host": (["basic,status,unload,delegate"], HOST),
+    "switch_fits": (["switch"], {**HOST, "STANDIN_EXTRA": "0", "MEMBACKEND_HOST_CAPACITY": "16MiB"}),
+    "switch_tight": (["switch"], {**HOST, "STANDIN_EXTRA": "0", "MEMBACKEND_HOST_CAPACITY": "8MiB"}),
+    "stock_uninstalled": (["stock"], {}),
+    "stock_disabled": (["stock"], {**HOST, "MEMBACKEND_DISABLE": "1"}),
+    "old_aimdo": (["old_aimdo"], HOST),
+    **{f"inject_{w}": (["inject", w], HOST) for w in ("budget", "fault", "unload")},
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy")
+    plain = base / "plain"
+    shutil.copytree(STANDIN, plain)
+    installed = base / "installed"
+    shutil.copytree(STANDIN, installed)
+    assert cli(["comfyui", "install", str(installed)]) == 0
+
+    def run(item):
+        name, (argv, env) = item
+        root = plain if name == "stock_uninstalled" else installed
+        trace = base / f"{name}.jsonl"
+        full = {k: v for k, v in os.environ.items() if not k.startswith(("MEMBACKEND_", "STANDIN_"))}
+        full.update(env, MEMBACKEND_TRACE=str(trace), PYTHONPATH=str(Path(__file__).parents[1]))
+        p = subprocess.run([sys.executable, str(root / "scenario.py"), *argv], capture_output=True, text=True,
+                           env=full, cwd=str(base), timeout=300)
+        assert p.returncode == 0, f"{name}: {p.stderr[-3000:]}"
+        lines = [ln for ln in p.stderr.splitlines() if "membackend" in ln]
+        events = [json.loads(ln) for ln in trace.read_text().splitlines()] if trace.exists() else []
+        found = json.loads(p.stdout.strip().splitlines()[-1])
+        common = {k: found.pop(k) for k in ("dynamic", "patcher")}
+        parts = {k: {**common, **v} for k, v in found.items()}
+        return name, {"out": parts[argv[0].split(",")[0]], "parts": parts, "log": lines, "trace": events}
+
+    with ThreadPoolExecutor(4) as pool:
+        return dict(pool.map(run, SCENARIOS.items()))
+
+
+def test_start_up_prints_one_line_naming_the_backend_why_and_how_to_change_it(results):
+    log = results["host"]["log"]
+    first = [ln for ln in log if "backend host" in ln]
+    assert len(first) == 1
+    assert "forced" in first[0] and "MEMBACKEND_BACKEND=<name>" in first[0] and "MEMBACKEND_DISABLE=1" in first[0]
+    out = results["host"]["parts"]["basic"]
+    assert out["dynamic"] and out["patcher"] == "ModelPatcherDynamic"
+
+
+def test_weights_run_from_reservations_with_correct_outputs_and_no_recopy(results):
+    out = results["host"]["parts"]["basic"]
+    assert out["correct"] and out["copied"] > 4 * MiB
+    assert out["second_equal"] and out["second_copied"] == 0
+
+
+def test_seed_15993_full_unload_returns_every_reservation_and_the_model_runs_again(results):
+    r = results["host"]
+    out = r["parts"]["unload"]
+    assert out["alive_loaded"] >= 1 and out["alive_after_unload"] == 0 and out["resident_after_unload"] == 0
+    assert out["rerun_equal"] and out["rerun_copied"] > 0 and out["alive_rerun"] == 1
+    # one log line per full unload: bytes, reservations, device; together, everything that was resident
+    assert len(out["unloads"]) == out["alive_loaded"]
+    assert all(u["reservations"] == 1 and u["device"] == "cpu:0" for u in out["unloads"])
+    assert sum(u["bytes"] for u in out["unloads"]) == out["resident_loaded"] > 0
+    for u in out["unloads"]:
+        assert any(f"full unload of {u['model']} on cpu:0: {u['bytes']} bytes freed, 1 reservation(s)" in ln
+                   for ln in r["log"])
+    # MEMBACKEND_TRACE works inside ComfyUI: the unloads and the releases are in the trace
+    events = [e["event"] for e in r["trace"]]
+    assert events.count("full_unload") >= len(out["unloads"]) and "release_reservation" in events
+
+
+def test_seed_14519_image_video_image_keeps_the_image_model_warm_when_the_budget_allows(results):
+    out = results["switch_fits"]["out"]
+    assert out["image_again_copied"] == 0
+    assert out["image_equal"] and out["image_correct"] and out["video_correct"]
+
+
+def test_seed_14519_tight_budget_evicts_and_refaulted_weights_are_copied_again_correctly(results):
+    """The stale-weight (black image) class: evicted pages come back with new generations, so the
+    signature differs, the weights are copied again, and the output is the same."""
+    out = results["switch_tight"]["out"]
+    assert out["image_again_copied"] == out["image_copied"] > 0
+    assert out["image_equal"] and out["image_correct"] and out["video_correct"]
+    events = [e for e in results["switch_tight"]["trace"] if e["event"] in ("evict", "evict_model")]
+    assert events, "the tight budget must have evicted"
+
+
+def test_seed_15533_the_hook_delegate_goes_with_its_owner(results):
+    out = results["host"]["parts"]["delegate"]
+    assert out["delegate_alive_after_unload"] is False and out["vae_correct"]
+
+
+def test_status_route_reports_backend_budgets_reservations_and_models(results):
+    out = results["host"]["parts"]["status"]
+    st = out["status"]
+    assert st["running"] and st["backend"] == "host" and st["budgets"]["cpu:0"]["total"] == 256 * MiB
+    assert len(st["reservations"]) == 1 and list(st["models"].values())[0]["resident"] > 0
+    assert out["patches_survive_hook_breaker"]
+
+
+@pytest.mark.parametrize("name", ["stock_uninstalled", "stock_disabled"])
+def test_disabled_changes_nothing(results, name):
+    """(``backend=aimdo`` and no accelerator: tests/test_comfyui_startup.py, in process.)"""
+    out = results[name]["out"]
+    assert out == {**results["stock_uninstalled"]["out"]}
+    assert out["patcher"] == "ModelPatcher" and out["correct"] and out["patched"] == [] and out["vbar_is_aimdo"]
+    if name != "stock_uninstalled":
+        assert len([ln for ln in results[name]["log"] if "membackend 0" in ln]) == 1
+
+
+def test_an_old_comfy_aimdo_without_a_replaced_name_leaves_comfyui_stock(results):
+    r = results["old_aimdo"]
+    assert r["out"]["patcher"] == "ModelPatcher" and r["out"]["correct"] and r["out"]["patched"] == []
+    assert any("switched off while starting" in ln and "vbars_analyze" in ln for ln in r["log"])
+
+
+@pytest.mark.parametrize("where", ["budget", "fault", "unload"])
+def test_an_exception_in_a_patch_switches_the_adapter_off_and_comfyui_carries_on(results, where):
+    r = results[f"inject_{where}"]
+    out = r["out"]
+    assert out["aborted"] and "injected" in out["aborted"] and out["current"] is False
+    assert out["free_memory_restored"] and out["patcher_after"] == "ModelPatcher"
+    assert out["video_correct"] and out["image_equal"]
+    assert len([ln for ln in r["log"] if "switched off" in ln]) == 1
