@@ -71,6 +71,7 @@ MiB = 1 << 20
 RECYCLE_LIMIT = 16  # physical handles kept per device for reuse, at most
 NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
 WINDOW_POOL_LIMIT = 4  # released address windows kept per device under a reserve-churn limit, at most
+CHURN_MARGIN = 2  # large frees left unspent under a reserve-churn limit (the limit is one reproducer's count)
 
 
 class AddressSpaceExhausted(MembackendError, MemoryError):
@@ -135,6 +136,7 @@ class VmmBackend:
         self._generation = itertools.count(1)
         self._initialised = False
         self._lock = threading.RLock()
+        self._large_frees = 0  # frees of windows >= reserve_churn_window, process-wide (what #6191 counts)
         vendor = driver.vendor if driver is not None else getattr(driver_factory, "vendor", None)
         if vendor is None:
             raise ValueError("VmmBackend needs a driver or a driver_factory")
@@ -413,7 +415,7 @@ class VmmBackend:
                 state.windows.append(window)
             else:
                 try:
-                    self.driver.address_free(*window)
+                    self._free_window(*window)
                 except DriverError as exc:
                     exc.dropped = dropped
                     raise
@@ -430,7 +432,7 @@ class VmmBackend:
             smallest = min(state.windows, key=lambda w: w[1])
             if smallest[1] >= size:
                 return False
-            self.driver.address_free(*smallest)
+            self._free_window(*smallest)
             state.windows.remove(smallest)
         return True
 
@@ -468,10 +470,31 @@ class VmmBackend:
                 released += state.page_size
             while state.windows:
                 base, size = state.windows[-1]
-                self.driver.address_free(base, size)
+                if not self._may_free_window(size):
+                    log.warning("membackend: keeping %d address window(s) on %s (%d bytes): the platform fails "
+                                "large reserves after %d large frees and %d are spent (rocm-systems #6191)",
+                                len(state.windows), device, state.pooled, self.capabilities.reserve_churn_limit,
+                                self._large_frees)
+                    break
+                self._free_window(base, size)
                 state.windows.pop()
                 released += size
         return released
+
+    def _is_large(self, size: int) -> bool:
+        caps = self.capabilities
+        return caps.reserve_churn_limit is not None and size >= caps.reserve_churn_window
+
+    def _may_free_window(self, size: int) -> bool:
+        """Under a reserve-churn limit a large window is freed only while the process's large frees stay
+        below the limit minus a margin: past it every later large reserve fails (rocm-systems #6191)."""
+        return not self._is_large(size) or \
+            self._large_frees < self.capabilities.reserve_churn_limit - CHURN_MARGIN
+
+    def _free_window(self, base: int, size: int) -> None:
+        self.driver.address_free(base, size)
+        if self._is_large(size):
+            self._large_frees += 1
 
     def trim(self, device: Device) -> int:
         """Same as :meth:`membackend_trim` (kept for callers that hold the backend)."""
