@@ -137,6 +137,7 @@ class VmmBackend:
         self._initialised = False
         self._lock = threading.RLock()
         self._large_frees = 0  # frees of windows >= reserve_churn_window, process-wide (what #6191 counts)
+        self._churn_warned = False
         vendor = driver.vendor if driver is not None else getattr(driver_factory, "vendor", None)
         if vendor is None:
             raise ValueError("VmmBackend needs a driver or a driver_factory")
@@ -471,7 +472,9 @@ class VmmBackend:
             while state.windows:
                 base, size = state.windows[-1]
                 if not self._may_free_window(size):
-                    log.warning("membackend: keeping %d address window(s) on %s (%d bytes): the platform fails "
+                    report = log.debug if self._churn_warned else log.warning
+                    self._churn_warned = True  # once per backend: unload-everything cycles would repeat it
+                    report("membackend: keeping %d address window(s) on %s (%d bytes): the platform fails "
                                 "large reserves after %d large frees and %d are spent (rocm-systems #6191)",
                                 len(state.windows), device, state.pooled, self.capabilities.reserve_churn_limit,
                                 self._large_frees)

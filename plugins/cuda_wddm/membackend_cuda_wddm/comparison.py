@@ -46,7 +46,7 @@ from membackend.platform import Platform
 from membackend.residency import ResidencyManager, StockPolicy
 from membackend.session import Session
 from membackend.settings import load_settings
-from membackend.types import Candidate, Capabilities, Device, MembackendError, Score
+from membackend.types import Candidate, Capabilities, Device, DriverError, MembackendError, Score
 
 from . import PLATFORM
 
@@ -140,7 +140,11 @@ class AimdoStockVmm(VmmBackend):
         state = self._use(rng.index)
         ps, dropped = r.page_size, 0
         for p in pages:  # mod1 per page: unmap, release; no sync of its own
-            self._unsafe(self.driver.unmap, r.base + p * ps, ps)
+            try:
+                self._unsafe(self.driver.unmap, r.base + p * ps, ps)
+            except DriverError as exc:
+                exc.dropped = dropped  # the session accounts what did go
+                raise
             self._release_or_keep(state, rng.handles[p])
             rng.handles[p] = None
             rng.ready[p] = 0
