@@ -15,10 +15,8 @@ Printed per side, summed over the seeds, all from the simulated driver:
 * bytes spilled past VRAM into shared system memory (sysmem fallback);
 * ledger = driver after every model and after the unload.
 
-Sides: ``stock`` (StockPolicy over comfy-aimdo's mechanism), ``plugin`` (the
-ResidencyManager over the cuda_wddm backend as shipped), ``plugin+core`` (the
-same with the budget-bounded recycle pool the plugin asks of the core). Then
-the plugin again with NOT_READY injected at random on ``cuMemMap`` and
+Sides: ``stock`` (StockPolicy over comfy-aimdo's mechanism) and ``plugin`` (the
+ResidencyManager over the cuda_wddm backend). Then the plugin again with NOT_READY injected at random on ``cuMemMap`` and
 ``cuMemSetAccess``: every run completes or reports typed errors.
 """
 

@@ -342,8 +342,11 @@ class Capabilities:
 
     * ``release_on_full_unload``: a full unload returns the reservation (G1);
       false keeps it, as stock comfy-aimdo does (read by the residency manager).
-    * ``recycle_handles``: freed physical memory is kept (bounded) and mapped
-      again by the next fault instead of released and created again.
+    * ``recycle_handles``: freed physical memory is kept and mapped again by
+      the next fault instead of released and created again; at most
+      ``recycle_limit`` handles per device (None: bounded by the budget alone —
+      kept handles are released first whenever the device's free memory falls
+      below the headroom).
     * ``fence_granularity``: ``reservation`` fences recorded work per
       reservation; ``device`` also synchronizes the whole device before every
       unmap (for drivers that page memory in behind the process's back).
@@ -357,6 +360,7 @@ class Capabilities:
 
     release_on_full_unload: bool = True
     recycle_handles: bool = False
+    recycle_limit: int | None = 16
     fence_granularity: str = "reservation"
     unified_pool: bool = False
     address_quota: int | None = None

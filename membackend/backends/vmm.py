@@ -68,7 +68,6 @@ log = logging.getLogger(__name__)
 __all__ = ["VmmBackend", "AddressSpaceExhausted"]
 
 MiB = 1 << 20
-RECYCLE_LIMIT = 16  # physical handles kept per device for reuse, at most
 NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
 WINDOW_POOL_LIMIT = 4  # released address windows kept per device under a reserve-churn limit, at most
 CHURN_MARGIN = 2  # large frees left unspent under a reserve-churn limit (the limit is one reproducer's count)
@@ -366,7 +365,8 @@ class VmmBackend:
 
     def _release_or_keep(self, state: _DeviceState, handle: Any) -> None:
         """Release an unmapped handle, or keep it for reuse (recycling, or when release fails)."""
-        if self.capabilities.recycle_handles and len(state.spare) < RECYCLE_LIMIT:
+        limit = self.capabilities.recycle_limit
+        if self.capabilities.recycle_handles and (limit is None or len(state.spare) < limit):
             state.spare.append(handle)
             return
         try:
@@ -449,11 +449,22 @@ class VmmBackend:
     def membackend_budget_query(self, device: Device) -> Budget:
         index = self._device_index(device)
         with self._lock:
-            self._use(index)
+            state = self._use(index)
             total, free, source = self.driver.budget(self.platform.budget_source, index)
+            room = self.headroom_for(total)
+            if self.capabilities.recycle_handles:
+                # kept handles are usage to the driver, but the next fault maps them without asking it: free
+                # to the policy. When the driver's own free falls below the headroom they go back first
+                # (quiet: every free fenced them before they were unmapped), so the pool shrinks as the
+                # budget needs the memory and can never push a WDDM device into sysmem fallback
+                while state.spare and free < room:
+                    self.driver.release(state.spare[-1])
+                    state.spare.pop()
+                    free += state.page_size
+                free += len(state.spare) * state.page_size
             unified = self.capabilities.unified_pool or self.platform.budget_source == "unified" \
                 or self.driver.integrated(index)
-        return Budget.of(total, free, self.headroom_for(total), source, unified=unified)
+        return Budget.of(total, free, room, source, unified=unified)
 
     @hookimpl
     def membackend_trim(self, device: Device) -> int:

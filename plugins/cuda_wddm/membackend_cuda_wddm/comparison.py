@@ -51,7 +51,7 @@ from membackend.types import Candidate, Capabilities, Device, DriverError, Memba
 from . import PLATFORM
 
 __all__ = ["MODELS", "Timing", "timing_for", "AimdoStockVmm", "AimdoLoadPolicy", "stock_session",
-           "plugin_session", "BudgetPoolVmm", "run_seed", "SeedResult", "PROFILE", "LAYER", "SIDES"]
+           "plugin_session", "run_seed", "SeedResult", "PROFILE", "LAYER", "SIDES"]
 
 MiB, GB = 1 << 20, 10**9
 PROFILE = "wddm-6gb"
@@ -59,7 +59,7 @@ DEVICE = Device("cuda", 0)
 #: the report's models (ComfyUI #16246): the staging evicted, then the two loaded after it
 MODELS = (("ltx_video", 20 * GB), ("z_image_text_encoder", int(7.7 * GB)), ("lumina2", int(11.7 * GB)))
 LAYER = 256 * MiB  # bytes faulted, copied and used at a time
-SIDES = ("stock", "plugin", "plugin+core")
+SIDES = ("stock", "plugin")
 
 
 @dataclass(frozen=True)
@@ -184,48 +184,6 @@ class AimdoLoadPolicy(StockPolicy):
             super()._fence_before_free(slot)
 
 
-# --------------------------------------------------------------------------- the core change this plugin asks for
-
-
-class BudgetPoolVmm(VmmBackend):
-    """The VMM backend with the recycle pool this plugin needs from the core, measured side by side.
-
-    Not the shipped mechanism: it is the change proposed for
-    ``membackend/backends/vmm.py`` (this plugin's README, "What it needs from
-    the core"), so the benchmark can print what it would give. Two rules:
-
-    * the pool is bounded by the budget, not by ``RECYCLE_LIMIT`` handles: a
-      freed handle is kept (its memory was within the budget when it was
-      mapped); and the budget reports kept handles as free, since the next
-      fault maps them without asking the driver;
-    * the pool shrinks when the budget needs the memory: when the driver's
-      own free (DXGI budget minus current usage, kept handles included) is
-      below the headroom, kept handles are released until it is not. They are
-      quiet: every free fenced them before they were unmapped.
-    """
-
-    def _release_or_keep(self, state: Any, handle: Any) -> None:
-        if self.capabilities.recycle_handles:
-            state.spare.append(handle)
-            return
-        super()._release_or_keep(state, handle)
-
-    def membackend_budget_query(self, device: Device) -> Any:
-        from membackend.types import Budget
-
-        index = self._device_index(device)
-        with self._lock:
-            state = self._use(index)
-            total, free, source = self.driver.budget(self.platform.budget_source, index)
-            room = self.headroom_for(total)
-            while state.spare and free < room:  # the budget needs the memory: give kept handles back
-                self.driver.release(state.spare[-1])
-                state.spare.pop()
-                free += state.page_size
-            free += len(state.spare) * state.page_size
-        return Budget.of(total, free, room, source)
-
-
 # --------------------------------------------------------------------------- sessions
 
 
@@ -238,11 +196,9 @@ def stock_session(timing: Timing, page_size: int, carry_on: bool = True) -> Sess
     return _session(AimdoStockVmm(sim_driver(timing.profile), page_size=page_size, carry_on=carry_on))
 
 
-def plugin_session(timing: Timing, page_size: int, proposed_core: bool = False) -> Session:
-    """A session over the ``cuda_wddm`` platform's backend on a fresh simulated machine with the seed's
-    timing; ``proposed_core``: over :class:`BudgetPoolVmm` (the core change asked for) instead."""
-    cls = BudgetPoolVmm if proposed_core else VmmBackend
-    return _session(cls(PLATFORM, sim_driver(timing.profile), page_size=page_size))
+def plugin_session(timing: Timing, page_size: int) -> Session:
+    """A session over the ``cuda_wddm`` platform's backend on a fresh simulated machine with the seed's timing."""
+    return _session(VmmBackend(PLATFORM, sim_driver(timing.profile), page_size=page_size))
 
 
 # --------------------------------------------------------------------------- one seed
@@ -278,8 +234,7 @@ def _check_ledger(session: Session, policy: ResidencyManager, where: str, result
 
 def run_seed(seed: int, side: str, *, page_size: int = PLATFORM.page_size, not_ready: float = 0.0,
              carry_on: bool = True) -> SeedResult:
-    """Run the workload once on ``side`` with seed ``seed``: ``"stock"``, ``"plugin"`` (the shipped
-    mechanism) or ``"plugin+core"`` (with :class:`BudgetPoolVmm`, the core change asked for).
+    """Run the workload once on ``side`` with seed ``seed``: ``"stock"`` or ``"plugin"``.
 
     ``not_ready``: probability that each ``cuMemMap`` and ``cuMemSetAccess``
     answers ``CUDA_ERROR_NOT_READY`` (as after a forced eviction, aimdo #100).
@@ -294,7 +249,7 @@ def run_seed(seed: int, side: str, *, page_size: int = PLATFORM.page_size, not_r
         session = stock_session(timing, page_size, carry_on)
         policy: ResidencyManager = AimdoLoadPolicy(session)
     else:
-        session = plugin_session(timing, page_size, proposed_core=side == "plugin+core")
+        session = plugin_session(timing, page_size)
         policy = ResidencyManager(session)
     backend = session.backend
     driver = backend.driver
