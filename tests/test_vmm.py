@@ -278,3 +278,21 @@ def test_inspect_reports_the_hazards_the_driver_saw():
     d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())  # nobody records it: a broken promise
     s.free(r)
     assert s.inspect(Device("hip", 0)).hazards == 2, "the unmap and the release of its handle"
+
+
+def test_a_budget_bounded_recycle_pool_counts_kept_handles_free_and_shrinks_when_the_budget_needs_them():
+    s = session_on("wddm-6gb", recycle_handles=True, recycle_limit=None)
+    s.backend._headroom = 512 * MiB
+    r = s.reserve("cuda:0", 1 * GiB)
+    assert s.fault(r, 0, 1 * GiB).ok
+    before = s.budget_query("cuda:0").free
+    s.free(r)
+    assert sim(s).state(0)["handles"] == 512, "all 512 pages kept: no handle count bound"
+    assert s.budget_query("cuda:0").free == before + 1 * GiB, "kept handles are free to the policy"
+    d = s.backend.driver
+    d.set_device(0)
+    hog = d.create(6 * GiB - 1 * GiB - 448 * MiB, 0)  # someone else leaves only 448 MiB of VRAM free
+    s.budget_query("cuda:0")
+    assert sim(s).state(0)["handles"] == 1 + 512 - 32, "32 kept pages (64 MiB) went back to restore the headroom"
+    assert d.mem_get_info()[0] == 512 * MiB
+    d.release(hog)
