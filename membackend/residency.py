@@ -660,11 +660,21 @@ class ResidencyManager:
             raise PartialFailure("unload_all", failures)
         return dropped
 
-    def _trim(self, device: Device | None = None) -> None:
+    def _trim(self, device: Device | None = None) -> int:
         """Give back what the backend keeps for reuse on ``device`` (every device when None)."""
         trim = getattr(self.session, "trim", None)  # sessions before issue 7 have no trim: nothing to give back
-        if trim is not None:
-            trim(device)
+        return trim(device) if trim is not None else 0
+
+    @_locked
+    def on_idle(self) -> int:
+        """The caller is idle (no run in progress, e.g. ComfyUI's prompt queue is empty): give back what
+        the backend keeps for reuse — recycled physical handles, address windows kept against a
+        reserve-churn limit — so held memory never outlives the work that needed it. Resident models
+        stay resident (G4). Returns the bytes given back."""
+        self._running = set()
+        given = self._trim()
+        self._trace("idle", None, bytes=given)
+        return given
 
     @_locked
     def unregister(self, model: Model) -> None:

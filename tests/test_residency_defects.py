@@ -421,3 +421,26 @@ def test_each_full_unload_traces_the_commit_before_and_after(tmp_path):
     commit = [e for e in events if e["event"] == "commit"]
     assert commit and commit[0]["committed_before"] == 1 << 30 and commit[0]["committed_after"] == 0
     s.close()
+
+
+def test_on_idle_gives_back_kept_windows_and_handles_but_keeps_models_resident():
+    from membackend.manager import BackendManager
+    from membackend.residency import ResidencyManager
+    from membackend.settings import load_settings
+    from membackend.types import Device
+
+    s = BackendManager(load_settings(backend="vmm", sim_profile="h200")).session()
+    s.backend.capabilities = type(s.backend.capabilities)(recycle_handles=True, recycle_limit=None)  # keep all
+    policy = ResidencyManager(s)
+    warm = policy.register("warm", 64 << 20, "cuda:0")
+    gone = policy.register("gone", 64 << 20, "cuda:0")
+    for m in (warm, gone):
+        policy.use([m])
+        assert policy.fault(m, 0, m.size).ok
+        policy.unpin(m, 0, m.size)
+    policy.full_unload(gone)
+    assert s.inspect(Device("cuda", 0)).held == 64 << 20, "the unloaded model's handles are kept for reuse"
+    assert policy.on_idle() == 64 << 20
+    state = s.inspect(Device("cuda", 0))
+    assert state.held == 0 and state.resident == 64 << 20 and policy.stats()["warm"]["resident"] == 64 << 20
+    s.close()
