@@ -54,6 +54,7 @@ from ..settings import load_settings
 from ..types import Device
 from . import vbar as facade
 from .patches import Patches
+from .streams import CopyFences
 
 log = logging.getLogger("membackend")
 
@@ -134,6 +135,7 @@ class Runtime:
         self.patches = Patches()
         self.session: Any = None
         self.residency: ResidencyManager | None = None
+        self.fences: CopyFences | None = None  # tokens for the cast path's queued copies (G2)
         self.vbars: "weakref.WeakSet[facade.ModelVBAR]" = weakref.WeakSet()
         self.pending: "weakref.WeakSet[facade.ModelVBAR]" = weakref.WeakSet()  # full unloads put off
         self.started: bool | None = None  # None: init_devices not called yet
@@ -180,6 +182,7 @@ class Runtime:
 
         self.session = self.manager.session(self.machine, selection=self.selection)
         self.residency = ResidencyManager(self.session)
+        self.fences = CopyFences(self.residency)
         self.devices = [self.device_for(i[0] if isinstance(i, tuple) else i) for i in ids] or [self.device_for(0)]
         facade.set_runtime(self)
         self._install_facade()
@@ -328,6 +331,8 @@ class Runtime:
     def close_vbar(self, vbar: "facade.ModelVBAR") -> None:
         self.pending.discard(vbar)
         self.vbars.discard(vbar)
+        if self.fences is not None:
+            self.fences.forget(vbar._model)
         if self.residency is not None and vbar._model in self.residency.models():
             self.residency.unregister(vbar._model)
 

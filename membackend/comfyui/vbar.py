@@ -19,7 +19,10 @@ module functions is kept (a test compares them by introspection), so ComfyUI's
   signature of the last copy is false and the caller copies again (the stale
   weight / black image class of bug cannot happen). ``None`` means out of
   memory after eviction, as in aimdo;
-* ``unpin``, ``prioritize``, ``deprioritize``, watermarks and ``free_memory``
+* ``unpin`` also records a fence token for the copy (and the compute reading
+  it) ComfyUI may still have queued on its streams (:mod:`.streams`), so a later
+  free, eviction or full unload of the range waits for them (G2);
+* ``prioritize``, ``deprioritize``, watermarks and ``free_memory``
   are the policy's (frees are fenced by the session, G2);
 * ``vbar_fault`` / ``vbar_unpin`` never let an exception reach ComfyUI (G6): the
   adapter switches itself off (every original restored) and the fault answers
@@ -108,6 +111,9 @@ class ModelVBAR:
 
     def unpin(self, alloc, size):
         self._rt.residency.unpin(self._model, alloc - self.base_addr, int(size), self._dev)
+        fences = getattr(self._rt, "fences", None)
+        if fences is not None:  # the copy and the compute reading these pages may still be queued (G2)
+            fences.after_unpin(self._model, self._dev)
 
     def loaded_size(self):
         return self._rt.residency.stats(self._dev)[self._model.id]["resident"]
