@@ -32,6 +32,7 @@ SCENARIOS = {  # name: (argv, environment); each is one process booting the stan
     "stock_disabled": (["stock"], {**HOST, "MEMBACKEND_DISABLE": "1"}),
     "old_aimdo": (["old_aimdo"], HOST),
     **{f"inject_{w}": (["inject", w], HOST) for w in ("budget", "fault", "unload")},
+    **{f"race_{m}": (["race", m], HOST) for m in ("record", "norecord")},
 }
 
 
@@ -149,3 +150,20 @@ def test_an_exception_in_a_patch_switches_the_adapter_off_and_comfyui_carries_on
     assert out["free_memory_restored"] and out["patcher_after"] == "ModelPatcher"
     assert out["video_correct"] and out["image_equal"]
     assert len([ln for ln in r["log"] if "switched off" in ln]) == 1
+
+
+def test_g2_a_free_racing_a_queued_cast_copy_waits_for_it_and_outputs_stay_right(results):
+    """The cast path queues the copy on its offload stream and unpins before it ran (as on a GPU); a
+    full unload on another thread then waits on the token recorded at the unpin: the copy lands first,
+    the outputs equal the first run's."""
+    out = results["race_record"]["out"]
+    assert out["free_waited"] and out["order"] == ["copy", "free"] and out["tokens_recorded"] >= 1
+    assert out["equal"] and out["correct"] and out["alive_after"] == 1
+
+
+def test_g2_without_the_recorded_token_the_race_test_catches_the_free_not_waiting(results):
+    """The same race with recording switched off: the free returns while the copy is still queued (it
+    would write into freed pages), which is what the test above would then fail on."""
+    out = results["race_norecord"]["out"]
+    assert out["tokens_recorded"] == 0
+    assert out["free_waited"] is False and out["free_returned_before_copy"] is True

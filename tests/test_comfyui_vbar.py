@@ -161,3 +161,54 @@ def test_a_full_unload_is_put_off_while_pages_are_pinned(rt):
     assert rt.session.reservations() == [] and rt.unloads[-1]["reservations"] == 1
     sig = facade.vbar_fault(a)  # used again: reserved again, transparently
     assert sig is not None and len(rt.session.reservations()) == 1
+
+
+class _Stream:
+    """A stream whose events complete only when the test says so."""
+
+    def __init__(self):
+        self.events = []
+
+    def record_event(self):
+        import threading
+
+        ev = threading.Event()
+        ev.query, ev.synchronize = ev.is_set, ev.wait  # torch.cuda.Event's two methods
+        self.events.append(ev)
+        return ev
+
+
+def test_each_unpin_fences_the_range_by_an_event_on_comfyuis_current_stream(rt, monkeypatch):
+    from membackend.comfyui.streams import CopyFences, StreamToken
+
+    stream = _Stream()
+    monkeypatch.setattr(CopyFences, "stream_for", staticmethod(lambda dev: stream))
+    rt.fences = CopyFences(rt.residency)
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(PS)
+    for _ in range(3):
+        facade.vbar_fault(a)
+        facade.vbar_unpin(a)
+    assert rt.fences.recorded == 1 and len(stream.events) == 3  # one token, moved to the newest event
+    token = next(iter(rt.fences._tokens.values()))[1]
+    assert isinstance(token, StreamToken) and not token.done()
+    stream.events[-1].set()
+    assert token.done()
+    v.free_memory(1e32)  # the free waits on the token (done): the token is taken
+    assert token.advance(stream.record_event()) is False  # taken: the next unpin records a new one
+    facade.vbar_fault(a)
+    facade.vbar_unpin(a)
+    assert rt.fences.recorded == 2
+    for ev in stream.events:  # the session waits for the last one when it closes
+        ev.set()
+
+
+def test_no_stream_means_nothing_is_recorded(rt):
+    from membackend.comfyui.streams import CopyFences
+
+    rt.fences = CopyFences(rt.residency)  # no comfy.model_management here, a cpu device: copies are synchronous
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(PS)
+    facade.vbar_fault(a)
+    facade.vbar_unpin(a)
+    assert rt.fences.recorded == 0 and rt.aborted is None
