@@ -25,7 +25,7 @@ MiB = 1 << 20
 HOST = {"MEMBACKEND_BACKEND": "host", "MEMBACKEND_HEADROOM": "0", "MEMBACKEND_HOST_CAPACITY": "256MiB"}
 
 SCENARIOS = {  # name: (argv, environment); each is one process booting the stand-in
-    "host": (["basic,status,unload,delegate"], HOST),
+    "host": (["basic,status,unload,delegate,buffers"], HOST),
     "switch_fits": (["switch"], {**HOST, "STANDIN_EXTRA": "0", "MEMBACKEND_HOST_CAPACITY": "16MiB"}),
     "switch_tight": (["switch"], {**HOST, "STANDIN_EXTRA": "0", "MEMBACKEND_HOST_CAPACITY": "8MiB"}),
     "stock_uninstalled": (["stock"], {}),
@@ -167,3 +167,12 @@ def test_g2_without_the_recorded_token_the_race_test_catches_the_free_not_waitin
     out = results["race_norecord"]["out"]
     assert out["tokens_recorded"] == 0
     assert out["free_waited"] is False and out["free_returned_before_copy"] is True
+
+
+def test_aimdos_cast_buffer_host_buffer_and_file_map_call_sites_run_on_membackend(results):
+    """get_aimdo_cast_buffer (VRAMBuffer), pinned_memory (HostBuffer + hostbuf_to_tensor) and the
+    safetensors load (ModelMMAP) with aimdo holding no device: served by membackend, bytes exact."""
+    out = results["host"]["parts"]["buffers"]
+    ours = "membackend.comfyui.buffers"
+    assert out["cast_buffer"] == [ours, True] and out["host_buffer"] == [ours, True, 64]
+    assert out["mmap"] == [ours, True] and out["read_file_slice"] is True

@@ -212,3 +212,26 @@ def test_no_stream_means_nothing_is_recorded(rt):
     facade.vbar_fault(a)
     facade.vbar_unpin(a)
     assert rt.fences.recorded == 0 and rt.aborted is None
+
+
+@pytest.mark.parametrize("module,name", [("comfy_aimdo.vram_buffer", "VRAMBuffer"),
+                                         ("comfy_aimdo.host_buffer", "HostBuffer"),
+                                         ("comfy_aimdo.model_mmap", "ModelMMAP")])
+def test_every_buffer_class_has_aimdos_methods_and_parameters(module, name):
+    import importlib
+
+    from membackend.comfyui import buffers
+
+    theirs, ours = getattr(importlib.import_module(module), name), getattr(buffers, name)
+    for attr in [n for n in vars(theirs) if not n.startswith("_") or n == "__init__"]:
+        assert _params(getattr(ours, attr)) == _params(getattr(theirs, attr)), attr
+
+
+def test_the_cast_buffer_refuses_a_range_past_its_size_as_aimdo_does(rt):
+    from membackend.comfyui.buffers import VRAMBuffer
+
+    buf = VRAMBuffer(1 << 20, 0)
+    t = facade.aimdo_to_tensor(buf.get(1000, 512), "cpu")
+    assert t.numel() == 1000 and buf.size() == 1512
+    with pytest.raises(RuntimeError, match="VRAM grow failed"):
+        buf.get(1 << 20, 1)

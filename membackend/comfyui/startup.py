@@ -52,6 +52,7 @@ from ..manager import BackendManager, Selection
 from ..residency import ResidencyManager
 from ..settings import load_settings
 from ..types import Device
+from . import buffers
 from . import vbar as facade
 from .patches import Patches
 from .streams import CopyFences
@@ -62,6 +63,9 @@ __all__ = ["prestartup", "Runtime", "FACADE_NAMES", "current", "HOW_TO"]
 
 FACADE_NAMES = ("ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "vbars_reset_watermark_limits",
                 "vbars_analyze")
+BUFFER_NAMES = (("comfy_aimdo.vram_buffer", "VRAMBuffer"), ("comfy_aimdo.host_buffer", "HostBuffer"),
+                ("comfy_aimdo.model_mmap", "ModelMMAP"))
+_BUFFERS = {n for _, n in BUFFER_NAMES}
 HOW_TO = "force another with MEMBACKEND_BACKEND=<name>, switch membackend off with MEMBACKEND_DISABLE=1"
 
 _current: "Runtime | None" = None
@@ -205,6 +209,15 @@ class Runtime:
                 ct = None
         if ct is not None and self.patches.replace(ct, "aimdo_to_tensor", facade.aimdo_to_tensor, required=False):
             originals["aimdo_to_tensor"] = self.patches.original(ct, "aimdo_to_tensor")
+        # comfy-aimdo's cast buffer, host buffer and file map need its device: ours, where they exist
+        for modname, name in BUFFER_NAMES:
+            try:
+                mod = importlib.import_module(modname)
+            except ImportError:
+                self.patches.skipped.append(f"{modname}.{name}")
+                continue
+            if self.patches.replace(mod, name, getattr(buffers, name), required=False):
+                originals[name] = self.patches.original(mod, name)
         # ComfyUI's modules that bound these names with ``from comfy_aimdo... import name``
         by_id = {id(v): k for k, v in originals.items()}
         for modname, mod in list(sys.modules.items()):
@@ -213,7 +226,7 @@ class Runtime:
             for attr, value in list(vars(mod).items()):
                 key = by_id.get(id(value))
                 if key is not None and value is originals[key]:
-                    self.patches.replace(mod, attr, getattr(facade, key))
+                    self.patches.replace(mod, attr, getattr(buffers if key in _BUFFERS else facade, key))
 
     # ------------------------------------------------------------------ G6
 
@@ -260,6 +273,7 @@ class Runtime:
                 # fault answers "out of memory" once it fails, so ComfyUI casts from its own copy); new patchers
                 # go legacy below. Every other patch (the wiring) is restored.
                 surface = {id(getattr(facade, n)) for n in (*FACADE_NAMES, "aimdo_to_tensor")}
+                surface |= {id(getattr(buffers, n)) for n in _BUFFERS}
 
                 def keep(obj: Any, name: str) -> bool:
                     return id(getattr(obj, name, None)) in surface

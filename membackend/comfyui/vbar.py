@@ -47,6 +47,8 @@ from typing import Any
 
 from ..residency import ModelKind
 from ..tensors import check_resident, tensor_at
+from .buffers import VRAMBuffer
+from .buffers import tensor_of as buffer_tensor
 
 log = logging.getLogger("membackend")
 
@@ -217,6 +219,8 @@ def aimdo_to_tensor(alloc, device):
     Refuses (``NotResident``) bytes that are not resident now, so a tensor never reads
     freed memory. Allocations of comfy-aimdo's own ``ModelVBAR`` go to aimdo's function."""
     vbar, ptr, size = alloc
+    if isinstance(vbar, VRAMBuffer):  # membackend's cast buffer
+        return buffer_tensor(alloc)
     if not isinstance(vbar, ModelVBAR):  # an allocation of comfy-aimdo's own: its function answers
         return _original_to_tensor(alloc, device)
     return vbar.tensor(ptr, size, device)

@@ -1,0 +1,183 @@
+"""Drop-ins for comfy-aimdo's ``VRAMBuffer``, ``HostBuffer`` and ``ModelMMAP`` when another backend runs.
+
+With a backend other than aimdo selected, comfy-aimdo never initialised a
+device: its ``VRAMBuffer`` raises (no device context), its ``HostBuffer``
+registers host memory with a driver that has no context (that crashes the
+process), and its ``ModelMMAP`` needs aimdo's library state. ComfyUI calls them
+from ``model_management.get_aimdo_cast_buffer``, ``pinned_memory`` and
+``ModelPatcherDynamic.load``, and ``utils.load_safetensors``. The adapter
+replaces the three classes (where they exist) with these, same constructor
+parameters and methods:
+
+* :class:`VRAMBuffer` -- the cast buffer: ``get(size, offset=0)`` answers
+  ``(self, address, size)`` over device memory torch allocates (one block per
+  offset, kept until the buffer is dropped, which ComfyUI does after every
+  node); ``aimdo_to_tensor`` of such a tuple is a view of that block. A range
+  past ``max_size`` raises ``RuntimeError`` as aimdo's grow failure does.
+* :class:`HostBuffer` -- growable host memory at a fixed address (an anonymous
+  mapping of ``max(size, max_grow_size)`` bytes). ``register``/``unregister``
+  do nothing: page-locking needs aimdo's device; copies from it are then
+  ordinary, synchronous host copies. ``read_file_slice`` reads the file into
+  the buffer and, with a ``device_ptr``, copies the bytes to the device.
+* :class:`ModelMMAP` -- a private, copy-on-write memory map of the file
+  (Python's ``mmap``); ``get()`` its address, ``bounce()`` drops its pages.
+
+Exceptions are aimdo's (``RuntimeError`` with aimdo's messages), so ComfyUI's
+own handling of them applies unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Any
+
+__all__ = ["VRAMBuffer", "HostBuffer", "ModelMMAP", "tensor_of"]
+
+
+def _address(buf: Any) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class VRAMBuffer:
+    """comfy-aimdo's ``VRAMBuffer(max_size, device)`` over torch-allocated device memory."""
+
+    def __init__(self, max_size, device):
+        from .vbar import get_runtime
+
+        rt = get_runtime()
+        if rt is None:
+            raise RuntimeError(f"device {device} is not initialized (membackend has not started)")
+        from ..tensors import torch_device
+
+        self.device = device
+        self.max_size = int(max_size)
+        self._torch_device = torch_device(rt.device_for(device))
+        self._blocks: dict[int, Any] = {}  # offset -> uint8 tensor
+        self._allocated = 0
+        self.base_addr = 0
+
+    def size(self):
+        return self._allocated
+
+    def get(self, size, offset=0):
+        offset, size = int(offset), int(size)
+        if offset < 0 or size < 0 or offset + size > self.max_size:
+            raise RuntimeError(f"VRAM grow failed: {offset + size} bytes")
+        block = self._blocks.get(offset)
+        if block is None or block.numel() < size:
+            import torch
+
+            block = self._blocks[offset] = torch.empty(max(size, 1), dtype=torch.uint8, device=self._torch_device)
+        self._allocated = max(self._allocated, offset + size)
+        return (self, int(block.data_ptr()), size)
+
+    def tensor(self, ptr: int, size: int) -> Any:
+        for block in self._blocks.values():
+            start = int(block.data_ptr())
+            if start <= ptr and ptr + size <= start + block.numel():
+                return block[ptr - start:ptr - start + size]
+        raise RuntimeError(f"address {ptr:#x} ({size} bytes) is not inside this cast buffer")
+
+
+def tensor_of(alloc: Any) -> Any:
+    """``aimdo_to_tensor`` for a :class:`VRAMBuffer` tuple."""
+    buf, ptr, size = alloc
+    return buf.tensor(int(ptr), int(size))
+
+
+class HostBuffer:
+    """comfy-aimdo's ``HostBuffer``: growable host memory at a fixed address, never page-locked."""
+
+    def __init__(self, size, prewarm=0, max_grow_size=0, mark_cold=True):
+        size = int(size)
+        self.size = 0
+        self.prewarm = max(0, int(prewarm))
+        self._capacity = max(size, int(max_grow_size), 1)
+        try:
+            self._map = mmap.mmap(-1, self._capacity)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"HostBuffer allocation failed ({exc})") from None
+        self._base = _address(self._map)
+        if size:
+            self.extend(size)
+
+    def get_raw_address(self):
+        return self._base
+
+    def extend(self, size, reallocate=False, register=True):
+        size = int(size)
+        if size < 0 or self.size + size > self._capacity:
+            raise RuntimeError("HostBuffer.extend failed")
+        start = self._base + self.size
+        self.size += size
+        return start if size else 0
+
+    def read_file_slice(self, file_obj, file_offset, size, offset=0, stream=0, device_ptr=0, device=-1):
+        size, offset, file_offset = int(size), int(offset), int(file_offset)
+        if offset < 0 or size < 0 or offset + size > self._capacity:
+            raise RuntimeError("HostBuffer.read_file_slice failed")
+        fd = file_obj if isinstance(file_obj, int) else file_obj.fileno()
+        view = memoryview(self._map)[offset:offset + size]
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:]], file_offset + got)
+            if n <= 0:
+                raise RuntimeError("HostBuffer.read_file_slice failed")
+            got += n
+        if device_ptr:
+            from .vbar import get_runtime
+            from ..tensors import tensor_at
+
+            rt = get_runtime()
+            dev = rt.device_for(device) if rt is not None else "cpu:0"
+            tensor_at(int(device_ptr), size, dev).copy_(tensor_at(self._base + offset, size, "cpu:0"))
+        self.size = max(self.size, offset + size)
+
+    def register(self, offset, size):
+        """Page-locking needs aimdo's device: nothing to do."""
+
+    def unregister(self, offset):
+        """See :meth:`register`."""
+
+    def truncate(self, size, do_unregister=True):
+        size = int(size)
+        if size < 0 or size > self._capacity:
+            raise RuntimeError("HostBuffer.truncate failed")
+        self.size = size
+
+
+class ModelMMAP:
+    """comfy-aimdo's ``ModelMMAP(filepath)``: a private memory map of the file."""
+
+    def __init__(self, filepath):
+        try:
+            with open(os.fspath(filepath), "rb") as f:
+                self._fd = os.dup(f.fileno())
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"ModelMMAP allocation failed for {filepath} ({exc})") from None
+        self._addr = _address(self._map)
+
+    def get(self):
+        return self._addr
+
+    def get_file_handle(self):
+        return self._fd
+
+    def bounce(self):
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, OSError):
+            return False
+        return True
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            self._fd = None
