@@ -26,6 +26,7 @@ HOST = {"MEMBACKEND_BACKEND": "host", "MEMBACKEND_HEADROOM": "0", "MEMBACKEND_HO
 
 SCENARIOS = {  # name: (argv, environment); each is one process booting the stand-in
     "host": (["basic,status,unload,delegate,buffers"], HOST),
+    "ram": (["ram"], HOST),
     "switch_fits": (["switch"], {**HOST, "STANDIN_EXTRA": "0", "MEMBACKEND_HOST_CAPACITY": "16MiB"}),
     "switch_tight": (["switch"], {**HOST, "STANDIN_EXTRA": "0", "MEMBACKEND_HOST_CAPACITY": "8MiB"}),
     "stock_uninstalled": (["stock"], {}),
@@ -122,7 +123,9 @@ def test_status_route_reports_backend_budgets_reservations_and_models(results):
     out = results["host"]["parts"]["status"]
     st = out["status"]
     assert st["running"] and st["backend"] == "host" and st["budgets"]["cpu:0"]["total"] == 256 * MiB
-    assert len(st["reservations"]) == 1 and list(st["models"].values())[0]["resident"] > 0
+    # the basic part's model is still held warm (G4): one reservation per model, each resident
+    assert len(st["reservations"]) == len(st["models"]) >= 1
+    assert all(m["resident"] > 0 for m in st["models"].values())
     assert out["patches_survive_hook_breaker"]
 
 
@@ -176,3 +179,16 @@ def test_aimdos_cast_buffer_host_buffer_and_file_map_call_sites_run_on_membacken
     ours = "membackend.comfyui.buffers"
     assert out["cast_buffer"] == [ours, True] and out["host_buffer"] == [ours, True, 64]
     assert out["mmap"] == [ours, True] and out["read_file_slice"] is True
+
+
+def test_g4_held_models_survive_a_workflow_switch_and_are_given_back_under_ram_pressure(results):
+    """ComfyUI drops its references on a workflow switch: the adapter's held ones keep both models warm
+    (image again: nothing copied, same output). Under RAM pressure, between nodes, the least recently
+    used one not in the current run is given back: collected, its reservation returned."""
+    r = results["ram"]
+    out = r["out"]
+    assert out["alive_held"] == {"image": True, "video": True}
+    assert out["warm_equal"] and out["warm_copied"] == 0
+    assert out["alive_under_pressure"] == {"image": True, "video": False} and out["given_back"] == 1
+    assert out["reservations_before"] == 2 and out["reservations_after"] == 1
+    assert any("RAM pressure: gave back 1 held model(s)" in ln for ln in r["log"])

@@ -38,6 +38,7 @@ those weights from its own copy and outputs stay right).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import itertools
 import logging
@@ -145,6 +146,10 @@ class Runtime:
         self.started: bool | None = None  # None: init_devices not called yet
         self.aborted: str | None = None
         self.unloads: list[dict[str, Any]] = []
+        self.held: "dict[int, Any]" = {}  # id -> dynamic patcher held warm (G4), least recently used first
+        self.run_ids: set[int] = set()
+        self.ram_floor: int | None = None
+        self.given_back = 0
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._original_init: Callable[..., Any] | None = None
@@ -278,6 +283,7 @@ class Runtime:
                 def keep(obj: Any, name: str) -> bool:
                     return id(getattr(obj, name, None)) in surface
             failed = self.patches.restore(keep)
+            self.held.clear()  # stock ComfyUI holds nothing warm
             if self.started:
                 failed += self._legacy_patcher()
             note = f"; could not restore {', '.join(failed)}" if failed else ""
@@ -338,9 +344,51 @@ class Runtime:
              f"of {r.size} bytes returned ({reason})")
 
     def quiescent(self) -> None:
-        """Between nodes: run the full unloads that waited for pins to go."""
+        """Between nodes: run the full unloads that waited for pins to go; give back held models under
+        RAM pressure (G4)."""
         for vbar in list(self.pending):
             self.unload_vbar(vbar, "put off until no page was pinned")
+        self.relieve_ram()
+
+    # ------------------------------------------------------------------ G4: held references, RAM pressure
+
+    def hold(self, patchers: list[Any]) -> None:
+        """Keep strong references to the dynamic patchers of this run (most recent last), so a workflow
+        switch that drops ComfyUI's own references does not let the garbage collector destroy a model the
+        budget could keep warm. They are the run's until the next call; :meth:`relieve_ram` gives back the
+        others, least recently used first, while RAM is under pressure."""
+        with self._lock:
+            self.run_ids = {id(p) for p in patchers}
+            for p in patchers:
+                self.held.pop(id(p), None)
+                self.held[id(p)] = p
+        self.relieve_ram()
+
+    def ram_pressure(self) -> bool:
+        """True while the host's available RAM (psutil ``MemAvailable``, capped by a cgroup) is below
+        ``ram_floor`` bytes (default: a tenth of the host's RAM)."""
+        from ..hostmem import host_memory
+
+        hm = host_memory()
+        floor = self.ram_floor if self.ram_floor is not None else hm.total // 10
+        return hm.available < floor
+
+    def relieve_ram(self) -> int:
+        """Under RAM pressure, drop held references -- least recently used first, never the current run's --
+        until the pressure is gone or only the run's are left. Returns how many were given back."""
+        given = 0
+        with self._lock:
+            while self.held and self.ram_pressure():
+                victim = next((k for k in self.held if k not in self.run_ids), None)
+                if victim is None:
+                    break
+                self.held.pop(victim)
+                given += 1
+                gc.collect()  # the model goes now if nothing else holds it: its reservation is returned
+        if given:
+            self.given_back += given
+            _say(f"RAM pressure: gave back {given} held model(s), least recently used first")
+        return given
 
     def close_vbar(self, vbar: "facade.ModelVBAR") -> None:
         self.pending.discard(vbar)
@@ -382,6 +430,7 @@ class Runtime:
         """Undo everything (tests, or a host application shutting the adapter down)."""
         global _current
         self.patches.restore()
+        self.held.clear()
         if facade.get_runtime() is self:
             facade.set_runtime(None)
         if _current is self:

@@ -15,7 +15,11 @@ undone by :meth:`Runtime.abort` / :meth:`Runtime.stop`.
   ComfyUI's victim choice, so a workflow switch leaves them resident; the policy
   evicts on pressure, least recently used first, never a model of the current run.
   An "everything" request (ComfyUI's ``1e30`` sentinel: ``unload_all_models``) hides nothing.
-  ``load_models_gpu(models, ...)`` declares the run (``ResidencyManager.use``).
+  ``load_models_gpu(models, ...)`` declares the run (``ResidencyManager.use``) and
+  holds strong references to its dynamic patchers (:meth:`Runtime.hold`), so a
+  workflow switch that drops ComfyUI's references keeps them warm; under RAM
+  pressure (``Runtime.ram_pressure``) they are given back, least recently used
+  first, never the current run's, here and between nodes.
 * **Full unload (G1) and the Hook delegate (G5).** After ``free_memory`` returns, every
   dynamic model it removed whose nn.Module no loaded model still uses (clones share
   one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
@@ -122,6 +126,7 @@ def wire(rt: "Runtime") -> None:
                 rt.pending.discard(v)
             if vbars:
                 rt.residency.use([v._model for v in vbars])
+            rt.hold([m for m in models if _vbars_of(m)])
             return result
         p.replace(mm, "load_models_gpu", rt.guard("load_models_gpu", original_load, load_models_gpu))
     else:
