@@ -20,8 +20,9 @@ then the custom nodes. So:
 2. :meth:`Runtime.init_devices` (when ComfyUI calls it): consumes the device
    generator, opens the session and the residency manager, installs the facade
    (:mod:`membackend.comfyui.vbar`) over ``comfy_aimdo.model_vbar`` and
-   ``comfy_aimdo.torch.aimdo_to_tensor`` (and wherever ComfyUI's modules bound
-   those names), then the wiring (:mod:`membackend.comfyui.wiring`), and returns
+   ``comfy_aimdo.torch.aimdo_to_tensor``, comfy-aimdo's ``VRAMBuffer``,
+   ``HostBuffer`` and ``ModelMMAP`` (:mod:`membackend.comfyui.buffers`; each only
+   where it exists), and wherever ComfyUI's modules bound those names, then the wiring (:mod:`membackend.comfyui.wiring`), and returns
    True. A second call (ComfyUI's ``TypeError`` retry) returns the first answer.
 
 **Never in the way (G6).** Any exception in any step — or later, inside any
