@@ -15,6 +15,8 @@ import sys
 import time
 
 from membackend.backends.vmm import VmmBackend
+
+from membackend.platform import GENERIC
 from membackend.drivers.cuda import CudaDriver
 from membackend.machine import gather_machine
 from membackend.session import Session
@@ -31,7 +33,7 @@ def main() -> int:
     stream = driver.stream_create()
     pinned = driver.host_alloc_pinned(PAGE)
     plain = driver.mem_alloc(PAGE)
-    session = Session(VmmBackend(driver, page_size=PAGE), machine=gather_machine())
+    session = Session(VmmBackend(GENERIC, driver, page_size=PAGE), machine=gather_machine())
     r = session.reserve("cuda:0", TOTAL)
     pages = TOTAL // PAGE
 

@@ -19,6 +19,7 @@ import sys
 
 from membackend.backends.host import HostBackend
 from membackend.backends.vmm import VmmBackend, capabilities_for
+from membackend.platform import GENERIC
 from membackend.drivers.sim import PROFILES, sim_driver
 from membackend.ledger import Ledger
 from membackend.machine import gather_machine
@@ -35,7 +36,7 @@ def session_for(target: str) -> tuple[Session, Device, int, float]:
         s = Session(HostBackend(capacity=256 * MiB, headroom=16 * MiB), machine=gather_machine(), ledger=Ledger())
         return s, Device("cpu", 0), 2 * MiB, 0.0
     p = PROFILES[target]
-    backend = VmmBackend(sim_driver(p), page_size=64 * MiB, capabilities=capabilities_for(p))
+    backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=capabilities_for(p))
     s = Session(backend, machine=gather_machine(), ledger=Ledger())
     return s, Device(p.vendor, 0), 64 * MiB, p.copy_bandwidth
 

@@ -26,12 +26,13 @@ requires_cuda = pytest.mark.skipif(_cuda_devices() == 0, reason="no CUDA device"
 @requires_cuda
 def test_real_round_trip_with_an_event_fence():
     from membackend.backends.vmm import VmmBackend
+    from membackend.platform import GENERIC
     from membackend.drivers.cuda import CudaDriver
     from membackend.machine import gather_machine
     from membackend.session import Session
 
     driver = CudaDriver()
-    s = Session(VmmBackend(driver), machine=gather_machine())
+    s = Session(VmmBackend(GENERIC, driver), machine=gather_machine())
     r = s.reserve("cuda:0", 64 * MiB)
     assert s.fault(r, 0, 64 * MiB).ok
     pinned = driver.host_alloc_pinned(64 * MiB)

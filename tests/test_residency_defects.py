@@ -19,6 +19,7 @@ from test_residency import TARGETS, Env, load, sim_of
 
 from membackend import residency
 from membackend.backends.vmm import VmmBackend, capabilities_for
+from membackend.platform import GENERIC
 from membackend.drivers.sim import get_profile, sim_driver
 from membackend.ledger import Ledger
 from membackend.machine import gather_machine
@@ -64,7 +65,7 @@ def ledger_matches_policy(s: Session, policy: ResidencyManager) -> None:
 def recycling_session(target: str) -> tuple[Session, Device]:
     p = get_profile(target)
     caps = dataclasses.replace(capabilities_for(p), recycle_handles=True)
-    backend = VmmBackend(sim_driver(p), page_size=64 * MiB, capabilities=caps)
+    backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=caps)
     s = Session(backend, machine=gather_machine(), ledger=Ledger(sanitize=True))
     return s, Device(p.vendor, 0)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from membackend.backends.vmm import AddressSpaceExhausted, VmmBackend, capabilities_for
+
+from membackend.platform import GENERIC
 from membackend.drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
 from membackend.drivers.open import machine_for
 from membackend.ledger import Ledger
@@ -19,7 +21,7 @@ PAGE = 2 * MiB
 
 def session_on(profile: str, faults: FaultPlan | None = None, **caps) -> Session:
     p = get_profile(profile)
-    backend = VmmBackend(sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else capabilities_for(p))
+    backend = VmmBackend(GENERIC, sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else capabilities_for(p))
     machine = gather_machine(load_settings(sim_profile=profile).machine.model_copy(
         update={"devices": None}))  # devices come from the session's backend kind only
     return Session(backend, machine=machine, ledger=Ledger(sanitize=True))

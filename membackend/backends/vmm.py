@@ -121,8 +121,6 @@ class VmmBackend:
     def __init__(self, platform: Platform = GENERIC, driver: GpuDriver | None = None, *,
                  capabilities: Capabilities | None = None, headroom: int | None = None,
                  page_size: int | None = None, driver_factory: LazyDriver | None = None):
-        if isinstance(platform, GpuDriver):  # VmmBackend(driver, ...): the generic platform over it
-            platform, driver = GENERIC, platform
         self.platform = platform
         self.name = platform.name
         self.version = platform.version or __version__
