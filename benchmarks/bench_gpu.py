@@ -15,10 +15,9 @@ import sys
 import time
 
 from membackend.backends.vmm import VmmBackend
-
-from membackend.platform import GENERIC
 from membackend.drivers.cuda import CudaDriver
 from membackend.machine import gather_machine
+from membackend.platform import GENERIC
 from membackend.session import Session
 
 MiB = 1 << 20
