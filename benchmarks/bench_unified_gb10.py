@@ -36,26 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers.open import machine_for, open_gpu_driver
-from membackend.ledger import Ledger
-from membackend.manager import BackendManager
-from membackend.platform import GENERIC
-from membackend.residency import ResidencyManager, StockPolicy
-from membackend.session import Session
-from membackend.settings import load_settings
-from membackend.types import Device
+from membackend.residency import StockPolicy
+from membackend_unified_gb10.workload import CUDA0, GB, Workload, gb10_session, stock_session
 
-GB, GIB = 10**9, 1 << 30
-CUDA0 = Device("cuda", 0)
 PROFILE = "gb10-128gb"
-LAYER = 1 * GIB
-WORKFLOWS: dict[str, tuple[tuple[str, int], ...]] = {
-    "image": (("image_unet", 12 * GB), ("image_text_encoder", 7_500_000_000), ("image_vae", 500_000_000)),
-    "video": (("video_unet", 32 * GB), ("video_text_encoder", 12 * GB), ("video_vae", 1 * GB)),
-    "audio": (("audio_model", 6 * GB), ("audio_text_encoder", 2 * GB)),
-}
 WARM_UP = ("image", "video", "audio")
 SCENARIOS = {
     "image -> video -> image": (WARM_UP + ("image", "video", "image"), 5),  # (runs, index of the run reported)
@@ -64,88 +50,37 @@ SCENARIOS = {
 TWO_POOL = ("image", "video", "audio", "image", "video")
 
 
-def plugin_session() -> Session:
-    session = BackendManager(load_settings(sim_profile=PROFILE)).session()
+def side(name: str) -> Workload:
+    """One policy on one fresh simulated GB10, with the workflows registered."""
+    if name == "stock":
+        return Workload(stock_session(), StockPolicy)
+    session = gb10_session()
     if session.name != "unified_gb10":
         raise SystemExit(f"the auto-selected backend is {session.name!r}, not unified_gb10: "
                          "install it with pip install --no-deps -e plugins/unified_gb10")
-    return session
-
-
-def stock_session() -> Session:
-    from membackend_unified_gb10 import PAGE_SIZE as page
-    backend = VmmBackend(GENERIC, open_gpu_driver("cuda", PROFILE), page_size=page)
-    return Session(backend, machine=machine_for(load_settings(sim_profile=PROFILE)), ledger=Ledger())
-
-
-class Side:
-    """One policy on one fresh simulated GB10, with the workflows registered."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.session = plugin_session() if name == "plugin" else stock_session()
-        self.policy = (ResidencyManager if name == "plugin" else StockPolicy)(self.session)
-        self.models = {m: self.policy.register(m, size, CUDA0) for ms in WORKFLOWS.values() for m, size in ms}
-        self.sim = self.session.backend.driver.sim
-        self.refusals = 0
-        self.lowest_available = self.sim.meminfo()["MemAvailable"]
-        create = self.sim.create
-
-        def counted(size: int, device: int):  # the driver's own out-of-memory refusals
-            try:
-                return create(size, device)
-            except Exception as exc:
-                self.refusals += getattr(exc, "kind", None) == "oom"
-                raise
-        self.sim.create = counted
-
-    def resident(self) -> dict[str, int]:
-        return {m: s["resident"] for m, s in self.policy.stats(CUDA0).items()}
-
-    def run(self, workflow: str) -> dict:
-        before = self.resident()
-        models = [self.models[n] for n, _ in WORKFLOWS[workflow]]
-        loaded = oom = 0
-        self.policy.use(models)
-        for m in models:
-            for off in range(0, m.size, LAYER):
-                n = min(LAYER, m.size - off)
-                f = self.policy.fault(m, off, n)
-                if not f.ok:
-                    oom += 1
-                    continue
-                loaded += f.mapped
-                self.lowest_available = min(self.lowest_available, self.sim.meminfo()["MemAvailable"])
-                self.policy.unpin(m, off, n)
-        after = self.resident()
-        return {"workflow": workflow, "loaded": loaded, "oom": oom,
-                "evicted": [m for m in before if before[m] and not after[m]]}
-
-    def close(self) -> None:
-        self.session.close()
+    return Workload(session)
 
 
 def two_workflow_pin() -> int:
     """Pinned host bytes that leave the plugin's usable budget at image + video + 4 GB: any two workflows
     fit, all three do not."""
-    side = Side("plugin")
-    size = {w: sum(side.models[m].reservation(CUDA0).size for m, _ in WORKFLOWS[w]) for w in WORKFLOWS}
-    pinned = side.session.budget_query(CUDA0).usable - (size["image"] + size["video"] + 4 * GB)
-    side.close()
+    plugin = side("plugin")
+    pinned = plugin.session.budget_query(CUDA0).usable - (plugin.size_of("image") + plugin.size_of("video") + 4 * GB)
+    plugin.session.close()
     return pinned
 
 
 def scenario(runs: tuple[str, ...], pinned: int = 0) -> dict:
     out = {}
     for name in ("stock", "plugin"):
-        side = Side(name)
+        w = side(name)
         if pinned:  # pinned host memory draws from the one pool on both sides
-            side.session.backend.driver.host_alloc_pinned(pinned)
-        results = [side.run(w) for w in runs]
-        out[name] = {"runs": results, "refusals": side.refusals, "lowest_available": side.lowest_available,
-                     "headroom": side.session.budget_query(CUDA0).headroom, "pinned": pinned,
-                     "bandwidth": side.sim.profile.copy_bandwidth}
-        side.close()
+            w.session.backend.driver.host_alloc_pinned(pinned)
+        results = [asdict(r) for r in w.sequence(*runs)]
+        out[name] = {"runs": results, "refusals": w.refusals.count, "lowest_available": w.lowest_available,
+                     "headroom": w.session.budget_query(CUDA0).headroom, "pinned": pinned,
+                     "bandwidth": w.sim.profile.copy_bandwidth}
+        w.session.close()
     return out
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from gb10_workload import Workload, gb10_session, stock_session
+from membackend_unified_gb10.workload import Workload, gb10_session, stock_session
 from membackend.residency import ResidencyManager, StockPolicy
 
 

@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import pytest
 
-from gb10_workload import CUDA0, GB, GIB, gb10_session, stock_session
+from membackend_unified_gb10.workload import CUDA0, GB, GIB, gb10_session, stock_session
 from membackend import hostmem
 from membackend.backends.vmm import VmmBackend
 from membackend.drivers.gpu import GpuDriver

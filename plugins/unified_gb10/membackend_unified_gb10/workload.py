@@ -1,4 +1,7 @@
-"""The unified_gb10 tests' workload: sessions on the simulated GB10 and the workflows of ComfyUI #14519."""
+"""The workload of ComfyUI #14519 on the simulated GB10, shared by this plugin's tests and
+``benchmarks/bench_unified_gb10.py``: sessions (the plugin, and the generic VMM as stock), the
+three workflow categories, and a runner that counts bytes loaded, out-of-memory results, evictions
+and the driver's own refusals."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from membackend.residency import ResidencyManager
 from membackend.session import Session
 from membackend.settings import load_settings
 from membackend.types import Device
-from membackend_unified_gb10 import PAGE_SIZE
+from . import PAGE_SIZE
 
 GB = 10**9
 GIB = 1 << 30
