@@ -40,12 +40,11 @@ from membackend.platform import GENERIC
 from membackend.residency import ResidencyManager, StockPolicy
 from membackend.session import Session
 from membackend.settings import load_settings
-from membackend.types import Device, DriverError
+from membackend.types import Device
+from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
 MiB, GiB = 1 << 20, 1 << 30
 PROFILE = "rocm-win-2gpu"
-HIP0, HIP1 = Device("hip", 0), Device("hip", 1)
-KREA2 = {"text_encoder": 5 * 10**9, "unet": 12 * 10**9, "vae": 3 * 10**8}
 VRAM = 16 * GiB
 VBAR_PAGE = 32 * MiB
 
@@ -90,34 +89,14 @@ def seed(backend: str | None, cls, sizing=lambda n: n) -> dict:
 
 def cycles(backend: str | None, cls, n: int, unload_everything: bool = False) -> dict:
     s, sim = session(backend)
-    policy = cls(s)
-    models = {d: [policy.register(f"{k}@{d}", KREA2[k], d) for k in ("text_encoder", "unet")] for d in (HIP0, HIP1)}
-    commits, peak, done, error = [], 0, 0, None
-    for i in range(n):
-        device = (HIP0, HIP1)[i % 2]
-        try:
-            for m in models[device]:
-                policy.use([m])
-                if not policy.fault(m, 0, m.size).ok:
-                    raise RuntimeError(f"out of memory faulting {m.id}")
-                peak = max(peak, sim.quota_used())
-                policy.unpin(m, 0, m.size)
-            if unload_everything:
-                policy.unload_all()
-            else:
-                for m in models[device]:
-                    policy.full_unload(m)
-        except (DriverError, RuntimeError) as exc:
-            error = f"cycle {i + 1}: {exc}"
-            break
-        done += 1
-        commits.append(sim.private_commit)
+    r = run_cycles(s, cls(s), n, unload_everything)
+    done, error, commits, peak = r.done, r.error, r.commits, r.peak_quota_used
     out = {"backend": s.backend.name, "policy": cls.policy, "unload": "unload_all" if unload_everything else
            "full_unload", "cycles": n, "done": done, "error": error, "large_frees": sim.churn_frees,
            "commit_first": commits[0] if commits else None, "commit_last": commits[-1] if commits else None,
            "commit_flat_after_2": None if error else len(set(commits[2:])) <= 1, "peak_quota_used": peak,
            "quota_limit": s.capabilities.address_quota, "crashes": sim.crashes}
-    del models
+    del r  # the stock policy's models are collected here, after the figures are taken
     try:
         s.close()
     except Exception:  # the failed side may not close cleanly; its figures are already taken

@@ -16,13 +16,12 @@ from membackend.backends.vmm import AddressSpaceExhausted
 from membackend.manager import BackendManager
 from membackend.residency import ResidencyManager, StockPolicy
 from membackend.settings import load_settings
-from membackend.types import Device, DriverError
+from membackend.types import Device
+from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
 MiB, GiB = 1 << 20, 1 << 30
 PROFILE = "rocm-win-2gpu"
 PAGE = 32 * MiB  # the plugin's page
-HIP0, HIP1 = Device("hip", 0), Device("hip", 1)
-KREA2 = {"text_encoder": 5 * 10**9, "unet": 12 * 10**9, "vae": 3 * 10**8}  # Krea2-sized set, bytes
 
 
 def session(backend: str | None = None, **settings):
@@ -99,32 +98,10 @@ def test_each_full_unload_traces_private_commit_and_keeps_only_the_bounded_pool_
 
 
 def cycles(s, n: int, unload_everything: bool = False) -> dict:
-    """``n`` load/run/unload cycles of the text encoder and the UNet, alternating hip:0 and hip:1;
-    each cycle ends with a full unload of each model, or with ``unload_all`` (which also drains the pool)."""
-    policy = ResidencyManager(s)
-    models = {d: [policy.register(f"{k}@{d}", KREA2[k], d) for k in ("text_encoder", "unet")] for d in (HIP0, HIP1)}
-    limit = s.capabilities.address_quota
-    out = {"done": 0, "commit": [], "peak_quota_used": 0, "error": None}
-    for i in range(n):
-        device = (HIP0, HIP1)[i % 2]
-        try:
-            for m in models[device]:
-                policy.use([m])
-                assert policy.fault(m, 0, m.size).ok
-                out["peak_quota_used"] = max(out["peak_quota_used"], sim(s).quota_used())
-                policy.unpin(m, 0, m.size)
-            if unload_everything:
-                policy.unload_all()
-            else:
-                for m in models[device]:
-                    policy.full_unload(m)
-        except DriverError as exc:
-            out["error"] = f"cycle {i}: {exc}"
-            break
-        out["done"] += 1
-        out["commit"].append(sim(s).private_commit)
-        assert limit is None or out["peak_quota_used"] <= limit
-    return out
+    """The shared cycles (``membackend_rocm_windows.workload``) under the membackend policy."""
+    r = run_cycles(s, ResidencyManager(s), n, unload_everything)
+    assert s.capabilities.address_quota is None or r.peak_quota_used <= s.capabilities.address_quota
+    return {"done": r.done, "commit": r.commits, "peak_quota_used": r.peak_quota_used, "error": r.error}
 
 
 def test_200_cycles_alternating_devices_no_churn_failure_commit_flat_quota_never_crossed():
