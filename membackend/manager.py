@@ -299,7 +299,10 @@ class BackendManager:
         if self.settings.trace is not None:
             from .trace import TraceObserver
 
-            tracer = TraceObserver(self.settings.trace)
+            # what a replay on another machine needs to know about this one
+            tracer = TraceObserver(self.settings.trace, backend=sel.record.name, sim_profile=self.settings.sim_profile,
+                                   devices=[{"device": str(d.device), "name": d.name,
+                                             "total_memory": d.total_memory} for d in machine.devices])
             obs.append(tracer)
         return Session(sel.record.plugin, machine=machine, ledger=Ledger(sanitize=self.settings.sanitize),
                        observers=obs, headroom=self.settings.headroom,

@@ -308,7 +308,8 @@ class ResidencyManager:
         if owner is not None:
             owner.owned.append(model)
         self._keep(model)
-        self._trace("register", model, bytes=size, kind=model.kind.value)
+        self._trace("register", model, bytes=size, kind=model.kind.value, devices=[str(d) for d in devs],
+                    owner=owner.id if owner is not None else None)
         return model
 
     def _roll_back(self, model: Model, exc: BaseException) -> None:
@@ -367,14 +368,15 @@ class ResidencyManager:
     # ------------------------------------------------------------------ use
 
     @_locked
-    def use(self, models: Iterable[Model]) -> None:
+    def use(self, models: Iterable[Model], *, workflow: str | None = None) -> None:
         """Start a run (a workflow) that uses ``models``: they get the highest priority and may
-        not be evicted whole; what else stays resident is decided by the budget (G4)."""
+        not be evicted whole; what else stays resident is decided by the budget (G4).
+        ``workflow`` names the run in the trace (a replay's timeline marks the switch)."""
         models = [self._check_registered(m) for m in models]
         self._running = {m.id for m in models}
         for m in models:
             self.prioritize(m)
-        self._trace("use", None, models=[m.id for m in models])
+        self._trace("use", None, models=[m.id for m in models], workflow=workflow)
         self._on_workflow_switch(models)
 
     @_locked
@@ -431,8 +433,8 @@ class ResidencyManager:
         r = slot.reservation
         model.last_used = next(self._clock)
         if slot.watermark is not None and offset + size > slot.watermark:
-            self._trace("fail_fast", model, device=str(slot.device), offset=offset, bytes=size,
-                        watermark=slot.watermark)
+            self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                        result="fail_fast", watermark=slot.watermark)
             return Fault(False, (), first, 0)
         ps = r.page_size
         missing = slot.missing(first, last)
@@ -442,20 +444,23 @@ class ResidencyManager:
                                                 "headroom") < missing - usable:
                 # past the budget a WDDM driver would spill to shared memory and a unified pool
                 # would squeeze the host: out of memory is the caller's answer instead
-                self._trace("oom", model, device=str(slot.device), offset=offset, bytes=size, reason="budget")
+                self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                            result="oom", reason="budget")
                 return Fault(False, (), first, 0)
         f = self._session_fault(slot, offset, size, first, last)
         while not f.ok:
             if not self._evict(slot.device, missing or ps, (slot, first, last), "out of memory"):
-                self._trace("oom", model, device=str(slot.device), offset=offset, bytes=size)
+                self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                            result="oom", reason="driver")
                 return f
             f = self._session_fault(slot, offset, size, first, last)
         slot.faulted(first, last, f.mapped)
         pins = slot.pins
         for p in range(first, last):
             pins[p] += 1
-        if f.mapped:
-            self._trace("fault", model, device=str(slot.device), offset=offset, bytes=f.mapped, result="mapped")
+        if self.tracer is not None:
+            self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=f.mapped,
+                        result="mapped" if f.mapped else "resident")
         return f
 
     def _session_fault(self, slot: _Slot, offset: int, size: int, first: int, last: int) -> Fault:
@@ -476,6 +481,17 @@ class ResidencyManager:
         for p in range(first, last):
             if pins[p]:
                 pins[p] -= 1
+        if self.tracer is not None:
+            self._trace("unpin", model, device=str(slot.device), offset=offset, bytes=size)
+
+    def copied(self, model: Model, offset: int, size: int, seconds: float, device: Any = None) -> None:
+        """Tell the trace that ``size`` bytes were copied into ``[offset, offset+size)`` of ``model``
+        in ``seconds`` (the cast path's copy of fresh pages). Nothing else happens: a replay uses
+        these to model load time and to run copies that a later free must wait for."""
+        if self.tracer is not None:
+            slot = self._slot(model, device)
+            self._trace("copy", model, device=str(slot.device), offset=_as_int(offset, "offset"),
+                        bytes=_as_int(size, "copy size"), seconds=float(seconds))
 
     def record(self, model: Model, token: FenceToken, device: Any = None) -> None:
         """Asynchronous work (a copy) on the model's pages: frees and unloads wait for it.
@@ -590,17 +606,21 @@ class ResidencyManager:
         self._check_registered(model)
         failures: list[tuple[str, BaseException]] = []
         before = self._committed(model)
-        dropped = self._unload(model, failures)
+        dropped = self._unload(model, failures, self._via)
         if before is not None:
             self._trace("commit", model, committed_before=before, committed_after=self._committed(model))
         if failures:
             raise PartialFailure(f"full unload of model {model.id!r}", failures)
         return dropped
 
-    def _unload(self, model: Model, failures: list[tuple[str, BaseException]]) -> int:
+    #: why a full unload happens when it is not the caller's own request (traced as ``via``: a replay
+    #: re-executes only the requests, not their consequences)
+    _via: str | None = None
+
+    def _unload(self, model: Model, failures: list[tuple[str, BaseException]], via: str | None) -> int:
         dropped = 0
         for child in list(model.owned):
-            dropped += self._unload(child, failures)
+            dropped += self._unload(child, failures, f"owner {model.id}")
         release = self.session.capabilities.release_on_full_unload
         for slot in model.slots.values():
             if not slot.alive:
@@ -609,7 +629,8 @@ class ResidencyManager:
                 dropped += self._unload_slot(slot, release)
             except Exception as exc:
                 failures.append((f"model {model.id!r} on {slot.device}", exc))
-        self._trace("full_unload", model, bytes=dropped, released=release, owned=[c.id for c in model.owned])
+        self._trace("full_unload", model, bytes=dropped, released=release, owned=[c.id for c in model.owned],
+                    via=via)
         return dropped
 
     def _unload_slot(self, slot: _Slot, release: bool) -> int:
@@ -645,17 +666,22 @@ class ResidencyManager:
         """
         failures: list[tuple[str, BaseException]] = []
         dropped = 0
-        for m in [m for m in self._models.values() if m.owner is None]:
-            try:
-                dropped += self.full_unload(m)
-            except PartialFailure as exc:
-                failures += exc.failures
-            except Exception as exc:
-                failures.append((f"model {m.id!r}", exc))
+        self._via = "unload_all"
+        try:
+            for m in [m for m in self._models.values() if m.owner is None]:
+                try:
+                    dropped += self.full_unload(m)
+                except PartialFailure as exc:
+                    failures += exc.failures
+                except Exception as exc:
+                    failures.append((f"model {m.id!r}", exc))
+        finally:
+            self._via = None
         try:
             self._trim()
         except Exception as exc:
             failures.append(("trim", exc))
+        self._trace("unload_all", None, bytes=dropped, failures=len(failures))
         if failures:
             raise PartialFailure("unload_all", failures)
         return dropped
@@ -683,7 +709,11 @@ class ResidencyManager:
         When the unload fails (``PartialFailure``), the model stays registered so
         that unregistering it again retries.
         """
-        self.full_unload(model)
+        self._via = "unregister"
+        try:
+            self.full_unload(model)
+        finally:
+            self._via = None
         for child in list(model.owned):
             self.unregister(child)
         if model.owner is not None and model in model.owner.owned:
@@ -713,7 +743,7 @@ class ResidencyManager:
         ps = slot.reservation.page_size
         low = -(-floor // ps)  # pages wholly above the floor
         freed = self._shed(slot, amount, (slot, 0, low)) if low < slot.reservation.pages else 0
-        self._trace("free_memory", model, device=str(slot.device), bytes=amount, result=freed, floor=floor)
+        self._trace("shed", model, device=str(slot.device), bytes=amount, result=freed, floor=floor)
         return freed
 
     @_locked
@@ -824,7 +854,7 @@ class StockPolicy(ResidencyManager):
             if slot.alive:
                 slot.clear_pins()
                 dropped += self._shed(slot, math.inf, None)
-        self._trace("full_unload", model, bytes=dropped, released=False, owned=[])
+        self._trace("full_unload", model, bytes=dropped, released=False, owned=[], via=self._via)
         return dropped
 
 

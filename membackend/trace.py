@@ -6,6 +6,11 @@ them, ``result`` (``ok``, ``oom``, the bytes dropped, or the error's type) and
 ``seconds`` spent. Later layers (the residency policy) append their decisions
 to the same file through :meth:`TraceObserver.event`, so one run can be
 replayed from its trace.
+
+A new (empty) file starts with one header line, ``{"event": "trace", "format":
+"membackend-trace", "version": 1, "membackend": <version>, ...}``; the format
+(which events a replay re-executes, and their fields) is documented in
+``docs/trace-format.md``. Appending to an existing file adds no second header.
 """
 
 from __future__ import annotations
@@ -19,7 +24,20 @@ from typing import Any
 from .hookspec import hookimpl
 from .types import Budget, Fault, Reservation
 
-__all__ = ["TraceObserver"]
+__all__ = ["TraceObserver", "TRACE_FORMAT", "TRACE_VERSION", "trace_header"]
+
+TRACE_FORMAT = "membackend-trace"
+#: bumped when a field a replay relies on changes meaning; readers refuse versions they do not know
+TRACE_VERSION = 1
+
+
+def trace_header(**fields: Any) -> dict[str, Any]:
+    """The first line of a trace file: the format, its version, the writer's version, and ``fields``
+    (e.g. ``sim_profile``, ``scenario``, ``machine``)."""
+    from ._version import __version__
+
+    return {"time": round(time.time(), 6), "event": "trace", "format": TRACE_FORMAT, "version": TRACE_VERSION,
+            "membackend": __version__, **fields}
 
 
 def _describe(result: Any) -> Any:
@@ -35,11 +53,14 @@ def _describe(result: Any) -> Any:
 class TraceObserver:
     """Wraps every verb; thread-safe appends, one line per call, flushed at once."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, **header: Any):
+        """Append to ``path``; a new or empty file gets the header line first, with ``header``'s fields."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
         self._lock = threading.Lock()
+        if self._file.tell() == 0:
+            self._file.write(json.dumps(trace_header(**header), default=str) + "\n")
 
     def event(self, event: str, **fields: Any) -> None:
         """Append one record (used by the verbs below and by policy layers)."""

@@ -59,7 +59,8 @@ def test_trace_file_gets_one_json_line_per_verb(tmp_path):
     session.release_reservation(r)
     with pytest.raises(Exception):
         session.fault(r, 0, 1)  # rejected by the session before any verb runs: not traced
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    header, *lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert header == {**header, "event": "trace", "format": "membackend-trace", "version": 1}
     assert [x["event"] for x in lines] == ["reserve", "fault", "free", "budget_query", "release_reservation"]
     assert lines[1] == {**lines[1], "reservation": r.id, "device": "cpu:0", "offset": 0, "bytes": 2 * MiB,
                         "result": "ok"}
@@ -75,7 +76,7 @@ def test_trace_records_errors_by_type(tmp_path):
     assert not s.fault(r, 0, 4 * MiB).ok
     s.close()
     events = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert events[1]["event"] == "fault" and events[1]["result"] == "oom"
+    assert events[2]["event"] == "fault" and events[2]["result"] == "oom"
 
 
 def test_headroom_setting_replaces_the_backends_own():
@@ -222,4 +223,4 @@ def test_the_tracer_is_exposed_and_wraps_the_verbs(tmp_path):
     r = s.reserve("cpu", 2 * MiB)
     s.close()
     events = [json.loads(x)["event"] for x in (tmp_path / "t.jsonl").read_text().splitlines()]
-    assert events[:1] == ["reserve"] and "release_reservation" in events
+    assert events[:2] == ["trace", "reserve"] and "release_reservation" in events

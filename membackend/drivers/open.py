@@ -16,7 +16,7 @@ from ..types import ConfigError, Machine
 from .gpu import GpuDriver
 
 __all__ = ["profile_names", "check_sim_profile", "machine_for", "resolve_vendor", "bindings_missing",
-           "open_gpu_driver", "LazyDriver"]
+           "open_gpu_driver", "open_sim_variant", "simulated_failures", "LazyDriver"]
 
 VENDORS = ("cuda", "hip")
 
@@ -98,6 +98,36 @@ def open_gpu_driver(vendor: str, sim_profile: str | None = None) -> GpuDriver:
     from .cuda import CudaDriver
 
     return CudaDriver()
+
+
+def open_sim_variant(sim_profile: str, **changes: Any) -> GpuDriver:
+    """A driver over a fresh simulation of ``sim_profile`` with some of the profile's facts changed
+    (replays draw the page-in latency and copy bandwidth per seed, or size a device as a report's):
+    ``device_memory`` sets every device's memory; any other keyword replaces that field of the
+    profile. An unknown field is a ``ConfigError`` listing the accepted ones."""
+    import dataclasses
+
+    from .sim import get_profile, sim_driver
+
+    check_sim_profile(sim_profile)
+    profile = get_profile(sim_profile)
+    vram = changes.pop("device_memory", None)
+    fields = {f.name for f in dataclasses.fields(profile)} - {"name", "vendor", "devices"}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise ConfigError("profile variant", "replay", f"unknown profile field(s) {', '.join(unknown)}",
+                          ", ".join(sorted(fields | {"device_memory"})))
+    if vram is not None:
+        changes["devices"] = tuple(dataclasses.replace(d, vram=int(vram)) for d in profile.devices)
+    return sim_driver(dataclasses.replace(profile, **changes))
+
+
+def simulated_failures() -> tuple[type[BaseException], ...]:
+    """What ends a simulated machine (a kernel bugcheck, a runtime crash): ``BaseException``
+    subclasses, so that nothing but a caller who asks for them catches them."""
+    from .sim import SimulatedBugcheck, SimulatedCrash
+
+    return (SimulatedBugcheck, SimulatedCrash)
 
 
 class LazyDriver:

@@ -14,12 +14,12 @@ durations) and the time the host runs ahead after each layer. A fault that
 finds no memory is streamed instead (ComfyUI's fallback), as is one that
 raises a typed driver error. At the end everything is unloaded.
 
-**Stock** (:func:`stock_session`): :class:`StockPolicy` (today's ComfyUI)
-over :class:`AimdoStockVmm`, the VMM mechanism made to do what comfy-aimdo
-0.5.x does on this path (each behaviour's source is on the method), under
-:class:`AimdoLoadPolicy` (evictions made by a fault skip the device sync, as
-aimdo's ``vbars_free`` does while the prefetch's malloc graph is
-sync-paused). It records no fence tokens: aimdo has none, it relies on
+**Stock** (:func:`stock_session`): membackend's own model of stock ComfyUI +
+comfy-aimdo 0.5.x (``membackend.replay.stock``, shared with ``membackend
+replay``): :class:`AimdoStockVmm` (the VMM mechanism doing what aimdo does on
+this path) under :class:`AimdoLoadPolicy` (evictions made by a fault skip the
+device sync, as aimdo's ``vbars_free`` does while the prefetch's malloc graph
+is sync-paused). It records no fence tokens: aimdo has none, it relies on
 ``cuCtxSynchronize``.
 
 **Plugin** (:func:`plugin_session`): :class:`ResidencyManager` over the
@@ -42,11 +42,11 @@ from membackend.backends.vmm import VmmBackend
 from membackend.drivers.open import machine_for
 from membackend.drivers.sim import SimulatedBugcheck, get_profile, sim_driver
 from membackend.ledger import Ledger
-from membackend.platform import Platform
-from membackend.residency import ResidencyManager, StockPolicy
+from membackend.replay.stock import AimdoLoadPolicy, AimdoStockVmm
+from membackend.residency import ResidencyManager
 from membackend.session import Session
 from membackend.settings import load_settings
-from membackend.types import Candidate, Capabilities, Device, DriverError, MembackendError, Score
+from membackend.types import Device, MembackendError
 
 from . import PLATFORM
 
@@ -82,108 +82,6 @@ def timing_for(seed: int) -> Timing:
     return Timing(rng.uniform(0.001, 0.040), rng.uniform(3e9, 25e9), tuple(rng.uniform(0.0, 0.030) for _ in range(64)))
 
 
-# --------------------------------------------------------------------------- stock: comfy-aimdo 0.5.x
-
-
-def _stock_probe(machine: Any) -> Candidate:
-    return Candidate("aimdo_stock", Score.NONE, "comparison only: comfy-aimdo's mechanism on the VMM backend")
-
-
-#: comfy-aimdo on Windows: budget from the DXGI budget with its 512 MiB WDDM_BUDGET_HEADROOM
-#: (src-win/shmem-detect.c), pages kept by the policy until the model is collected
-STOCK_PLATFORM = Platform(name="aimdo_stock", vendor="cuda", probe=_stock_probe, budget_source="wddm",
-                          capabilities=Capabilities(release_on_full_unload=False), headroom=512 * MiB,
-                          description="comfy-aimdo 0.5.x's free path, for side-by-side comparison only")
-
-
-class AimdoStockVmm(VmmBackend):
-    """The VMM mechanism doing what comfy-aimdo 0.5.x does, for the comparison only.
-
-    * Each page is created, mapped and given access on fault
-      (``three_stooges``: ``cuMemCreate`` → ``cuMemMap`` → ``cuMemSetAccess``).
-    * Freeing a page unmaps it and releases its handle at once
-      (``mod1``: ``cuMemUnmap`` → ``cuMemRelease``; "Physical memory is
-      returned to the driver, not pooled"); nothing is recycled.
-    * The mechanism never synchronizes by itself: aimdo's only fence is the
-      ``cuCtxSynchronize`` inside its VBAR free paths, which the policy issues
-      (:class:`AimdoLoadPolicy`), and no free path waits for the WDDM page-in
-      of a fresh mapping.
-    * A failed fault is unwound with no sync (``three_stooges`` unwinds with
-      ``cuMemUnmap`` → ``cuMemRelease``).
-
-    ``carry_on``: after a simulated bugcheck, count it (the driver does) and
-    carry on as if the machine had survived, so the handle figures cover the
-    whole workload; False lets the bugcheck end the run.
-    """
-
-    def __init__(self, driver: Any, *, page_size: int, carry_on: bool = True):
-        super().__init__(STOCK_PLATFORM, driver, page_size=page_size)
-        self.carry_on = carry_on
-
-    def _unsafe(self, call: Any, *args: Any) -> None:
-        try:
-            call(*args)
-        except SimulatedBugcheck:
-            if not self.carry_on:
-                raise
-            self.driver.device_synchronize()  # the bugcheck is counted by the driver; the rest must go on
-            call(*args)
-
-    def _release_or_keep(self, state: Any, handle: Any) -> None:
-        self._unsafe(self.driver.release, handle)  # mod1: released at once, never pooled
-
-    def _drop(self, r: Any, first: int, last: int) -> int:
-        rng = r.handle
-        pages = [p for p in range(first, last) if rng.handles[p] is not None]
-        if not pages:
-            return 0
-        state = self._use(rng.index)
-        ps, dropped = r.page_size, 0
-        for p in pages:  # mod1 per page: unmap, release; no sync of its own
-            try:
-                self._unsafe(self.driver.unmap, r.base + p * ps, ps)
-            except DriverError as exc:
-                exc.dropped = dropped  # the session accounts what did go
-                raise
-            self._release_or_keep(state, rng.handles[p])
-            rng.handles[p] = None
-            rng.ready[p] = 0
-            dropped += ps
-            state.resident -= ps
-        return dropped
-
-    def _unwind(self, state: Any, r: Any, mapped: list) -> int:
-        for p, h in mapped:  # three_stooges' unwind: no sync
-            self._unsafe(self.driver.unmap, r.base + p * r.page_size, r.page_size)
-            self._release_or_keep(state, h)
-        return 0
-
-
-class AimdoLoadPolicy(StockPolicy):
-    """:class:`StockPolicy` with comfy-aimdo 0.5.x's pressure path during a load.
-
-    A fault that must make room calls ``vbars_free``, which in 0.5.x skips
-    both of its ``cuCtxSynchronize`` calls while the thread's malloc graph is
-    sync-paused, as ComfyUI 0.35's ``model_prefetch`` runs it; so evictions
-    made by a fault are not fenced. Other frees (a workflow switch, an unload:
-    ``vbar_free_memory``) still synchronize the device first.
-    """
-
-    _loading = False
-
-    def fault(self, model: Any, offset: int, size: int, device: Any = None) -> Any:
-        with self._lock:
-            self._loading = True
-            try:
-                return super().fault(model, offset, size, device)
-            finally:
-                self._loading = False
-
-    def _fence_before_free(self, slot: Any) -> None:
-        if not self._loading:
-            super()._fence_before_free(slot)
-
-
 # --------------------------------------------------------------------------- sessions
 
 
@@ -193,7 +91,8 @@ def _session(backend: VmmBackend) -> Session:
 
 def stock_session(timing: Timing, page_size: int, carry_on: bool = True) -> Session:
     """A session over :class:`AimdoStockVmm` on a fresh simulated machine with the seed's timing."""
-    return _session(AimdoStockVmm(sim_driver(timing.profile), page_size=page_size, carry_on=carry_on))
+    return _session(AimdoStockVmm(sim_driver(timing.profile), page_size=page_size, carry_on=carry_on,
+                                  budget_source="wddm"))
 
 
 def plugin_session(timing: Timing, page_size: int) -> Session:
