@@ -1,0 +1,289 @@
+"""The four built-in scenarios: one per seed report, with the report's sizes, order and figures.
+
+Each scenario builds its workload as trace events (the same events ``MEMBACKEND_TRACE``
+records, see ``docs/trace-format.md``) for a seed, names the simulated profile it runs on, the
+platform plugin that fixes it, the figures the report gave, and the guarantee the plugin side
+must hold. Sizes and orders come from the public reports; where a report gives no figure
+(a copy rate, a compute time) the assumption is stated next to it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..types import MembackendError
+
+__all__ = ["Scenario", "SCENARIOS", "get_scenario", "UnknownScenario", "layered_run"]
+
+MiB, GiB, GB = 1 << 20, 1 << 30, 10**9
+
+
+class UnknownScenario(MembackendError, ValueError):
+    """A scenario name that is not built in (the message lists the built-in ones)."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A seed report turned into a replayable workload.
+
+    ``build(seed)`` returns ``(events, machine)``: the workload's trace events and the profile
+    fields this seed draws (``open_sim_variant`` keywords, e.g. ``pagein_seconds``).
+    ``reported`` maps a figure's key (see ``engine.FIGURES`` and ``key_figures``) to what the
+    report said. ``key_figures(side)`` adds the scenario's own rows: ``(key, label, value)``.
+    ``plugin_holds(side)`` lists the guarantees the plugin side broke (empty: held);
+    ``stock_reproduces(side)`` says whether the stock side shows the reported failure.
+    """
+
+    name: str
+    report: str
+    title: str
+    profile: str
+    plugin: str | None  # the backend that fixes it on ``profile``; None: whatever membackend selects
+    guarantee: str
+    build: Callable[[int], tuple[list[dict[str, Any]], dict[str, Any]]]
+    reported: dict[str, str]
+    key_figures: Callable[[Any], list[tuple[str, str, Any]]]
+    plugin_holds: Callable[[Any], list[str]]
+    stock_reproduces: Callable[[Any], bool]
+    machine: dict[str, Any] = field(default_factory=dict)  # profile fields every seed changes
+    default_seeds: int = 1
+
+
+def layered_run(model: str, size: int, device: str, layer: int, copy_rate: float,
+                compute: Callable[[int], float] | None = None, unpin: bool = True) -> list[dict[str, Any]]:
+    """One model's pass as ComfyUI's dynamic loader makes it: per layer, fault it, copy its weights
+    (``bytes / copy_rate`` seconds), compute, unpin. ``compute(step)`` gives each layer's compute
+    seconds (none when None); ``unpin=False`` keeps the pages pinned (memory a plain, non-dynamic
+    model holds for its whole life)."""
+    events: list[dict[str, Any]] = []
+    for step, offset in enumerate(range(0, size, layer)):
+        n = min(layer, size - offset)
+        span = {"model": model, "device": device, "offset": offset, "bytes": n}
+        events.append({"event": "fault", **span})
+        events.append({"event": "copy", **span, "seconds": n / copy_rate})
+        if compute is not None:
+            events.append({"event": "compute", "seconds": compute(step)})
+        if unpin:
+            events.append({"event": "unpin", **span})
+    return events
+
+
+def _register(model: str, size: int, devices: list[str], kind: str = "other", owner: str | None = None):
+    return {"event": "register", "model": model, "bytes": size, "devices": devices, "kind": kind, "owner": owner}
+
+
+def _use(*models: str, workflow: str | None = None):
+    return {"event": "use", "models": list(models), "workflow": workflow}
+
+
+# --------------------------------------------------------------------------- #15993 full-unload-rocm
+
+#: ComfyUI #15993's set (a Krea2 workflow): bytes per model, one reservation per visible device
+ROCM_MODELS = (("text_encoder", 5 * GB, "text_encoder"), ("unet", 12 * GB, "diffusion"), ("vae", 3 * 10**8, "vae"))
+ROCM_COPY = 25e9  # bytes/s: the profile's host-to-device copy rate (PCIe 4.0 x16 class)
+
+
+def _rocm_build(seed: int):
+    devices = ["hip:0", "hip:1"]  # --cuda-device all: a ModelVBAR per device
+    events = [_register(name, size, devices, kind) for name, size, kind in ROCM_MODELS]
+    for name, size, _ in ROCM_MODELS:
+        events.append(_use(name, workflow="krea2"))
+        events += layered_run(name, size, "hip:0", 256 * MiB, ROCM_COPY)
+    events += [{"event": "full_unload", "model": name} for name, _, _ in ROCM_MODELS]  # unload_all_models
+    events.append({"event": "idle"})  # the prompt queue is empty
+    return events, {}
+
+
+def _rocm_key(side) -> list[tuple[str, str, Any]]:
+    last = side.unloads[-1] if side.unloads else {}
+    return [("committed_after_unload", "committed after unload, above the start (GB)",
+             None if last.get("committed") is None else (last["committed"] - side.committed_start) / GB)]
+
+
+def _rocm_holds(side) -> list[str]:
+    out = []
+    if side.alive_after_unload:
+        out.append(f"G1: {side.alive_after_unload} reservation(s) alive after the full unload")
+    if side.committed_end is not None and side.committed_end != side.committed_start:
+        out.append(f"G1: committed {side.committed_end - side.committed_start:,} bytes above the start after unload")
+    return out
+
+
+def _rocm_reproduces(side) -> bool:
+    return side.alive_after_unload > 0 and (side.committed_end or 0) > side.committed_start
+
+
+# --------------------------------------------------------------------------- #15533 hook-unload
+
+HOOK_CARD = 24 * GiB  # the report's 24 GiB card
+HOOK_HELD = int(20.96 * GiB)  # what the retained Hook delegate held after unload (the report's figure)
+HOOK_UNET = int(10.48 * GiB)  # the model the Hook patches (half of what the delegate held: weights + backup)
+HOOK_VAE = int(3.5 * GiB)  # the VAE with its decode working set (regular decode OOMed at 3.04 GiB free)
+HOOK_COPY = 25e9
+
+
+def _hook_build(seed: int):
+    d = ["cuda:0"]
+    events = [_register("unet", HOOK_UNET, d, "diffusion"),
+              _register("unet/hook", HOOK_HELD, d, "hook_delegate", owner="unet"),
+              _use("unet", "unet/hook", workflow="hook lora")]
+    # the plain delegate holds its weights for its whole life (ordinary allocations: never unpinned)
+    events += layered_run("unet/hook", HOOK_HELD, "cuda:0", 256 * MiB, HOOK_COPY, unpin=False)
+    for _ in range(2):  # two sampling steps stream the UNet through what is left
+        events += layered_run("unet", HOOK_UNET, "cuda:0", 256 * MiB, HOOK_COPY)
+    events += [{"event": "full_unload", "model": "unet"},  # the VAE load unloads the sampler's model
+               _register("vae", HOOK_VAE, d, "vae"), _use("vae", workflow="vae decode")]
+    # the VAE is not a dynamic model: weights and decode working set must be resident at once
+    events += layered_run("vae", HOOK_VAE, "cuda:0", HOOK_VAE, HOOK_COPY)
+    events += [{"event": "unload_all"}, {"event": "idle"}]
+    return events, {}
+
+
+def _vae_ooms(side) -> int:
+    return side.oom_by_model.get("vae", 0)
+
+
+def _hook_key(side) -> list[tuple[str, str, Any]]:
+    first = side.unloads[0] if side.unloads else {}
+    return [("held_after_owner_unload", "resident after the owner's unload (GiB)",
+             None if "resident" not in first else first["resident"] / GiB),
+            ("vae_oom", "VAE faults out of memory", _vae_ooms(side))]
+
+
+def _hook_holds(side) -> list[str]:
+    out = []
+    first = side.unloads[0] if side.unloads else {}
+    if first.get("resident"):
+        out.append(f"G5: {first['resident']:,} bytes still resident after the owner's full unload")
+    if _vae_ooms(side):
+        out.append(f"G5: the VAE load that follows ran out of memory {_vae_ooms(side)} time(s)")
+    return out + _rocm_holds(side)
+
+
+def _hook_reproduces(side) -> bool:
+    first = side.unloads[0] if side.unloads else {}
+    return first.get("resident", 0) >= HOOK_HELD and _vae_ooms(side) > 0
+
+
+# --------------------------------------------------------------------------- #16246 churn-wddm
+
+#: ComfyUI #16246's order: the LTX-video staging evicted, then the two models loaded after it
+WDDM_MODELS = (("ltx_video", 20 * GB), ("z_image_text_encoder", int(7.7 * GB)), ("lumina2", int(11.7 * GB)))
+
+
+def _wddm_build(seed: int):
+    """Per seed: WDDM page-in 1-40 ms (a 6 GB card's VidMm paging an allocation in), copies at
+    3-25 GB/s (a busy PCIe 3.0 x8 RTX 3050 up to PCIe 4.0 x16), the host 0-30 ms ahead per layer."""
+    rng = random.Random(seed)
+    pagein, rate = rng.uniform(0.001, 0.040), rng.uniform(3e9, 25e9)
+    ahead = [rng.uniform(0.0, 0.030) for _ in range(64)]
+    events = [_register(name, size, ["cuda:0"]) for name, size in WDDM_MODELS]
+    for name, size in WDDM_MODELS:
+        events.append(_use(name, workflow=name))
+        events += layered_run(name, size, "cuda:0", 256 * MiB, rate, lambda step: ahead[step % len(ahead)])
+    events += [{"event": "unload_all"}, {"event": "idle"}]
+    return events, {"pagein_seconds": pagein, "copy_bandwidth": rate}
+
+
+def _wddm_holds(side) -> list[str]:
+    out = []
+    if side.bugchecks:
+        out.append(f"G2: {side.bugchecks} simulated bugcheck(s): a free or release raced a page-in or copy")
+    if side.spilled:
+        out.append(f"G3: {side.spilled:,} bytes spilled past the WDDM budget to shared memory")
+    return out + _rocm_holds(side)
+
+
+# --------------------------------------------------------------------------- #14519 mixed-warmup-gb10
+
+GB10_WORKFLOWS = {
+    "image": (("image_unet", 12 * GB), ("image_text_encoder", 7_500_000_000), ("image_vae", 500_000_000)),
+    "video": (("video_unet", 32 * GB), ("video_text_encoder", 12 * GB), ("video_vae", 1 * GB)),
+    "audio": (("audio_model", 6 * GB), ("audio_text_encoder", 2 * GB)),
+}
+GB10_ORDER = ("image", "video", "audio", "image", "video", "image")  # warm-up, then image -> video -> image
+GB10_WARM = 9.0  # seconds: the report's warm image run, taken as every run's compute time
+#: bytes/s a model loads at: the report's cold image run (~120 s) minus its warm run (~9 s) for the image set
+GB10_LOAD_RATE = sum(s for _, s in GB10_WORKFLOWS["image"]) / (120.0 - GB10_WARM)
+
+
+def _gb10_build(seed: int):
+    events = [_register(n, s, ["cuda:0"]) for models in GB10_WORKFLOWS.values() for n, s in models]
+    for workflow in GB10_ORDER:
+        models = GB10_WORKFLOWS[workflow]
+        events.append(_use(*(n for n, _ in models), workflow=workflow))
+        for n, s in models:
+            events += layered_run(n, s, "cuda:0", 1 * GiB, GB10_LOAD_RATE)
+        events.append({"event": "compute", "seconds": GB10_WARM})
+    events += [{"event": "unload_all"}, {"event": "idle"}]
+    return events, {}
+
+
+def _last_run(side, workflow: str):
+    runs = [r for r in side.runs if r["workflow"] == workflow]
+    return runs[-1] if runs else None
+
+
+def _gb10_key(side) -> list[tuple[str, str, Any]]:
+    last = _last_run(side, "image")
+    return [("second_image_run_seconds", "image run after video, modelled (s)", last and last["seconds"]),
+            ("second_image_run_loaded", "bytes loaded by that run (GB)", last and last["loaded"] / GB)]
+
+
+def _gb10_holds(side) -> list[str]:
+    last = _last_run(side, "image")
+    out = []
+    if last is None or last["loaded"]:
+        out.append(f"G4: the image run after video loaded {last and last['loaded']:,} bytes again")
+    return out + _rocm_holds(side)
+
+
+def _gb10_reproduces(side) -> bool:
+    last = _last_run(side, "image")
+    return last is not None and last["loaded"] > 0
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(
+        name="full-unload-rocm", report="ComfyUI #15993",
+        title="Windows ROCm, 2 GPUs: a fully unloaded model keeps its reservation",
+        profile="rocm-win-2gpu", plugin="rocm_windows", guarantee="G1",
+        build=_rocm_build,
+        reported={"committed_after_unload": "34.25 GB stock (41.58 GB private bytes, 7.33 GB when released)",
+                  "alive_after_unload": "one per model and device (the ModelVBAR stays in dynamic_vbars)"},
+        key_figures=_rocm_key, plugin_holds=_rocm_holds, stock_reproduces=_rocm_reproduces),
+    Scenario(
+        name="hook-unload", report="ComfyUI PR #15533",
+        title="Hook LoRA on a 24 GiB card: the delegate survives its owner's unload",
+        profile="h200", plugin=None, guarantee="G5", machine={"device_memory": HOOK_CARD},
+        build=_hook_build,
+        reported={"held_after_owner_unload": "20.96 GiB still allocated on a 24 GiB card",
+                  "vae_oom": "VAE decode out of memory (regular and tiled); '0 models unloaded'"},
+        key_figures=_hook_key, plugin_holds=_hook_holds, stock_reproduces=_hook_reproduces),
+    Scenario(
+        name="churn-wddm", report="ComfyUI #16246",
+        title="Windows CUDA (WDDM), 6 GB: allocate/free churn while pages are paged in",
+        profile="wddm-6gb", plugin="cuda_wddm", guarantee="G2",
+        build=_wddm_build,
+        reported={"bugchecks": "4 bugchecks in a day (aimdo 0.5.3); 0 in 116 prompts / 12 h before (aimdo 0.4.15)"},
+        key_figures=lambda side: [], plugin_holds=_wddm_holds, stock_reproduces=lambda side: side.bugchecks > 0,
+        default_seeds=5),
+    Scenario(
+        name="mixed-warmup-gb10", report="ComfyUI #14519",
+        title="GB10 unified memory: image -> video -> image reloads everything",
+        profile="gb10-128gb", plugin="unified_gb10", guarantee="G4",
+        build=_gb10_build,
+        reported={"second_image_run_seconds": "~120 s stock, ~9 s warm",
+                  "second_image_run_loaded": "everything reloaded (stock)"},
+        key_figures=_gb10_key, plugin_holds=_gb10_holds, stock_reproduces=_gb10_reproduces),
+)}
+
+
+def get_scenario(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise UnknownScenario(f"no built-in scenario {name!r}; built in: {', '.join(SCENARIOS)} "
+                              "(or give the path of a trace file)") from None

@@ -1,0 +1,201 @@
+"""membackend replay: the four seed reports, stock against plugin, and traces that travel."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from membackend import cli
+from membackend.replay import scenarios
+from membackend.replay.compare import replay
+from membackend.replay.traceformat import TraceError, parse_lines, read_trace
+from membackend.residency import ResidencyManager
+from membackend.settings import load_settings
+from membackend.manager import BackendManager
+
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def replays():
+    """Each built-in scenario once, both sides (churn-wddm on 2 seeds)."""
+    return {name: replay(name, seeds=2 if name == "churn-wddm" else 1) for name in scenarios.SCENARIOS}
+
+
+@pytest.mark.parametrize("name", list(scenarios.SCENARIOS))
+def test_each_scenario_stock_reproduces_the_report_and_the_plugin_holds(replays, name):
+    c = replays[name]
+    assert c.stock_reproduces, c.table()
+    assert c.violations == [], c.table()
+    assert set(c.results) == {"stock", "plugin"} and not c.missing
+    assert c.results["stock"][0].backend == "aimdo_stock"
+    expected = scenarios.SCENARIOS[name].plugin or "vmm"
+    assert c.results["plugin"][0].backend == expected
+
+
+def test_full_unload_rocm_figures(replays):
+    c = replays["full-unload-rocm"]
+    stock, plugin = c.results["stock"][0], c.results["plugin"][0]
+    # one reservation per model and device stays charged to private commit (the report's 34.25 GB)
+    assert stock.alive_after_unload == 6 and plugin.alive_after_unload == 0
+    assert stock.committed_end - stock.committed_start >= 34 * 10**9
+    assert plugin.committed_end == plugin.committed_start
+
+
+def test_hook_unload_figures(replays):
+    c = replays["hook-unload"]
+    stock, plugin = c.results["stock"][0], c.results["plugin"][0]
+    assert stock.unloads[0]["resident"] >= scenarios.HOOK_HELD and stock.oom_by_model["vae"] >= 1
+    assert plugin.unloads[0]["resident"] == 0 and plugin.oom_by_model.get("vae", 0) == 0
+
+
+def test_churn_wddm_figures(replays):
+    c = replays["churn-wddm"]
+    assert c.value("stock", "bugchecks") > 0 and c.value("plugin", "bugchecks") == 0
+    assert c.value("plugin", "creates") < c.value("stock", "creates")  # handles recycled
+    assert len(c.results["plugin"]) == 2  # one per seed
+
+
+def test_mixed_warmup_gb10_figures(replays):
+    c = replays["mixed-warmup-gb10"]
+    assert c.value("stock", "second_image_run_loaded") > 19  # GB: the image set loaded again
+    assert c.value("plugin", "second_image_run_loaded") == 0
+    assert c.value("plugin", "second_image_run_seconds") < c.value("stock", "second_image_run_seconds")
+
+
+def test_the_table_shows_each_figure_next_to_the_report(replays):
+    table = replays["full-unload-rocm"].table()
+    assert "34.25 GB stock" in table and "stock (aimdo_stock)" in table and "plugin (rocm_windows)" in table
+    assert "plugin holds G1: yes" in table
+
+
+def test_json_has_the_same_figures(replays):
+    c = replays["mixed-warmup-gb10"]
+    data = json.loads(json.dumps(c.to_json()))
+    for key, label, stock, plugin, reported in c.rows():
+        assert data["figures"][key] == {"label": label, "stock": stock, "plugin": plugin, "reported": reported or None}
+    assert data["violations"] == [] and data["stock_reproduces"] is True
+
+
+@pytest.mark.parametrize("name", ["churn-wddm", "hook-unload"])
+def test_a_trace_written_by_a_replay_replays_to_the_same_table(tmp_path, name):
+    path = tmp_path / f"{name}.jsonl"
+    first = replay(name, seeds=1, record=str(path))
+    header = json.loads(path.read_text().splitlines()[0])
+    assert header["event"] == "trace" and header["scenario"] == name and header["version"] == 1
+    again = replay(str(path))
+    assert again.table() == first.table()
+    assert again.to_json()["figures"] == first.to_json()["figures"]
+
+
+def test_a_trace_recorded_with_membackend_trace_replays(tmp_path):
+    """What a user records in their own process (MEMBACKEND_TRACE) replays elsewhere."""
+    path = tmp_path / "user.jsonl"
+    settings = load_settings(sim_profile="h200", backend="vmm", trace=str(path))
+    session = BackendManager(settings).session()
+    policy = ResidencyManager(session)
+    m = policy.register("unet", 8 * GiB, "cuda:0", "diffusion")
+    policy.use([m], workflow="t2i")
+    for _ in range(2):  # two sampling steps
+        for off in range(0, m.size, GiB):
+            f = policy.fault(m, off, GiB)
+            policy.copied(m, off, GiB, 0.05)
+            assert f.ok
+            policy.unpin(m, off, GiB)
+    policy.unload_all()
+    session.close()
+    trace = read_trace(path)
+    assert trace.header["sim_profile"] == "h200" and trace.header["backend"] == "vmm"
+    assert [e["event"] for e in trace.events][:3] == ["register", "use", "fault"]
+    here = replay(str(path))  # the recorded machine: everything fits, the second step copies nothing
+    assert here.results["plugin"][0].loaded == 8 * GiB and here.results["plugin"][0].refaulted == 0
+    assert abs(here.results["plugin"][0].load_seconds - 0.4) < 1e-9  # the 8 copies that ran, as recorded
+    c = replay(str(path), profile="wddm-6gb")  # another machine: a 6 GB card
+    plugin = c.results["plugin"][0]
+    assert plugin.backend == "cuda_wddm"  # what membackend selects there
+    assert plugin.refaulted > 0 and plugin.loaded > 8 * GiB  # 8 GiB streamed through a 6 GB card twice
+    assert c.violations == []
+
+
+def test_devices_the_profile_lacks_are_mapped_and_said(tmp_path):
+    events = [{"event": "register", "model": "m", "bytes": GiB, "devices": ["cuda:3"]},
+              {"event": "fault", "model": "m", "device": "cuda:3", "offset": 0, "bytes": GiB},
+              {"event": "unload_all"}]
+    from membackend.replay.traceformat import write_trace
+
+    path = write_trace(tmp_path / "t.jsonl", events)
+    c = replay(str(path), profile="h200")
+    assert "cuda:3 replayed on cuda:0" in c.table()
+
+
+def test_a_missing_plugin_leaves_its_column_not_run(monkeypatch):
+    sc = dataclasses.replace(scenarios.SCENARIOS["hook-unload"], plugin="not_installed_plugin")
+    monkeypatch.setitem(scenarios.SCENARIOS, "hook-unload", sc)
+    c = replay("hook-unload")
+    assert "plugin" in c.missing and "pip install membackend-not-installed-plugin" in c.missing["plugin"]
+    assert "not run" in c.table() and c.results["stock"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not JSON"),
+    ('{"event": "trace", "format": "membackend-trace", "version": 99}', "version 99 is not supported"),
+    ('{"event": "trace", "format": "other", "version": 1}', "is not 'membackend-trace'"),
+    ('{"event": "register", "policy": "x", "model": "m", "devices": ["cuda:0"]}', "needs bytes"),
+    ('{"event": "register", "policy": "x", "model": "m", "bytes": -1, "devices": ["cuda:0"]}', "whole number"),
+    ('{"event": "reserve", "device": "cuda:0", "bytes": 1}', "no 'register' event"),
+])
+def test_bad_traces_are_typed_errors_naming_the_line(text, message):
+    with pytest.raises(TraceError, match=message):
+        parse_lines([text], "t.jsonl")
+
+
+def test_decisions_verbs_and_consequences_are_not_replayed():
+    lines = [json.dumps(e) for e in (
+        {"event": "register", "policy": "membackend", "model": "a", "bytes": 1, "devices": ["cuda:0"]},
+        {"event": "fault", "reservation": 1, "device": "cuda:0", "offset": 0, "bytes": 1},  # a verb call
+        {"event": "evict_model", "policy": "membackend", "model": "a", "bytes": 1},  # a decision
+        {"event": "full_unload", "policy": "membackend", "model": "a", "via": "unload_all"},  # a consequence
+        {"event": "unload_all", "policy": "membackend"},
+    )]
+    assert [e["event"] for e in parse_lines(lines).events] == ["register", "unload_all"]
+
+
+def test_cli_replay_json_plot_and_exit_codes(tmp_path, capsys, monkeypatch):
+    plot = tmp_path / "t.html"
+    assert cli.main(["replay", "full-unload-rocm", "--json", "--plot", str(plot)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["scenario"] == "full-unload-rocm" and data["figures"]["alive_after_unload"]["plugin"] == 0
+    assert plot.read_text().lstrip().lower().startswith("<!doctype html")
+    assert cli.main(["replay", "no-such-scenario"]) == 2
+    assert "built in: full-unload-rocm" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    assert cli.main(["replay", str(bad)]) == 2
+    assert "line 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["replay", "hook-unload", "--seeds", "0"])
+    broken = dataclasses.replace(scenarios.SCENARIOS["hook-unload"], plugin_holds=lambda side: ["G5: made up"])
+    monkeypatch.setitem(scenarios.SCENARIOS, "hook-unload", broken)
+    assert cli.main(["replay", "hook-unload", "--policy", "plugin"]) == 1
+    assert "plugin breaks: G5: made up" in capsys.readouterr().out
+
+
+def test_cli_plot_png_is_a_valid_image(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    path = tmp_path / "timeline.png"
+    assert cli.main(["replay", "mixed-warmup-gb10", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = imread(str(path)).shape[:2]
+    assert height > 200 and width > 200
+
+
+def test_cli_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main(["replay", "hook-unload", "--policy", "stock", "--plot", str(tmp_path / "t.png")]) == 2
+    assert 'pip install "membackend[plot]"' in capsys.readouterr().err
