@@ -3,9 +3,13 @@
 ``membackend comfyui install|uninstall <ComfyUI folder>`` adds or removes the
 custom node that starts membackend inside ComfyUI (see ``docs/comfyui.md``).
 
-Exit codes: 0 ok; 1 the self-test failed; 2 a configuration error (its message
-is printed), including a forced backend that is not available and a folder
-that is not a ComfyUI checkout.
+``membackend replay SCENARIO|TRACE_FILE`` runs a seed report's workload (or a recorded
+trace) stock and plugin side by side; ``membackend bench`` runs the benchmark suite.
+
+Exit codes: 0 ok; 1 the self-test failed, or a replay's plugin side broke a
+guarantee; 2 a configuration error (its message is printed), including a forced
+backend that is not available, a folder that is not a ComfyUI checkout, and a
+trace that cannot be read.
 """
 
 from __future__ import annotations
@@ -252,6 +256,53 @@ def _comfyui(action: str, folder: str) -> int:
     return 0
 
 
+def _replay(a: argparse.Namespace) -> int:
+    from .replay.compare import replay
+
+    try:
+        comparison = replay(a.source, backend=a.backend, profile=a.profile, policy=a.policy, seeds=a.seeds,
+                            record=a.record)
+    except MembackendError as exc:
+        print(f"membackend: {exc}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(comparison.to_json(), indent=2, default=str))
+    else:
+        print(comparison.table())
+    if a.plot:
+        from .replay.plot import write_plot
+
+        sc = comparison.scenario
+        reported = f"reported in {sc.report}: " + next(iter(sc.reported.values())) if sc and sc.reported else None
+        title = f"{sc.name} ({sc.report}) on {comparison.profile}" if sc else f"{a.source} on {comparison.profile}"
+        try:
+            path = write_plot(a.plot, comparison.timelines(), title=title, reported=reported)
+        except (MembackendError, OSError) as exc:
+            print(f"membackend: --plot: {exc}", file=sys.stderr)
+            return 2
+        print(f"timeline written to {path}", file=sys.stderr if a.json else sys.stdout)
+    return 1 if comparison.violations else 0
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from .replay.bench import format_bench, run_bench
+
+    result = run_bench(quick=a.quick, seeds=a.seeds,
+                       progress=None if a.json else (lambda step: print(f"  ... {step}", file=sys.stderr)))
+    print(json.dumps(result, indent=2, default=str) if a.json else format_bench(result))
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1 is accepted, got {text!r}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="membackend", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"membackend {__version__}")
@@ -264,9 +315,28 @@ def main(argv: list[str] | None = None) -> int:
     comfy = sub.add_parser("comfyui", help="add or remove the ComfyUI custom node that starts membackend")
     comfy.add_argument("action", choices=("install", "uninstall"))
     comfy.add_argument("folder", help="the ComfyUI checkout (the folder holding main.py)")
+    rp = sub.add_parser("replay", help="a seed report's workload (or a recorded trace), stock and plugin side by side")
+    rp.add_argument("source", help="a built-in scenario (full-unload-rocm, hook-unload, churn-wddm, "
+                                   "mixed-warmup-gb10) or a trace file written with MEMBACKEND_TRACE")
+    rp.add_argument("--backend", help="the plugin side's backend (default: the scenario's plugin, else the selection)")
+    rp.add_argument("--profile", help="simulated profile (default: the scenario's, or the trace's)")
+    rp.add_argument("--policy", choices=("stock", "plugin", "both"), default="both")
+    rp.add_argument("--seeds", type=_positive, help="seeds to run (a scenario's default otherwise)")
+    rp.add_argument("--json", action="store_true", help="print the figures as JSON")
+    rp.add_argument("--plot", metavar="FILE", help="timeline picture: .png/.svg/.pdf (needs membackend[plot]) "
+                                                   "or .html (interactive, no extra needed)")
+    rp.add_argument("--record", metavar="FILE", help="write the plugin run as a trace file (replays to this table)")
+    bp = sub.add_parser("bench", help="the benchmark suite: ratios measured side by side, and the four replays")
+    bp.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bp.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (a smoke run)")
+    bp.add_argument("--seeds", type=_positive, help="seeds per replay (each scenario's default otherwise)")
     args = parser.parse_args(argv)
     if args.command == "comfyui":
         return _comfyui(args.action, args.folder)
+    if args.command == "replay":
+        return _replay(args)
+    if args.command == "bench":
+        return _bench(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(args.command, args.json)
