@@ -1,0 +1,350 @@
+"""``membackend bench``: every benchmark and the four replays in one run, as ratios measured here.
+
+Each figure is a ratio of two things measured side by side in the same run: timings alternate
+the two sides in rounds and each side keeps its best round, because the machines this runs on
+are shared and noisy; absolute times are printed only next to their ratio.
+
+* hot path (:func:`bench_hot_path`): ``Session.fault`` on a resident page and ``Session.free``
+  of nothing, each against calling the backend's method directly (pluggy's generic dispatch is
+  shown for orientation). Target <= 2.5.
+* host fault (:func:`bench_fault_throughput`): faulting 1 GiB in 32 MiB pages on the host
+  backend against memset over already-resident memory (the zeroing limit). Target >= 0.35.
+* pages alive (:func:`bench_pages_alive`): one fault+free with 100k pages alive against 1k.
+  Target <= 1.5.
+* start-up: the ComfyUI adapter's start-up against ``import torch``, measured by
+  ``membackend.comfyui.startup_cost.measure_startup`` (recorded as skipped when that cannot
+  run, e.g. without torch). Target <= 0.15.
+* scenarios: :func:`membackend.replay.compare.replay` of every built-in scenario, stock and
+  plugin side by side, with the guarantee the plugin side must hold.
+
+:func:`run_bench` returns the figures as a JSON-serialisable dict; :func:`format_bench` prints it.
+``benchmarks/bench_core.py`` is the command-line wrapper for the first three.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import math
+import mmap
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import pluggy
+
+from .. import hookspec
+from ..backends.host import HostBackend
+from ..ledger import Ledger
+from ..machine import gather_machine
+from ..session import Session
+
+__all__ = ["run_bench", "format_bench", "bench_hot_path", "bench_fault_throughput", "bench_pages_alive",
+           "core_entries", "format_core", "side_by_side", "TARGETS"]
+
+MiB, GiB = 1 << 20, 1 << 30
+
+#: entry -> (comparison, bound) that its ratio must meet
+TARGETS: dict[str, tuple[str, float]] = {
+    "dispatch": ("<=", 2.5),
+    "dispatch_free": ("<=", 2.5),
+    "host_fault": (">=", 0.35),
+    "pages_alive": ("<=", 1.5),
+    "startup": ("<=", 0.15),
+}
+
+
+def _target(entry: str) -> str:
+    op, bound = TARGETS[entry]
+    return f"{op} {bound:g}"
+
+
+def _meets(entry: str, ratio: float) -> bool:
+    op, bound = TARGETS[entry]
+    return ratio <= bound if op == "<=" else ratio >= bound
+
+
+# --------------------------------------------------------------------------- measuring
+
+def best_per_call(fn: Callable[[], None], n: int) -> float:
+    """Seconds per call of ``fn`` over ``n`` calls in a row."""
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
+
+
+def side_by_side(a: Callable[[], None], b: Callable[[], None], n: int, rounds: int = 7) -> tuple[float, float]:
+    """Best per-call time of a and b, measured in alternating rounds."""
+    ta = tb = float("inf")
+    for _ in range(rounds):
+        ta = min(ta, best_per_call(a, n))
+        tb = min(tb, best_per_call(b, n))
+    return ta, tb
+
+
+def _session_on(backend: HostBackend) -> Session:
+    return Session(backend, machine=gather_machine(), ledger=Ledger())
+
+
+def bench_hot_path(n: int, rounds: int = 7) -> list[dict[str, Any]]:
+    """Two rows, ``Session.fault`` then ``Session.free``: ``{"bench", "session_ns", "direct_ns",
+    "ratio", "pluggy_generic_ratio", "target"}``, ``n`` calls per round."""
+    backend = HostBackend(page_size=2 * MiB)
+    s = _session_on(backend)
+    r = s.reserve("cpu", 64 * MiB)
+    s.fault(r, 0, 64 * MiB)
+    empty = s.reserve("cpu", 64 * MiB)
+    pm = pluggy.PluginManager(hookspec.PROJECT)
+    pm.add_hookspecs(hookspec)
+    pm.register(backend)
+    rows = []
+    for what, entry, via_session, direct, generic in (
+        ("Session.fault, resident page", "dispatch",
+         lambda: s.fault(r, 4 * MiB, 4096), lambda: backend.membackend_fault(r, 4 * MiB, 4096),
+         lambda: pm.hook.membackend_fault(reservation=r, offset=4 * MiB, size=4096)),
+        ("Session.free, nothing resident", "dispatch_free",
+         lambda: s.free(empty, 4 * MiB, 2 * MiB), lambda: backend.membackend_free(empty, 4 * MiB, 2 * MiB),
+         lambda: pm.hook.membackend_free(reservation=empty, offset=4 * MiB, size=2 * MiB)),
+    ):
+        t_session, t_direct = side_by_side(via_session, direct, n, rounds)
+        t_generic, _ = side_by_side(generic, direct, n, rounds=min(3, rounds))
+        rows.append({"bench": what, "session_ns": t_session * 1e9, "direct_ns": t_direct * 1e9,
+                     "ratio": t_session / t_direct, "pluggy_generic_ratio": t_generic / t_direct,
+                     "target": _target(entry)})
+    s.close()
+    return rows
+
+
+def _size(n: int) -> str:
+    return f"{n // GiB} GiB" if n % GiB == 0 else f"{n // MiB} MiB"
+
+
+def bench_fault_throughput(total: int = GiB, page: int = 32 * MiB, rounds: int = 5) -> dict[str, Any]:
+    """Host faults of ``total`` bytes in ``page`` pages against memset over resident memory:
+    ``{"bench", "fault_GBps", "memset_GBps", "ratio" (memset time / fault time), "target",
+    "populate", "hugepages"}``."""
+    backend = HostBackend(page_size=page)
+    s = _session_on(backend)
+    r = s.reserve("cpu", total)
+    resident = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(resident))
+    ctypes.memset(addr, 1, total)  # make it resident first: memset then measures bandwidth only
+    t_fault = t_memset = float("inf")
+    # Each round writes a byte different from what the buffer holds: on this kind of VM,
+    # writing zeros over zeros measured 2-3x faster than any real store stream.
+    for i in range(rounds):
+        fill = 0x5A if i % 2 == 0 else 0xA5
+        start = time.perf_counter()
+        for off in range(0, total, page):
+            assert s.fault(r, off, page).ok
+        t_fault = min(t_fault, time.perf_counter() - start)
+        s.free(r)
+        start = time.perf_counter()
+        ctypes.memset(addr, fill, total)
+        t_memset = min(t_memset, time.perf_counter() - start)
+    s.close()
+    resident.close()
+    return {"bench": f"host fault {_size(total)} in {_size(page)} pages vs resident memset",
+            "fault_GBps": total / t_fault / 1e9, "memset_GBps": total / t_memset / 1e9,
+            "ratio": t_memset / t_fault, "target": _target("host_fault"),
+            "populate": backend.driver.populate_method, "hugepages": getattr(backend.driver, "hugepages", False)}
+
+
+def bench_pages_alive(small: int = 1_000, large: int = 100_000, n: int = 2_000) -> dict[str, Any]:
+    """One free+fault of a page in the middle with ``large`` pages alive against ``small``:
+    ``{"bench", "small_us", "large_us", "ratio" (large / small), "target"}``."""
+    page = mmap.PAGESIZE
+
+    def setup(alive: int):
+        s = _session_on(HostBackend(page_size=page))
+        r = s.reserve("cpu", alive * page)
+        s.fault(r, 0, alive * page)
+        middle = (alive // 2) * page
+
+        def one():
+            s.free(r, middle, page)
+            s.fault(r, middle, page)
+        return s, one
+
+    s_small, one_small = setup(small)
+    s_large, one_large = setup(large)
+    t_small, t_large = side_by_side(one_small, one_large, n)
+    s_small.close()
+    s_large.close()
+    return {"bench": f"fault+free, {large // 1000}k vs {small // 1000}k pages alive", "small_us": t_small * 1e6,
+            "large_us": t_large * 1e6, "ratio": t_large / t_small, "target": _target("pages_alive")}
+
+
+def measure_startup(rounds: int) -> dict[str, Any]:
+    """The adapter's start-up entry: ``{"torch_seconds", "adapter_seconds", "ratio", "target"}``,
+    or ``{"skipped": reason}`` when the measurement cannot be imported or run (no torch, say)."""
+    try:
+        # imported here: it spawns interpreters that import torch, and it may not be installed
+        from ..comfyui.startup_cost import measure_startup as measure
+        got = measure(rounds=rounds)
+        entry = {k: float(got[k]) for k in ("torch_seconds", "adapter_seconds", "ratio")}
+    except Exception as exc:  # any failure of an optional measurement is recorded, not raised
+        return {"skipped": f"{type(exc).__name__}: {exc}"}
+    if not math.isfinite(entry["ratio"]) or entry["ratio"] <= 0:
+        return {"skipped": f"the measurement gave ratio {entry['ratio']!r}"}
+    return {**entry, "target": _target("startup")}
+
+
+# --------------------------------------------------------------------------- the suite
+
+def core_entries(hot: list[dict[str, Any]], thr: dict[str, Any], alive: dict[str, Any]) -> dict[str, Any]:
+    """The three core benchmarks' rows (from the ``bench_*`` functions) as :func:`run_bench`'s
+    ``dispatch``, ``dispatch_free``, ``hot_path``, ``host_fault`` and ``pages_alive`` entries."""
+    fault, free = hot
+    return {
+        "dispatch": fault["ratio"],
+        "dispatch_free": free["ratio"],
+        "hot_path": hot,
+        "host_fault": {"bench": thr["bench"], "gbps": thr["fault_GBps"], "memset_gbps": thr["memset_GBps"],
+                       "ratio": thr["ratio"], "target": thr["target"], "populate": thr["populate"],
+                       "hugepages": thr["hugepages"]},
+        "pages_alive": {"bench": alive["bench"], "ns_1k": alive["small_us"] * 1e3, "ns_100k": alive["large_us"] * 1e3,
+                        "ratio": alive["ratio"], "target": alive["target"]},
+    }
+
+
+def _scenario_entry(name: str, seeds: int | None) -> dict[str, Any]:
+    from .compare import replay  # the replay machinery is only needed for this step
+
+    with contextlib.redirect_stderr(io.StringIO()):  # replay's progress bar: run_bench reports its own
+        c = replay(name, seeds=seeds)
+    j = c.to_json()
+    return {"report": j["report"], "title": c.scenario.title, "guarantee": c.scenario.guarantee,
+            "profile": j["profile"], "seeds": j["seeds"], "backends": j["backends"], "missing": j["missing"],
+            "figures": j["figures"], "violations": j["violations"], "stock_reproduces": j["stock_reproduces"]}
+
+
+def _machine() -> str:
+    return (f"{platform.system()} {platform.release()} {platform.machine()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}")
+
+
+def run_bench(*, quick: bool = False, startup_rounds: int = 3, seeds: int | None = None,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every benchmark and replay once; return the figures (what ``membackend bench --json`` prints).
+
+    ``quick`` shrinks sizes and rounds (64 MiB instead of 1 GiB, fewer calls, one seed per
+    scenario unless ``seeds`` says otherwise) but keeps every entry. ``startup_rounds`` goes to
+    the start-up measurement; ``seeds`` to every replay (None: each scenario's default).
+    ``progress`` gets one short line before each step.
+
+    Keys: ``dispatch`` and ``dispatch_free`` (float ratios), ``hot_path`` (detail rows),
+    ``host_fault`` ``{"gbps", "memset_gbps", "ratio", "target", ...}``, ``pages_alive``
+    ``{"ns_1k", "ns_100k", "ratio", "target", ...}``, ``startup`` (see :func:`measure_startup`),
+    ``scenarios`` ``{name: {"report", "profile", "backends", "figures", "violations",
+    "stock_reproduces", ...}}``, ``targets_met`` ``{entry: bool}`` (skipped entries left out),
+    ``guarantees_held`` (True when every scenario's plugin side ran and broke no guarantee) and
+    ``machine``. Every value is JSON-serialisable.
+    """
+    from .scenarios import SCENARIOS
+
+    say = progress or (lambda line: None)
+    say("hot path")
+    hot = bench_hot_path(2_000 if quick else 20_000, rounds=3 if quick else 7)
+    say("host fault")
+    thr = bench_fault_throughput(64 * MiB if quick else GiB, rounds=3 if quick else 5)
+    say("pages alive")
+    alive = bench_pages_alive(n=200 if quick else 2_000)
+    result = core_entries(hot, thr, alive)
+    say("startup")
+    result["startup"] = measure_startup(startup_rounds)
+    result["scenarios"] = {}
+    for name in SCENARIOS:
+        say(f"scenario {name}")
+        result["scenarios"][name] = _scenario_entry(name, seeds if seeds is not None or not quick else 1)
+    ratios = {"dispatch": result["dispatch"], "dispatch_free": result["dispatch_free"],
+              "host_fault": result["host_fault"]["ratio"], "pages_alive": result["pages_alive"]["ratio"],
+              "startup": result["startup"].get("ratio")}
+    result["targets_met"] = {k: _meets(k, r) for k, r in ratios.items() if r is not None}
+    # a plugin that did not run shows no violation, but it did not hold the guarantee either
+    result["guarantees_held"] = all(not sc["violations"] and "plugin" not in sc["missing"]
+                                    for sc in result["scenarios"].values())
+    result["machine"] = _machine()
+    return result
+
+
+# --------------------------------------------------------------------------- printing
+
+def format_core(result: dict[str, Any]) -> list[str]:
+    """The three core benchmarks' table lines (header first) from :func:`core_entries`' entries."""
+    thr, alive = result["host_fault"], result["pages_alive"]
+    lines = [f"{'benchmark':<52} {'measured':>34} {'ratio':>7}  target"]
+    for row in result["hot_path"]:
+        lines.append(f"{row['bench']:<52} {row['session_ns']:>9.0f} ns vs {row['direct_ns']:>6.0f} ns direct"
+                     f"      {row['ratio']:>7.2f}  {row['target']}  (pluggy dispatch: {row['pluggy_generic_ratio']:.1f}x)")
+    lines.append(f"{thr['bench']:<52} {thr['gbps']:>7.2f} GB/s vs {thr['memset_gbps']:>6.2f} GB/s memset"
+                 f" {thr['ratio']:>7.2f}  {thr['target']}  ({thr['populate']}, THP {'on' if thr['hugepages'] else 'off'})")
+    lines.append(f"{alive['bench']:<52} {alive['ns_100k'] / 1e3:>8.1f} us vs {alive['ns_1k'] / 1e3:>6.1f} us"
+                 f"            {alive['ratio']:>7.2f}  {alive['target']}")
+    return lines
+
+
+def _cells(values: list[Any], unit: float | None, ran: list[bool]) -> list[str]:
+    """One row's values as text: byte figures in ``unit``; a row holding a fractional value
+    prints every value with two decimals, so stock and plugin read alike (120.00 vs 9.00)."""
+    nums = [v / unit if unit not in (None, 1, 1.0) and isinstance(v, (int, float)) else v for v in values]
+    decimals = unit not in (None, 1, 1.0) or any(
+        isinstance(v, float) and not v.is_integer() for v in nums if not isinstance(v, bool))
+    out = []
+    for v, r in zip(nums, ran):
+        if not r:
+            out.append("not run")
+        elif v is None:
+            out.append("-")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            out.append(str(v))
+        else:
+            out.append(f"{v:,.2f}" if decimals else f"{int(v):,}")
+    return out
+
+
+def _headline(name: str, sc: dict[str, Any]) -> list[str]:
+    """A scenario's rows the report gave a figure for, its own rows, and whether the plugin held."""
+    from .compare import FIGURES
+    from .engine import SIDES  # ("stock", "plugin")
+
+    units = {k: u for k, _, _, u in FIGURES}
+    rows = [(k, f) for k, f in sc["figures"].items() if k not in units or f.get("reported")]
+    stock, plugin = (f"{side} ({sc['backends'][side]})" if side in sc["backends"] else side for side in SIDES)
+    width = max([len(f["label"]) for _, f in rows] + [len("figure")])
+    lines = [f"{name} ({sc['report']}), profile {sc['profile']}, {sc['seeds']} seed{'s' if sc['seeds'] != 1 else ''}",
+             f"  {'figure':<{width}}  {stock:>22}  {plugin:>24}  reported"]
+    for key, f in rows:
+        s, p = _cells([f["stock"], f["plugin"]], units.get(key), [side in sc["backends"] for side in SIDES])
+        lines.append(f"  {f['label']:<{width}}  {s:>22}  {p:>24}  {f['reported'] or ''}")
+    if sc["stock_reproduces"] is not None:
+        lines.append(f"  stock reproduces the reported failure: {'yes' if sc['stock_reproduces'] else 'no'}")
+    for side, why in sc["missing"].items():
+        lines.append(f"  {side}: not run: {why}")
+    held = not sc["violations"] and "plugin" not in sc["missing"]
+    lines.append(f"  plugin holds {sc['guarantee']}: {'yes' if held else 'no'}"
+                 + (f" ({'; '.join(sc['violations'])})" if sc["violations"] else ""))
+    return lines
+
+
+def format_bench(result: dict[str, Any]) -> str:
+    """:func:`run_bench`'s result as the printed table: one line per benchmark (measured sides,
+    ratio, target), then each scenario's headline rows and whether the plugin held its guarantee."""
+    lines = [f"membackend bench on {result['machine']}"] + format_core(result)
+    st = result["startup"]
+    label = f"{'adapter start-up vs import torch':<52}"
+    if "skipped" in st:
+        lines.append(f"{label} skipped: {st['skipped']}")
+    else:
+        lines.append(f"{label} {st['adapter_seconds'] * 1e3:>9.0f} ms vs {st['torch_seconds'] * 1e3:>6.0f} ms torch"
+                     f"       {st['ratio']:>7.2f}  {st['target']}")
+    met = result["targets_met"]
+    lines.append("targets met: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in met.items()))
+    for name, sc in result["scenarios"].items():
+        lines.append("")
+        lines += _headline(name, sc)
+    lines += ["", f"guarantees held in every scenario: {'yes' if result['guarantees_held'] else 'NO'}"]
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""``membackend.replay.bench``: every entry comes out with sane types, as JSON and as a table.
+
+No timing thresholds: the machines are shared and noisy, so only shapes and signs are checked.
+The start-up measurement is replaced by a fake module (it would spawn interpreters importing torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from membackend.replay import bench, compare, scenarios
+from membackend.replay.scenarios import SCENARIOS
+
+STARTUP = "membackend.comfyui.startup_cost"
+BENCH_CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
+ENTRIES = ("dispatch", "dispatch_free", "host_fault", "pages_alive", "startup")
+
+
+def _startup_module(measure) -> types.ModuleType:
+    mod = types.ModuleType(STARTUP)
+    mod.measure_startup = measure
+    return mod
+
+
+def _fake_measure(calls: list[int]):
+    def measure_startup(rounds: int = 3) -> dict:
+        calls.append(rounds)
+        return {"torch_seconds": 2.0, "adapter_seconds": 0.1, "ratio": 0.05}
+    return measure_startup
+
+
+def _isolated(mp: pytest.MonkeyPatch, where: Path) -> None:
+    for key in list(os.environ):
+        if key.startswith("MEMBACKEND_"):
+            mp.delenv(key)
+    mp.chdir(where)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One quick run with a fake start-up measurement: (result, progress lines, rounds asked)."""
+    calls: list[int] = []
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated(mp, tmp_path_factory.mktemp("bench"))
+        mp.setitem(sys.modules, STARTUP, _startup_module(_fake_measure(calls)))
+        result = bench.run_bench(quick=True, startup_rounds=1, progress=lines.append)
+    return result, lines, calls
+
+
+def _positive(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_every_key_with_sane_types(quick):
+    r, _, calls = quick
+    assert set(r) == {"dispatch", "dispatch_free", "hot_path", "host_fault", "pages_alive", "startup",
+                      "scenarios", "targets_met", "guarantees_held", "machine"}
+    assert _positive(r["dispatch"]) and _positive(r["dispatch_free"])
+    assert [row["ratio"] for row in r["hot_path"]] == [r["dispatch"], r["dispatch_free"]]
+    for row in r["hot_path"]:
+        assert all(_positive(row[k]) for k in ("session_ns", "direct_ns", "pluggy_generic_ratio"))
+    hf = r["host_fault"]
+    assert all(_positive(hf[k]) for k in ("gbps", "memset_gbps", "ratio")) and hf["target"] == ">= 0.35"
+    assert "64 MiB" in hf["bench"]  # quick shrinks the size
+    pa = r["pages_alive"]
+    assert all(_positive(pa[k]) for k in ("ns_1k", "ns_100k", "ratio")) and pa["target"] == "<= 1.5"
+    assert calls == [1]
+    assert r["startup"] == {"torch_seconds": 2.0, "adapter_seconds": 0.1, "ratio": 0.05, "target": "<= 0.15"}
+    assert set(r["targets_met"]) == set(ENTRIES)
+    assert all(isinstance(v, bool) for v in r["targets_met"].values())
+    assert r["targets_met"]["startup"] is True  # 0.05 <= 0.15
+    assert isinstance(r["machine"], str) and f"{os.cpu_count()} CPUs" in r["machine"]
+
+
+def test_targets_met_follow_the_ratios(quick):
+    r, _, _ = quick
+    assert r["targets_met"]["dispatch"] == (r["dispatch"] <= 2.5)
+    assert r["targets_met"]["dispatch_free"] == (r["dispatch_free"] <= 2.5)
+    assert r["targets_met"]["host_fault"] == (r["host_fault"]["ratio"] >= 0.35)
+    assert r["targets_met"]["pages_alive"] == (r["pages_alive"]["ratio"] <= 1.5)
+
+
+def test_every_scenario_replayed_with_its_figures(quick):
+    r, lines, _ = quick
+    assert list(r["scenarios"]) == list(SCENARIOS)
+    for name, sc in r["scenarios"].items():
+        assert {"report", "profile", "backends", "figures", "violations", "stock_reproduces"} <= set(sc)
+        assert sc["violations"] == [], name
+        assert set(sc["backends"]) == {"stock", "plugin"}
+        assert sc["seeds"] == 1  # quick: one seed each
+        for key in ("peak_committed", "alive_after_unload", "loaded"):
+            fig = sc["figures"][key]
+            assert fig["stock"] is not None and fig["plugin"] is not None, (name, key)
+        assert sc["figures"]["alive_after_unload"]["plugin"] == 0
+        assert sc["stock_reproduces"] is True, name
+    assert r["guarantees_held"] is True
+    assert lines == ["hot path", "host fault", "pages alive", "startup"] + [f"scenario {n}" for n in SCENARIOS]
+
+
+def test_json_serialisable(quick):
+    r, _, _ = quick
+    back = json.loads(json.dumps(r))
+    assert back["dispatch"] == r["dispatch"] and set(back["scenarios"]) == set(SCENARIOS)
+
+
+def test_table_mentions_every_entry(quick):
+    r, _, _ = quick
+    text = bench.format_bench(r)
+    for needle in ("Session.fault", "Session.free", "host fault", "pages alive", "start-up", "<= 0.15",
+                   "guarantees held in every scenario: yes"):
+        assert needle in text, needle
+    for name, sc in SCENARIOS.items():
+        assert name in text and f"plugin holds {sc.guarantee}: yes" in text
+    # each scenario's reported figures are among its headline rows
+    assert "~120 s stock, ~9 s warm" in text and "20.96 GiB still allocated" in text
+    assert f"{r['dispatch']:.2f}" in text
+
+
+@pytest.mark.parametrize("module", [
+    None,  # not installed: the import fails
+    _startup_module(lambda rounds=3: (_ for _ in ()).throw(RuntimeError("no torch here"))),
+    _startup_module(lambda rounds=3: {"torch_seconds": 1.0}),  # incomplete answer
+    _startup_module(lambda rounds=3: {"torch_seconds": 0.0, "adapter_seconds": 0.1, "ratio": float("inf")}),
+])
+def test_startup_failure_is_recorded_as_skipped(monkeypatch, module):
+    monkeypatch.setitem(sys.modules, STARTUP, module)
+    got = bench.measure_startup(1)
+    assert set(got) == {"skipped"} and isinstance(got["skipped"], str) and got["skipped"]
+
+
+def test_skipped_startup_leaves_targets_and_shows_in_table(monkeypatch):
+    def broken(rounds=3):
+        raise RuntimeError("no torch here")
+    monkeypatch.setitem(sys.modules, STARTUP, _startup_module(broken))
+    monkeypatch.setattr(scenarios, "SCENARIOS", {})  # the replays are covered above
+    r = bench.run_bench(quick=True, startup_rounds=1)
+    assert r["startup"] == {"skipped": "RuntimeError: no torch here"}
+    assert set(r["targets_met"]) == set(ENTRIES) - {"startup"}
+    assert "skipped: RuntimeError: no torch here" in bench.format_bench(r)
+    json.dumps(r)
+
+
+def test_plugin_that_did_not_run_does_not_hold(monkeypatch):
+    real = compare.replay
+
+    def without_plugin(name, **kw):
+        c = real(name, policy="stock", **kw)
+        c.missing["plugin"] = "membackend-rocm-windows is not installed"
+        return c
+    monkeypatch.setitem(sys.modules, STARTUP, _startup_module(_fake_measure([])))
+    monkeypatch.setattr(scenarios, "SCENARIOS", {"full-unload-rocm": SCENARIOS["full-unload-rocm"]})
+    monkeypatch.setattr(compare, "replay", without_plugin)
+    r = bench.run_bench(quick=True, startup_rounds=1)
+    sc = r["scenarios"]["full-unload-rocm"]
+    assert sc["violations"] == [] and r["guarantees_held"] is False
+    text = bench.format_bench(r)
+    assert "plugin holds G1: no" in text and "not run" in text
+
+
+def test_bench_core_script_still_runs(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH_CORE), "--quick", "--json"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    ratios = [row["ratio"] for row in data["hot_path"]] + [data["throughput"]["ratio"], data["pages_alive"]["ratio"]]
+    assert len(ratios) == 4 and all(x > 0 for x in ratios)
