@@ -19,10 +19,13 @@ import re
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .hostmem import host_memory
-from .settings import MachineOverrides
 from .types import Device, DeviceInfo, Machine
+
+if TYPE_CHECKING:  # naming the pydantic model at import would build it: start-up stays free of pydantic
+    from .settings import MachineOverrides
 
 log = logging.getLogger(__name__)
 

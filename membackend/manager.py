@@ -35,7 +35,7 @@ import logging
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
 
@@ -45,8 +45,11 @@ from .drivers.open import check_sim_profile, machine_for
 from .ledger import Ledger
 from .platform import Platform
 from .session import Session
-from .settings import NAME_PATTERN, Settings, load_settings
+from .settings import NAME_PATTERN, load_settings
 from .types import BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, PluginError, Score
+
+if TYPE_CHECKING:  # naming the pydantic model at import would build it: start-up stays free of pydantic
+    from .settings import Settings
 
 log = logging.getLogger(__name__)
 
