@@ -34,6 +34,8 @@ SCENARIOS = {  # name: (argv, environment); each is one process booting the stan
     "old_aimdo": (["old_aimdo"], HOST),
     **{f"inject_{w}": (["inject", w], HOST) for w in ("budget", "fault", "unload")},
     **{f"race_{m}": (["race", m], HOST) for m in ("record", "norecord")},
+    "idle": (["idle", "spy"], HOST),
+    "inject_idle": (["idle", "inject"], HOST),
 }
 
 
@@ -192,3 +194,34 @@ def test_g4_held_models_survive_a_workflow_switch_and_are_given_back_under_ram_p
     assert out["alive_under_pressure"] == {"image": True, "video": False} and out["given_back"] == 1
     assert out["reservations_before"] == 2 and out["reservations_after"] == 1
     assert any("RAM pressure: gave back 1 held model(s)" in ln for ln in r["log"])
+
+
+def test_on_idle_runs_when_the_prompt_queue_empties_and_never_during_a_run(results):
+    """main.prompt_worker with p1 and p2 queued, then p3: the queue empties after p2 and after p3, and only
+    then does the adapter call ResidencyManager.on_idle (not after p1, with p2 still queued; never
+    between a prompt's start and its end). ComfyUI's own task_done ran once per prompt, with its
+    arguments (process_item dropped the sensitive element)."""
+    r = results["idle"]
+    out = r["out"]
+    assert out["settled_first"] and out["settled_second"]
+    assert out["order"] == ["run p1", "ran p1", "run p2", "ran p2", "idle", "run p3", "ran p3", "idle"]
+    assert out["idles"] == 2 and out["aborted"] is None and out["task_done_patched"]
+    assert out["outputs"] == {"p1": True, "p2": True, "p3": True}
+    assert out["history"] == ["p1", "p2", "p3"] and out["statuses"] == ["success"] * 3
+    assert out["sensitive_kept"] == [5, 5, 5]
+    assert [e["event"] for e in r["trace"]].count("idle") == 2
+
+
+def test_an_exception_in_the_idle_patch_restores_everything_and_the_queue_carries_on_stock(results):
+    """on_idle raising at the first empty queue: the adapter switches off (task_done and every wiring patch
+    restored, legacy patcher for new models), ComfyUI's own task_done is not run twice, and the next
+    prompt runs and is recorded as ComfyUI would."""
+    r = results["inject_idle"]
+    out = r["out"]
+    assert out["settled_first"] and out["settled_second"]
+    assert out["order"] == ["run p1", "ran p1", "run p2", "ran p2", "idle", "run p3", "ran p3"]
+    assert "injected into on_idle" in out["aborted"] and out["current"] is False
+    assert not out["task_done_patched"] and out["free_memory_restored"] and out["patcher_after"] == "ModelPatcher"
+    assert out["outputs"] == {"p1": True, "p2": True, "p3": True}
+    assert out["history"] == ["p1", "p2", "p3"] and out["statuses"] == ["success"] * 3
+    assert len([ln for ln in r["log"] if "switched off" in ln]) == 1

@@ -17,6 +17,14 @@ then the custom nodes. So:
      dynamic VRAM is switched on) and ``comfy_aimdo.control.init_devices`` is
      replaced by :meth:`Runtime.init_devices`.
 
+   The decision is made here, not later on a thread: ComfyUI reads
+   ``args.enable_dynamic_vram`` right after its torch import to decide whether to
+   call ``init_devices`` at all, so the arguments must be right before torch. It
+   stays cheap instead: settings come from
+   :func:`membackend.settings.quick_settings` (no pydantic unless a value needs
+   it), and the policy, the facade and the buffers are imported only when
+   ``init_devices`` starts membackend (:mod:`.startup_cost` measures the cost).
+
 2. :meth:`Runtime.init_devices` (when ComfyUI calls it): consumes the device
    generator, opens the session and the residency manager, installs the facade
    (:mod:`membackend.comfyui.vbar`) over ``comfy_aimdo.model_vbar`` and
@@ -46,18 +54,18 @@ import logging
 import sys
 import threading
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .._version import __version__
-from ..drivers.open import machine_for
-from ..manager import BackendManager, Selection
-from ..residency import ResidencyManager
-from ..settings import load_settings
+from ..settings import quick_settings
 from ..types import Device
-from . import buffers
-from . import vbar as facade
 from .patches import Patches
-from .streams import CopyFences
+
+if TYPE_CHECKING:
+    from ..manager import BackendManager, Selection
+    from ..residency import ResidencyManager
+    from . import vbar as facade
+    from .streams import CopyFences
 
 log = logging.getLogger("membackend")
 
@@ -87,7 +95,7 @@ def prestartup() -> "Runtime | None":
     global _current
     rt = None
     try:
-        settings = load_settings()
+        settings = quick_settings()
         if settings.disable:
             _say("off (MEMBACKEND_DISABLE is set); ComfyUI runs its stock memory engine; unset it to turn "
                  "membackend on")
@@ -96,6 +104,9 @@ def prestartup() -> "Runtime | None":
         if args is not None and getattr(args, "disable_dynamic_vram", False):
             _say("off (ComfyUI's --disable-dynamic-vram); ComfyUI runs stock")
             return None
+        from ..drivers.open import machine_for
+        from ..manager import BackendManager
+
         mgr = BackendManager(settings)
         machine = machine_for(settings)
         sel = mgr.select(machine)
@@ -151,6 +162,8 @@ class Runtime:
         self.run_ids: set[int] = set()
         self.ram_floor: int | None = None
         self.given_back = 0
+        self.idles = 0  # times the prompt queue emptied
+        self.idle_bytes = 0  # what on_idle gave back, in all
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._original_init: Callable[..., Any] | None = None
@@ -188,7 +201,10 @@ class Runtime:
                 return original(ids) if original is not None else False
 
     def start(self, ids: list[Any]) -> None:
+        from ..residency import ResidencyManager
+        from . import vbar as facade
         from . import wiring
+        from .streams import CopyFences
 
         self.session = self.manager.session(self.machine, selection=self.selection)
         self.residency = ResidencyManager(self.session)
@@ -202,6 +218,9 @@ class Runtime:
              + (f"; not present in this ComfyUI: {', '.join(self.patches.skipped)}" if self.patches.skipped else ""))
 
     def _install_facade(self) -> None:
+        from . import buffers
+        from . import vbar as facade
+
         mv = importlib.import_module("comfy_aimdo.model_vbar")
         originals = {}
         for name in FACADE_NAMES:
@@ -274,6 +293,9 @@ class Runtime:
             self.aborted = f"{where}: {type(exc).__name__}: {exc}"
             keep = None
             if self.started:
+                from . import buffers
+                from . import vbar as facade
+
                 # ComfyUI already swapped in its dynamic patcher on our word, and comfy-aimdo never initialised
                 # a device: its own VBAR functions cannot serve those patchers. The facade stays for them (its
                 # fault answers "out of memory" once it fails, so ComfyUI casts from its own copy); new patchers
@@ -351,6 +373,19 @@ class Runtime:
             self.unload_vbar(vbar, "put off until no page was pinned")
         self.relieve_ram()
 
+    def idle(self) -> int:
+        """ComfyUI's prompt queue emptied (nothing queued, nothing running): the backend gives back what it
+        keeps for reuse (``ResidencyManager.on_idle``); resident models stay resident (G4). Returns the bytes
+        given back; one log line when there were any."""
+        if self.residency is None or self.aborted is not None:
+            return 0
+        given = self.residency.on_idle()
+        self.idles += 1
+        self.idle_bytes += given
+        if given:
+            _say(f"prompt queue empty: gave back {given} bytes the backend kept for reuse")
+        return given
+
     # ------------------------------------------------------------------ G4: held references, RAM pressure
 
     def hold(self, patchers: list[Any]) -> None:
@@ -404,7 +439,8 @@ class Runtime:
         out: dict[str, Any] = {"version": __version__, "backend": self.name, "how": self.selection.how,
                                "reason": self.selection.reason, "started": bool(self.started),
                                "aborted": self.aborted, "patched": self.patches.applied,
-                               "not_present": list(self.patches.skipped), "unloads": list(self.unloads)}
+                               "not_present": list(self.patches.skipped), "unloads": list(self.unloads),
+                               "idle": {"times": self.idles, "bytes": self.idle_bytes}}
         if self.session is None:
             return out
         budgets = {}
@@ -419,21 +455,24 @@ class Runtime:
         return out
 
     def _close_quietly(self) -> None:
-        if facade.get_runtime() is self:
-            facade.set_runtime(None)
+        self._detach_facade()
         if self.session is not None:
             try:
                 self.session.close()
             except Exception as exc:
                 log.debug("membackend: closing the session after a failed start: %s", exc)
 
+    def _detach_facade(self) -> None:
+        facade = sys.modules.get(__package__ + ".vbar")  # not imported: the facade never ran
+        if facade is not None and facade.get_runtime() is self:
+            facade.set_runtime(None)
+
     def stop(self) -> None:
         """Undo everything (tests, or a host application shutting the adapter down)."""
         global _current
         self.patches.restore()
         self.held.clear()
-        if facade.get_runtime() is self:
-            facade.set_runtime(None)
+        self._detach_facade()
         if _current is self:
             _current = None
         if self.session is not None:

@@ -1,4 +1,4 @@
-"""The wiring patches on ``comfy.model_management``, made when membackend starts.
+"""The wiring patches on ``comfy.model_management`` and ``execution.PromptQueue``, made when membackend starts.
 
 Each is feature-detected (a name this ComfyUI lacks is skipped and listed in
 the status), wrapped by :meth:`Runtime.guard` (an exception inside restores every
@@ -25,11 +25,18 @@ undone by :meth:`Runtime.abort` / :meth:`Runtime.stop`.
   one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
   quiescent point (between nodes) while any page is pinned. Its patcher's
   ``non_dynamic_delegate_model`` is dropped with it.
+* **Idle.** ``execution.PromptQueue.task_done(item_id, ...)`` (the prompt worker calls it
+  after each prompt): after ComfyUI's own, when ``get_tasks_remaining()`` says nothing
+  is queued or running, :meth:`Runtime.idle` runs ``ResidencyManager.on_idle`` (what
+  the backend keeps for reuse goes back; resident models stay). Patched on the class,
+  so the queue ComfyUI creates after start-up has it. Not ``soft_empty_cache``: ComfyUI
+  also calls that in the middle of a run (after ``free_memory`` unloads).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from . import vbar as facade
@@ -131,6 +138,23 @@ def wire(rt: "Runtime") -> None:
         p.replace(mm, "load_models_gpu", rt.guard("load_models_gpu", original_load, load_models_gpu))
     else:
         p.skipped.append("comfy.model_management.load_models_gpu")
+
+    # ---- idle: the prompt queue emptied
+    queue_cls = getattr(sys.modules.get("execution"), "PromptQueue", None)  # imported by main.py before us
+    if queue_cls is not None and hasattr(queue_cls, "task_done") and hasattr(queue_cls, "get_tasks_remaining"):
+        original_done = queue_cls.task_done
+
+        def task_done(queue, *args, **kwargs):
+            result = rt.comfy(original_done, queue, *args, **kwargs)
+            try:
+                if queue.get_tasks_remaining() == 0:
+                    rt.idle()
+            except Exception as exc:  # ComfyUI's own task_done already ran: do not run it twice
+                rt.abort(exc, "giving back what the backend keeps when the prompt queue emptied")
+            return result
+        p.replace(queue_cls, "task_done", rt.guard("task_done", original_done, task_done))
+    else:
+        p.skipped.append("execution.PromptQueue.task_done")
 
 
 def _retire(rt: "Runtime", removed: list[Any], loaded: list[Any], sizes: dict[int, int]) -> None:
