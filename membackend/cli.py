@@ -260,9 +260,13 @@ def _replay(a: argparse.Namespace) -> int:
     from .replay.compare import replay
 
     try:
+        if a.plot:  # before the replay runs: a wrong suffix or a missing extra must not cost the run
+            from .replay.plot import check_plot_target
+
+            check_plot_target(a.plot)
         comparison = replay(a.source, backend=a.backend, profile=a.profile, policy=a.policy, seeds=a.seeds,
-                            record=a.record)
-    except MembackendError as exc:
+                            record=a.record, run=a.run)
+    except (MembackendError, OSError) as exc:
         print(f"membackend: {exc}", file=sys.stderr)
         return 2
     if a.json:
@@ -290,7 +294,7 @@ def _bench(a: argparse.Namespace) -> int:
     result = run_bench(quick=a.quick, seeds=a.seeds,
                        progress=None if a.json else (lambda step: print(f"  ... {step}", file=sys.stderr)))
     print(json.dumps(result, indent=2, default=str) if a.json else format_bench(result))
-    return 0
+    return 0 if result["guarantees_held"] else 1
 
 
 def _positive(text: str) -> int:
@@ -325,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--json", action="store_true", help="print the figures as JSON")
     rp.add_argument("--plot", metavar="FILE", help="timeline picture: .png/.svg/.pdf (needs membackend[plot]) "
                                                    "or .html (interactive, no extra needed)")
-    rp.add_argument("--record", metavar="FILE", help="write the plugin run as a trace file (replays to this table)")
+    rp.add_argument("--record", metavar="FILE", help="write seed 0's plugin run as a trace file (it replays to the "
+                                                     "table of --seeds 1)")
+    rp.add_argument("--run", type=_positive, help="which run of a trace file several processes appended to "
+                                                  "(default: the last)")
     bp = sub.add_parser("bench", help="the benchmark suite: ratios measured side by side, and the four replays")
     bp.add_argument("--json", action="store_true", help="print the figures as JSON")
     bp.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (a smoke run)")

@@ -375,13 +375,17 @@ class ResidencyManager:
         models = [self._check_registered(m) for m in models]
         self._running = {m.id for m in models}
         for m in models:
-            self.prioritize(m)
+            self._prioritize(m)
         self._trace("use", None, models=[m.id for m in models], workflow=workflow)
         self._on_workflow_switch(models)
 
     @_locked
     def prioritize(self, model: Model) -> None:
         """Most recently used from now on; lifts the watermark of each of its reservations."""
+        self._prioritize(model)
+        self._trace("prioritize", model)
+
+    def _prioritize(self, model: Model) -> None:
         self._check_registered(model)
         model.last_used = next(self._clock)
         for slot in model.slots.values():
@@ -488,6 +492,9 @@ class ResidencyManager:
         """Tell the trace that ``size`` bytes were copied into ``[offset, offset+size)`` of ``model``
         in ``seconds`` (the cast path's copy of fresh pages). Nothing else happens: a replay uses
         these to model load time and to run copies that a later free must wait for."""
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds) \
+                or seconds < 0:
+            raise ModelError(f"copy seconds must be a finite number >= 0, got {seconds!r}")
         if self.tracer is not None:
             slot = self._slot(model, device)
             self._trace("copy", model, device=str(slot.device), offset=_as_int(offset, "offset"),
@@ -729,6 +736,7 @@ class ResidencyManager:
         """Least recently used from now on: the model's pages are the first evicted."""
         self._check_registered(model)
         model.last_used = 0
+        self._trace("deprioritize", model)
 
     @_locked
     def shed(self, model: Model, amount: int, device: Any = None, floor: int = 0) -> int:
@@ -751,6 +759,7 @@ class ResidencyManager:
         """Faults reaching above byte ``limit`` fail fast until the model is prioritized (None: no limit)."""
         slot = self._slot(model, device)
         slot.watermark = None if limit is None else _as_int(limit, "watermark")
+        self._trace("set_watermark", model, device=str(slot.device), limit=slot.watermark)
 
     @_locked
     def watermark(self, model: Model, device: Any = None) -> int | None:

@@ -7,10 +7,11 @@ them, ``result`` (``ok``, ``oom``, the bytes dropped, or the error's type) and
 to the same file through :meth:`TraceObserver.event`, so one run can be
 replayed from its trace.
 
-A new (empty) file starts with one header line, ``{"event": "trace", "format":
-"membackend-trace", "version": 1, "membackend": <version>, ...}``; the format
+Each opening writes one header line, ``{"event": "trace", "format":
+"membackend-trace", "version": 1, "membackend": <version>, ...}``, which starts
+a run (a file appended to by several processes holds several runs); the format
 (which events a replay re-executes, and their fields) is documented in
-``docs/trace-format.md``. Appending to an existing file adds no second header.
+``docs/trace-format.md``.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ class TraceObserver:
     """Wraps every verb; thread-safe appends, one line per call, flushed at once."""
 
     def __init__(self, path: str | Path, **header: Any):
-        """Append to ``path``; a new or empty file gets the header line first, with ``header``'s fields."""
+        """Append to ``path``, starting with a header line (a new run) holding ``header``'s fields."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
         self._lock = threading.Lock()
-        if self._file.tell() == 0:
-            self._file.write(json.dumps(trace_header(**header), default=str) + "\n")
+        # every opening starts a run: a file several processes appended to replays run by run
+        self._file.write(json.dumps(trace_header(**header), default=str) + "\n")
 
     def event(self, event: str, **fields: Any) -> None:
         """Append one record (used by the verbs below and by policy layers)."""

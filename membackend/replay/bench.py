@@ -139,7 +139,8 @@ def bench_fault_throughput(total: int = GiB, page: int = 32 * MiB, rounds: int =
         fill = 0x5A if i % 2 == 0 else 0xA5
         start = time.perf_counter()
         for off in range(0, total, page):
-            assert s.fault(r, off, page).ok
+            if not s.fault(r, off, page).ok:
+                raise MemoryError(f"the host fault benchmark needs {_size(total)} of free memory")
         t_fault = min(t_fault, time.perf_counter() - start)
         s.free(r)
         start = time.perf_counter()
@@ -287,28 +288,9 @@ def format_core(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _cells(values: list[Any], unit: float | None, ran: list[bool]) -> list[str]:
-    """One row's values as text: byte figures in ``unit``; a row holding a fractional value
-    prints every value with two decimals, so stock and plugin read alike (120.00 vs 9.00)."""
-    nums = [v / unit if unit not in (None, 1, 1.0) and isinstance(v, (int, float)) else v for v in values]
-    decimals = unit not in (None, 1, 1.0) or any(
-        isinstance(v, float) and not v.is_integer() for v in nums if not isinstance(v, bool))
-    out = []
-    for v, r in zip(nums, ran):
-        if not r:
-            out.append("not run")
-        elif v is None:
-            out.append("-")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            out.append(str(v))
-        else:
-            out.append(f"{v:,.2f}" if decimals else f"{int(v):,}")
-    return out
-
-
 def _headline(name: str, sc: dict[str, Any]) -> list[str]:
     """A scenario's rows the report gave a figure for, its own rows, and whether the plugin held."""
-    from .compare import FIGURES
+    from .compare import FIGURES, format_cells
     from .engine import SIDES  # ("stock", "plugin")
 
     units = {k: u for k, _, _, u in FIGURES}
@@ -318,7 +300,8 @@ def _headline(name: str, sc: dict[str, Any]) -> list[str]:
     lines = [f"{name} ({sc['report']}), profile {sc['profile']}, {sc['seeds']} seed{'s' if sc['seeds'] != 1 else ''}",
              f"  {'figure':<{width}}  {stock:>22}  {plugin:>24}  reported"]
     for key, f in rows:
-        s, p = _cells([f["stock"], f["plugin"]], units.get(key), [side in sc["backends"] for side in SIDES])
+        s, p = format_cells([f["stock"], f["plugin"]], units.get(key, 1.0 if key.endswith("seconds") else None),
+                            [side in sc["backends"] for side in SIDES])
         lines.append(f"  {f['label']:<{width}}  {s:>22}  {p:>24}  {f['reported'] or ''}")
     if sc["stock_reproduces"] is not None:
         lines.append(f"  stock reproduces the reported failure: {'yes' if sc['stock_reproduces'] else 'no'}")

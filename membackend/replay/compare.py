@@ -1,7 +1,8 @@
 """``membackend replay``: a scenario or a trace file, stock and plugin side by side, as one table.
 
-:func:`replay` runs the sides for each seed and aggregates: counts are summed over the seeds,
-memory figures are the worst seed's, times are the mean. :meth:`Comparison.table` prints the
+:func:`replay` runs the sides for each seed and aggregates: totals (bytes loaded, events) are
+summed over the seeds, memory levels are the worst seed's, times are the mean; a scenario's own
+rows sum whole numbers and average the rest. :meth:`Comparison.table` prints the
 figures next to the report's; :meth:`Comparison.to_json` gives the same figures as JSON;
 :attr:`Comparison.violations` lists every guarantee the plugin side broke (the CLI exits 1).
 """
@@ -16,9 +17,9 @@ from typing import Any, Callable
 from .engine import SIDES, PluginMissing, ReplayError, SideResult, run_side
 from .scenarios import SCENARIOS, Scenario, get_scenario
 from .timeline import Timeline
-from .traceformat import Trace, parse_lines, read_trace
+from .traceformat import Trace, read_trace
 
-__all__ = ["Comparison", "replay", "load_source", "FIGURES"]
+__all__ = ["Comparison", "replay", "load_source", "format_cells", "FIGURES"]
 
 GB = 10**9
 
@@ -30,6 +31,7 @@ FIGURES: tuple[tuple[str, str, str, float | None], ...] = (
     ("loaded", "bytes loaded (GB)", "sum", GB),
     ("refaulted", "bytes re-faulted (GB)", "sum", GB),
     ("load_seconds", "modelled load time (s)", "mean", 1.0),
+    ("typed_errors", "typed driver errors (layer streamed)", "sum", None),
     ("bugchecks", "simulated bugchecks", "sum", None),
     ("hazards", "frees racing pending work", "sum", None),
     ("creates", "handle creates", "sum", None),
@@ -40,7 +42,7 @@ FIGURES: tuple[tuple[str, str, str, float | None], ...] = (
 
 
 def _combine(values: list[Any], how: str) -> Any:
-    values = [v for v in values if v is not None]
+    values = [len(v) if isinstance(v, list) else v for v in values if v is not None]
     if not values:
         return None
     if how == "sum":
@@ -55,6 +57,8 @@ def _generic_holds(side: SideResult, trace: Trace) -> list[str]:
     out = []
     if side.lost:
         out.append(f"the simulated machine was lost at {side.lost}")
+    if side.stopped:
+        out.append(f"the run stopped at {side.stopped}")
     if side.bugchecks:
         out.append(f"G2: {side.bugchecks} simulated bugcheck(s)")
     if side.hazards:
@@ -74,6 +78,7 @@ class Comparison:
     profile: str
     seeds: int
     trace: Trace
+    changes: dict[str, Any] = field(default_factory=dict)  # profile fields replaced (seed 0's)
     results: dict[str, list[SideResult]] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)  # side -> why it did not run
 
@@ -88,7 +93,8 @@ class Comparison:
         values = []
         for r in runs:
             values += [v for k, _, v in self.key_figures(r) if k == key]
-        return _combine(values, "mean")
+        whole = all(isinstance(v, int) and not isinstance(v, bool) for v in values if v is not None)
+        return _combine(values, "sum" if whole else "mean")
 
     def key_figures(self, result: SideResult) -> list[tuple[str, str, Any]]:
         return self.scenario.key_figures(result) if self.scenario else []
@@ -130,7 +136,7 @@ class Comparison:
         return {
             "source": self.source, "scenario": self.scenario.name if self.scenario else None,
             "report": self.scenario.report if self.scenario else None, "profile": self.profile,
-            "seeds": self.seeds,
+            "profile_changes": self.changes, "seeds": self.seeds,
             "backends": {side: runs[0].backend for side, runs in self.results.items() if runs},
             "missing": self.missing,
             "figures": {k: {"label": label, "stock": s, "plugin": p, "reported": rep or None}
@@ -142,8 +148,10 @@ class Comparison:
     def table(self) -> str:
         sc = self.scenario
         head = f"{sc.name} ({sc.report}): {sc.title}" if sc else f"trace {self.source}"
-        lines = [head, f"profile {self.profile}, {self.seeds} seed{'s' if self.seeds != 1 else ''}"
-                 + (" (counts summed, memory the worst seed, times the mean)" if self.seeds > 1 else "")]
+        changed = ", ".join(f"{k}={_describe_change(k, v)}" for k, v in self.changes.items())
+        lines = [head, f"profile {self.profile}" + (f" ({changed})" if changed else "")
+                 + f", {self.seeds} seed{'s' if self.seeds != 1 else ''}"
+                 + (" (totals summed, memory levels the worst seed, times the mean)" if self.seeds > 1 else "")]
         names = {side: (f"{side} ({runs[0].backend})" if runs else side) for side, runs in self.results.items()}
         stock_h, plugin_h = names.get("stock", "stock"), names.get("plugin", "plugin")
         rows = self.rows()
@@ -151,14 +159,17 @@ class Comparison:
         lines.append(f"  {'figure':<{width}}  {stock_h:>22}  {plugin_h:>24}  reported")
         for key, label, s, p, rep in rows:
             unit = next((u for k, _, _, u in FIGURES if k == key), 1.0 if key.endswith("seconds") else None)
-            lines.append(f"  {label:<{width}}  {self._cell('stock', s, unit):>22}  "
-                         f"{self._cell('plugin', p, unit):>24}  {rep}")
+            cells = format_cells([s, p], unit, [side in self.results and side not in self.missing for side in SIDES])
+            lines.append(f"  {label:<{width}}  {cells[0]:>22}  {cells[1]:>24}  {rep}")
         for side, why in self.missing.items():
             lines.append(f"  {side}: not run: {why}")
         for side, runs in self.results.items():
             lost = [r.lost for r in runs if r.lost]
             if lost:
                 lines.append(f"  {side}: the simulated machine was lost in {len(lost)} seed(s), first at {lost[0]}")
+            stopped = [r.stopped for r in runs if r.stopped]
+            if stopped:
+                lines.append(f"  {side}: the run stopped in {len(stopped)} seed(s), first at {stopped[0]}")
             notes = sorted({n for r in runs for n in r.notes})
             if notes:
                 lines.append(f"  {side}: {'; '.join(notes)}")
@@ -170,19 +181,34 @@ class Comparison:
             lines.append(f"  plugin holds {g}: yes" if not v else "  plugin breaks: " + "; ".join(v))
         return "\n".join(lines)
 
-    def _cell(self, side: str, value: Any, unit: float | None) -> str:
-        if side in self.missing or side not in self.results:
-            return "not run"
-        if value is None:
-            return "-"
-        if unit is None and isinstance(value, float) and value.is_integer():
-            return f"{int(value):,}"  # a count averaged over one seed, or seeds that agree
-        if isinstance(value, float) or unit not in (None, 1):
-            return f"{value / (unit or 1):,.2f}"
-        return f"{value:,}"
 
 
-def load_source(source: str) -> tuple[Trace, Scenario | None, dict[str, Any]]:
+def format_cells(values: list[Any], unit: float | None, ran: list[bool]) -> list[str]:
+    """One row's values as text, side by side: byte figures in ``unit``; a row holding a fractional
+    value prints every value with two decimals, so the sides read alike (120.00 vs 9.00)."""
+    nums = [v / unit if unit not in (None, 1, 1.0) and isinstance(v, (int, float)) else v for v in values]
+    decimals = unit not in (None, 1, 1.0) or any(
+        isinstance(v, float) and not v.is_integer() for v in nums if not isinstance(v, bool))
+    out = []
+    for v, r in zip(nums, ran):
+        if not r:
+            out.append("not run")
+        elif v is None:
+            out.append("-")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            out.append(str(v))
+        else:
+            out.append(f"{v:,.2f}" if decimals else f"{int(v):,}")
+    return out
+
+
+def _describe_change(key: str, value: Any) -> str:
+    if key == "device_memory":
+        return f"{value / (1 << 30):g} GiB"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def load_source(source: str, run: int | None = None) -> tuple[Trace, Scenario | None, dict[str, Any]]:
     """A built-in scenario's name or a trace file's path → (trace for seed 0, scenario, profile changes)."""
     if source in SCENARIOS:
         sc = SCENARIOS[source]
@@ -190,56 +216,79 @@ def load_source(source: str) -> tuple[Trace, Scenario | None, dict[str, Any]]:
         return Trace({"scenario": sc.name, "sim_profile": sc.profile}, events, sc.name), sc, {**sc.machine, **changes}
     if not Path(source).exists():
         get_scenario(source)  # raises UnknownScenario, listing the built-in ones
-    trace = read_trace(source)
+    trace = read_trace(source, run)
     scenario = SCENARIOS.get(trace.scenario or "")
     return trace, scenario, dict(trace.header.get("machine") or {})
+
+
+def _check_record_path(record: str) -> None:
+    p = Path(record)
+    if p.is_dir() or not p.parent.is_dir():
+        raise ReplayError(f"--record {record!r}: {'a folder' if p.is_dir() else 'its folder does not exist'}; "
+                          "accepted: a file path in an existing folder")
 
 
 def _progress(total: int) -> Callable[[int], None]:
     """A one-line progress bar on stderr for multi-seed runs (nothing for one seed)."""
     if total <= 1:
-        return lambda done: None
+        return lambda done, last=False: None
 
-    def show(done: int) -> None:
+    def show(done: int, last: bool = False) -> None:
         filled = done * 30 // total
-        end = "\n" if done == total else ""
+        end = "\n" if done == total or last else ""
         print(f"\r  [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} side runs", end=end, file=sys.stderr,
               flush=True)
     return show
 
 
 def replay(source: str, *, backend: str | None = None, profile: str | None = None, policy: str = "both",
-           seeds: int | None = None, record: str | None = None) -> Comparison:
+           seeds: int | None = None, record: str | None = None, run: int | None = None) -> Comparison:
     """Replay a built-in scenario or a trace file on a simulated profile, stock and plugin side by side.
 
-    ``backend`` forces the plugin side's backend (default: the scenario's plugin, else membackend's
-    selection); ``profile`` replaces the scenario's or the trace header's profile; ``policy`` is
-    ``stock``, ``plugin`` or ``both``; ``seeds`` runs seeds ``0..seeds-1`` of a scenario (a
-    trace file replays as recorded, once per seed); ``record`` writes the first seed's plugin run
-    (or the stock run, when only stock runs) as a trace file that replays to the same table.
-    A plugin that is not installed leaves its column "not run", with how to install it.
+    ``backend`` forces the plugin side's backend (default: the scenario's plugin, else, for a
+    trace replayed on the profile it was recorded on, the backend that recorded it, else
+    membackend's selection); ``profile`` replaces the scenario's or the trace header's profile;
+    ``policy`` is ``stock``, ``plugin`` or ``both``; ``seeds`` runs seeds ``0..seeds-1`` of a
+    scenario (a trace file replays as recorded: one seed); ``run`` picks a run of a trace file
+    several processes appended to (default: the last). ``record`` writes seed 0's plugin run (or
+    the stock run, when only stock runs) as a trace file that replays to the table of one seed.
+    A scenario's plugin that is not installed leaves its column "not run", with how to install it;
+    a ``backend`` asked for by name that is not installed raises :class:`PluginMissing`.
     """
+    from ..drivers.open import profile_names
+
     if policy not in ("stock", "plugin", "both"):
         raise ReplayError(f"policy {policy!r}; accepted: stock, plugin, both")
-    trace, scenario, changes = load_source(source)
-    seeds = seeds if seeds is not None else (scenario.default_seeds if scenario and source in SCENARIOS else 1)
-    if not isinstance(seeds, int) or seeds < 1:
+    if record is not None:
+        _check_record_path(record)
+    trace, scenario, changes = load_source(source, run)
+    builtin = scenario is not None and source in SCENARIOS
+    if seeds is not None and (not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1):
         raise ReplayError(f"seeds must be a whole number >= 1, got {seeds!r}")
-    prof = profile or (scenario.profile if scenario else None) or trace.header.get("sim_profile")
+    if not builtin and seeds not in (None, 1):
+        raise ReplayError(f"{source} is a trace file: it replays as recorded, once; --seeds applies to the "
+                          f"built-in scenarios ({', '.join(SCENARIOS)})")
+    seeds = seeds or (scenario.default_seeds if builtin else 1)
+    recorded_on = trace.header.get("sim_profile")
+    prof = profile or (scenario.profile if builtin else recorded_on) or (scenario.profile if scenario else None)
     if not prof:
         raise ReplayError(f"{source}: the trace names no simulated profile (it was recorded on real hardware); "
-                          "pass --profile, one of: wddm-6gb, rocm-win-2gpu, gb10-128gb, h200")
-    plugin_backend = backend or (scenario.plugin if scenario else None)
+                          f"pass --profile, one of: {', '.join(profile_names())}")
+    if prof not in profile_names():
+        raise ReplayError(f"profile {prof!r} is unknown; accepted: {', '.join(profile_names())}")
+    plugin_backend = backend or (scenario.plugin if builtin else None)
+    if plugin_backend is None and not builtin and prof == recorded_on:
+        plugin_backend = trace.header.get("backend") if trace.header.get("backend") != "aimdo_stock" else None
     sides = SIDES if policy == "both" else (policy,)
-    comparison = Comparison(source, scenario, prof, seeds, trace)
+    comparison = Comparison(source, scenario, prof, seeds, trace, changes)
     progress, done = _progress(seeds * len(sides) if seeds > 1 else 1), 0
+    recorded_side = "plugin" if "plugin" in sides else sides[0]
     for seed in range(seeds):
-        if seed and scenario is not None and source in SCENARIOS:
+        if seed and builtin:
             events, drawn = scenario.build(seed)
             trace_s, changes_s = Trace(trace.header, events, source), {**scenario.machine, **drawn}
         else:
             trace_s, changes_s = trace, changes
-        recorded_side = "plugin" if "plugin" in sides else sides[0]
         for side in sides:
             if side in comparison.missing:
                 continue
@@ -248,12 +297,12 @@ def replay(source: str, *, backend: str | None = None, profile: str | None = Non
                 result = run_side(trace_s, side, profile=prof, backend=plugin_backend if side == "plugin" else None,
                                   changes=changes_s, record=rec)
             except PluginMissing as exc:
+                if backend is not None:
+                    progress(done, last=True)
+                    raise  # asked for by name: a configuration error, not a missing column
                 comparison.missing[side] = str(exc)
                 continue
             comparison.results.setdefault(side, []).append(result)
             done += 1
-            progress(done)
-    if record is not None and Path(record).exists():
-        # a replay of the recorded file must find the scenario again and replay the same workload
-        parse_lines(Path(record).read_text().splitlines(), record)
+            progress(done, last=seed == seeds - 1 and side == sides[-1])
     return comparison

@@ -12,7 +12,10 @@ runs only when the fault before it backed new pages (the cast path copies a laye
 signature changed); its recorded seconds advance the modelled clock, and the simulated device
 runs the copy on a stream, so a free that does not wait for it is a hazard the simulation sees.
 A fault that finds no memory is streamed instead (the copy still costs its time), as ComfyUI
-does. A simulated bugcheck or crash ends that side's run, as it would end the machine.
+does. A simulated bugcheck or crash ends that side's run, as it would end the machine; so does
+a typed failure the side cannot go on from (an address quota refused, an unload that failed):
+``stopped`` says where. An event the trace gets wrong (a model never registered, a range outside
+its model) is a :class:`~membackend.replay.traceformat.TraceError` naming its line.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import dataclasses
 import gc
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..drivers.open import machine_for, open_sim_variant, simulated_failures
 from ..ledger import Ledger
@@ -32,7 +35,7 @@ from ..trace import TraceObserver
 from ..types import Device, MembackendError
 from .stock import AimdoLoadPolicy, AimdoStockVmm
 from .timeline import Marker, Sample, Timeline
-from .traceformat import Trace
+from .traceformat import Trace, TraceError
 
 __all__ = ["SideResult", "ReplayError", "run_side", "SIDES", "PluginMissing"]
 
@@ -63,17 +66,18 @@ class SideResult:
     reserved_after_unload: int = 0
     loaded: int = 0  # bytes newly backed by faults (each must be copied in)
     refaulted: int = 0  # of those, bytes of ranges faulted before (loaded again)
-    load_seconds: float = 0.0  # modelled: copies that ran plus compute
+    load_seconds: float = 0.0  # modelled: the recorded time of every copy that had to run
     oom: int = 0
     oom_by_model: dict[str, int] = field(default_factory=dict)
-    typed_errors: list[str] = field(default_factory=list)
+    typed_errors: list[str] = field(default_factory=list)  # driver errors a fault raised (the layer streamed)
     bugchecks: int = 0
     hazards: int = 0  # unmaps/releases the simulated driver saw race pending work
     creates: int = 0
     releases: int = 0
     spilled: int = 0
     lost: str | None = None  # the simulated machine ended (bugcheck, crash) at this event
-    runs: list[dict[str, Any]] = field(default_factory=list)  # per `use`: workflow, seconds, loaded
+    stopped: str | None = None  # a typed failure this side could not go on from, at this event
+    runs: list[dict[str, Any]] = field(default_factory=list)  # per workflow: seconds (copies + compute), loaded
     unloads: list[dict[str, Any]] = field(default_factory=list)  # after each full unload / unload_all
     timeline: Timeline = field(default_factory=lambda: Timeline(""))
     notes: list[str] = field(default_factory=list)
@@ -137,7 +141,8 @@ class _Run:
         self.record_copies = record_copies
         self.models: dict[str, Any] = {}
         self.devices: list[Device] = [Device(self.driver.vendor, i) for i in range(len(self.sim.devices))]
-        self.last_fault: dict[tuple[str, Device], tuple[int, int, int]] = {}
+        #: per model and device, the faults not yet copied into: (offset, size, mapped; -1 streamed)
+        self.pending_copies: dict[tuple[str, Device], list[tuple[int, int, int]]] = {}
         self.seen: set[tuple[str, Device, int, int]] = set()
         self.t = 0.0
         self.streams: dict[int, Any] = {}
@@ -189,8 +194,12 @@ class _Run:
         getattr(self, "on_" + e["event"])(e)
 
     def on_register(self, e):
-        owner = self.models.get(e.get("owner")) if e.get("owner") else None
-        devices = [self.device(d) for d in e["devices"]]
+        owner = None
+        if e.get("owner"):
+            if e["owner"] not in self.models:
+                raise TraceError(f"owner {e['owner']!r} of model {e['model']!r} is not registered before it")
+            owner = self.models[e["owner"]]
+        devices = list(dict.fromkeys(self.device(d) for d in e["devices"]))  # two may map onto one
         self.models[e["model"]] = self.policy.register(e["model"], e["bytes"], devices, e.get("kind") or "other",
                                                        owner=owner)
 
@@ -204,19 +213,22 @@ class _Run:
 
     def on_fault(self, e):
         model, dev = self.models[e["model"]], self.device(e["device"])
-        key = (e["model"], dev)
+        pending = self.pending_copies.setdefault((e["model"], dev), [])
         try:
             f = self.policy.fault(model, e["offset"], e["bytes"], dev)
-        except MembackendError as exc:  # typed: ComfyUI streams the layer instead
-            self.result.typed_errors.append(f"{type(exc).__name__}: {exc}")
+        except MembackendError as exc:
+            if isinstance(exc, ValueError):
+                raise  # the trace's range or device is wrong: a TraceError for the caller
+            self.result.typed_errors.append(f"{type(exc).__name__}: {exc}")  # ComfyUI streams the layer
             f = None
         if f is None or not f.ok:
-            self.result.oom += f is not None
             if f is not None:
+                self.result.oom += 1
                 self.result.oom_by_model[e["model"]] = self.result.oom_by_model.get(e["model"], 0) + 1
-            self.last_fault[key] = (e["offset"], e["bytes"], -1)  # streamed
+            pending.append((e["offset"], e["bytes"], -1))  # streamed
             return
-        self.last_fault[key] = (e["offset"], e["bytes"], f.mapped)
+        pending.append((e["offset"], e["bytes"], f.mapped))
+        del pending[:-64]  # a prefetch runs a few layers ahead, never far
         span = (e["model"], dev, e["offset"], e["bytes"])
         if f.mapped:
             self.result.loaded += f.mapped
@@ -228,17 +240,23 @@ class _Run:
 
     def on_copy(self, e):
         dev = self.device(e["device"])
-        offset, size, mapped = self.last_fault.get((e["model"], dev), (None, None, 0))
-        if mapped == 0 or offset is None:
+        pending = self.pending_copies.get((e["model"], dev), [])
+        lo, hi = e["offset"], e["offset"] + e["bytes"]
+        # the latest fault whose range this copy writes (prefetch may fault several layers first)
+        match = next((i for i in range(len(pending) - 1, -1, -1)
+                      if pending[i][0] < hi and lo < pending[i][0] + pending[i][1]), None)
+        if match is None:
+            return  # no fault asked for this range: nothing to copy into
+        offset, size, mapped = pending.pop(match)
+        if mapped == 0:
             return  # the pages were resident: the signature matched, nothing is copied
+        self.result.load_seconds += e["seconds"]
         self.advance(e["seconds"], busy=False)
         if mapped < 0:
             return  # streamed through a temporary buffer: it costs time, touches no page of the range
         model = self.models[e["model"]]
         r = model.reservation(dev)
-        start, end = max(offset, e["offset"]), min(offset + size, e["offset"] + e["bytes"])
-        if end <= start:
-            return
+        start, end = max(offset, lo), min(offset + size, hi)
         self.driver.set_device(dev.index)  # a copy runs on a stream of the device it writes
         stream = self.streams.get(dev.index)
         if stream is None:
@@ -251,8 +269,9 @@ class _Run:
         self.advance(e["seconds"], busy=True)
 
     def advance(self, seconds: float, busy: bool) -> None:
+        """Move the modelled clock. A copy is asynchronous: the simulated device queues it (and
+        finishes it at its own bandwidth), so only compute lets simulated time pass."""
         self.t += seconds
-        self.result.load_seconds += seconds
         if self.run is not None:
             self.run["seconds"] += seconds
         if busy:
@@ -278,7 +297,16 @@ class _Run:
         self.policy.free_memory(e["bytes"], self.device(e["device"]))
 
     def on_shed(self, e):
-        self.policy.shed(self.models[e["model"]], e["bytes"], self.device(e["device"]))
+        self.policy.shed(self.models[e["model"]], e["bytes"], self.device(e["device"]), floor=e.get("floor", 0))
+
+    def on_prioritize(self, e):
+        self.policy.prioritize(self.models[e["model"]])
+
+    def on_deprioritize(self, e):
+        self.policy.deprioritize(self.models[e["model"]])
+
+    def on_set_watermark(self, e):
+        self.policy.set_watermark(self.models[e["model"]], e["limit"], self.device(e["device"]))
 
     def on_idle(self, e):
         self.policy.on_idle()
@@ -287,8 +315,7 @@ class _Run:
 
 
 def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = None,
-             changes: dict[str, Any] | None = None, record: str | None = None,
-             on_event: Callable[[int], None] | None = None) -> SideResult:
+             changes: dict[str, Any] | None = None, record: str | None = None) -> SideResult:
     """Replay ``trace`` on ``side`` (``"stock"`` or ``"plugin"``) on a fresh simulation of ``profile``
     (``changes``: profile fields to replace, see ``open_sim_variant``). ``backend`` names the
     plugin side's backend (None: what membackend selects on the profile). ``record``: write this
@@ -317,16 +344,21 @@ def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = Non
                     _trace_input(tracer, policy, e)
                 run.apply(e)
             except fatal as exc:
-                result.lost = f"event {n + 1} ({e['event']}): {type(exc).__name__}: {exc}"
+                result.lost = f"{trace.where(n)}: {type(exc).__name__}: {exc}"
                 if hasattr(session.backend, "carry_on"):
                     session.backend.carry_on = True  # nothing after the end may bugcheck again
                 break
             except KeyError as exc:
-                raise ReplayError(f"event {n + 1} ({e['event']}) names model {exc.args[0]!r}, which the trace "
-                                  "never registered (or unregistered before)") from None
+                raise TraceError(f"{trace.where(n)}: model {exc.args[0]!r} was never registered (or was "
+                                 "unregistered before)") from None
+            except TraceError as exc:
+                raise TraceError(f"{trace.where(n)}: {exc}") from None
+            except MembackendError as exc:
+                if isinstance(exc, ValueError):  # bad input in the trace (a range, a size, a device, a kind)
+                    raise TraceError(f"{trace.where(n)}: {type(exc).__name__}: {exc}") from None
+                result.stopped = f"{trace.where(n)}: {type(exc).__name__}: {exc}"
+                break
             run.sample()
-            if on_event is not None:
-                on_event(n)
         sim = run.sim
         for d in run.devices:
             acct = session.ledger.account(d)

@@ -95,13 +95,8 @@ def write_plot(
     folder of ``path`` does not exist or cannot be written. On any failure no new file is left
     at ``path`` (a file already there stays as it was).
     """
-    target = pathlib.Path(path)
+    target = check_plot_target(path)
     suffix = target.suffix.lower()
-    if suffix not in ACCEPTED_SUFFIXES:
-        raise PlotFormatError(
-            f"cannot write a plot to {str(target)!r}: the suffix {target.suffix or '(none)'!r} names no"
-            f" format; use one of {', '.join(ACCEPTED_SUFFIXES)}"
-        )
     layout = _lay_out(timelines)
     if suffix == HTML_SUFFIX:
         page = _html_page(layout, title=title, reported=reported).encode("utf-8")
@@ -109,6 +104,26 @@ def write_plot(
     else:
         figure = _matplotlib_figure(layout, title=title, reported=reported, suffix=suffix)
         _write_atomically(target, lambda fh: _save_figure(figure, fh, suffix[1:]))
+    return target
+
+
+def check_plot_target(path: str | os.PathLike[str]) -> pathlib.Path:
+    """Check, before any work, that :func:`write_plot` can write ``path``: a known suffix, matplotlib
+    importable for its formats, an existing folder. Raises what :func:`write_plot` would."""
+    target = pathlib.Path(path)
+    suffix = target.suffix.lower()
+    if suffix not in ACCEPTED_SUFFIXES:
+        raise PlotFormatError(
+            f"cannot write a plot to {str(target)!r}: the suffix {target.suffix or '(none)'!r} names no"
+            f" format; use one of {', '.join(ACCEPTED_SUFFIXES)}"
+        )
+    if suffix in MATPLOTLIB_SUFFIXES:
+        _import_matplotlib(suffix)
+    folder = target.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(2, "no such folder for the plot", str(folder))
+    if target.is_dir():
+        raise IsADirectoryError(21, "the plot path is a folder", str(target))
     return target
 
 
@@ -237,18 +252,23 @@ def _empty_note(layout: _Layout, panel: _Panel) -> str | None:
 # --------------------------------------------------------------------------- matplotlib (png, svg, pdf)
 
 
-def _matplotlib_figure(layout: _Layout, *, title: str, reported: str | None, suffix: str) -> Any:
-    """Draw the static figure; matplotlib is imported here so the rest of membackend never needs it."""
+def _import_matplotlib(suffix: str) -> None:
     try:
         import matplotlib  # noqa: F401  (the import that fails when the extra is missing)
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
+        import matplotlib.backends.backend_agg  # noqa: F401
     except ImportError as exc:
         raise PlotUnavailable(
             f"writing a {suffix} plot needs matplotlib, which is not installed; install it with"
             f" {INSTALL_HINT} (or ask for an {HTML_SUFFIX} plot, which needs nothing extra)"
         ) from exc
+
+
+def _matplotlib_figure(layout: _Layout, *, title: str, reported: str | None, suffix: str) -> Any:
+    """Draw the static figure; matplotlib is imported here so the rest of membackend never needs it."""
+    _import_matplotlib(suffix)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     rows, columns = layout.rows, layout.columns
     panel_height = 2.3  # inches per row
