@@ -162,7 +162,8 @@ def test_g2_a_free_racing_a_queued_cast_copy_waits_for_it_and_outputs_stay_right
     full unload on another thread then waits on the token recorded at the unpin: the copy lands first,
     the outputs equal the first run's."""
     out = results["race_record"]["out"]
-    assert out["free_waited"] and out["order"] == ["copy", "free"] and out["tokens_recorded"] >= 1
+    # the copy held at the gate lands before the free returns (the run's later copies may come either side)
+    assert out["free_waited"] and out["order"][0] == "copy" and "free" in out["order"] and out["tokens_recorded"] >= 1
     assert out["equal"] and out["correct"] and out["alive_after"] == 1
 
 
@@ -225,3 +226,19 @@ def test_an_exception_in_the_idle_patch_restores_everything_and_the_queue_carrie
     assert out["outputs"] == {"p1": True, "p2": True, "p3": True}
     assert out["history"] == ["p1", "p2", "p3"] and out["statuses"] == ["success"] * 3
     assert len([ln for ln in r["log"] if "switched off" in ln]) == 1
+
+
+def test_a_trace_recorded_inside_comfyui_replays_on_a_simulated_gpu(results, tmp_path):
+    """MEMBACKEND_TRACE inside ComfyUI records what a replay needs, copies with their durations
+    included; the file replays on another (simulated) machine."""
+    from membackend.replay.compare import replay
+
+    events = results["switch_tight"]["trace"]
+    copies = [e for e in events if e["event"] == "copy"]
+    assert copies and all(e["seconds"] >= 0 and e["bytes"] > 0 for e in copies)
+    path = tmp_path / "comfyui.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    c = replay(str(path), profile="h200")
+    plugin = c.results["plugin"][0]
+    assert plugin.loaded > 0 and c.violations == [], c.table()
+    assert "cpu:0 replayed on cuda:0" in c.table()

@@ -42,6 +42,7 @@ membackend never pages weights out to host memory, so it is never called.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from typing import Any
 
@@ -85,6 +86,8 @@ class ModelVBAR:
         self._model = rt.residency.register(rt.new_id("vbar"), int(size), self._dev, ModelKind.DIFFUSION)
         self.base_addr = self._model.reservation(self._dev).base
         self._closed = False
+        #: with MEMBACKEND_TRACE: when each freshly backed range was faulted, so its unpin can trace the copy
+        self._copy_started: dict[tuple[int, int], float] = {}
         rt.vbars.add(self)
 
     # -- aimdo's methods, same names and parameters
@@ -108,10 +111,16 @@ class ModelVBAR:
         f = self._rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
         if not f.ok:
             return None
+        if f.mapped and self._rt.residency.tracer is not None:  # new pages: the cast path copies the layer
+            self._copy_started[(alloc, int(size))] = time.perf_counter()
         r = self._model.reservation(self._dev)
         return array("Q", (r.id, *f.generations))
 
     def unpin(self, alloc, size):
+        started = self._copy_started.pop((alloc, int(size)), None) if self._copy_started else None
+        if started is not None:  # for replays: the host time from fault to unpin, the copy issued in between
+            self._rt.residency.copied(self._model, alloc - self.base_addr, int(size),
+                                      time.perf_counter() - started, self._dev)
         self._rt.residency.unpin(self._model, alloc - self.base_addr, int(size), self._dev)
         fences = getattr(self._rt, "fences", None)
         if fences is not None:  # the copy and the compute reading these pages may still be queued (G2)
