@@ -199,3 +199,95 @@ def test_cli_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monke
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert cli.main(["replay", "hook-unload", "--policy", "stock", "--plot", str(tmp_path / "t.png")]) == 2
     assert 'pip install "membackend[plot]"' in capsys.readouterr().err
+
+
+def _trace_file(tmp_path, events, name="t.jsonl", **header):
+    from membackend.replay.traceformat import write_trace
+
+    return str(write_trace(tmp_path / name, events, **header))
+
+
+def _layer(model, offset, size, seconds, event="fault"):
+    span = {"model": model, "device": "cuda:0", "offset": offset, "bytes": size}
+    return {"event": event, **span, **({"seconds": seconds} if event == "copy" else {})}
+
+
+def test_a_copy_is_matched_to_the_fault_of_its_own_range(tmp_path):
+    """Prefetch faults a layer ahead: fault A (new pages), fault B (new), copy A, copy B, then both
+    again (resident: no copy). Each copy counts once, for its own range."""
+    L = 64 << 20
+    events = [{"event": "register", "model": "m", "bytes": 2 * L, "devices": ["cuda:0"]},
+              _layer("m", 0, L, 0), _layer("m", L, L, 0),
+              _layer("m", 0, L, 1.0, "copy"), _layer("m", L, L, 2.0, "copy"),
+              _layer("m", L, L, 0), _layer("m", 0, L, 0),
+              _layer("m", 0, L, 4.0, "copy"), _layer("m", L, L, 8.0, "copy"),
+              {"event": "unload_all"}]
+    c = replay(_trace_file(tmp_path, events, sim_profile="h200"))
+    for side in ("stock", "plugin"):
+        assert c.results[side][0].load_seconds == 3.0, side  # the second pass found its pages resident
+
+
+def test_trace_mistakes_name_their_line(tmp_path):
+    events = [{"event": "register", "model": "m", "bytes": 1 << 30, "devices": ["cuda:0"]},
+              {"event": "fault", "model": "m", "device": "cuda:0", "offset": 1 << 30, "bytes": 1 << 20}]
+    with pytest.raises(TraceError, match=r"line 3 \(event 2, 'fault'\): OutOfRange"):
+        replay(_trace_file(tmp_path, events, sim_profile="h200"))
+    orphan = [{"event": "register", "model": "hook", "bytes": 1 << 20, "devices": ["cuda:0"], "owner": "unet"}]
+    with pytest.raises(TraceError, match="owner 'unet' of model 'hook' is not registered before it"):
+        replay(_trace_file(tmp_path, orphan, "o.jsonl", sim_profile="h200"))
+    with pytest.raises(TraceError, match="'models' must be a non-empty list"):
+        parse_lines(['{"event": "use", "policy": "x", "models": "m"}'])
+    with pytest.raises(TraceError, match="finite number"):
+        parse_lines(['{"event": "compute", "policy": "x", "seconds": NaN}'])
+
+
+def test_a_file_several_processes_appended_to_replays_run_by_run(tmp_path):
+    for size in (1 << 30, 2 << 30):  # two processes, one after the other, same file
+        s = BackendManager(load_settings(sim_profile="h200", backend="vmm", trace=str(tmp_path / "a.jsonl"))).session()
+        p = ResidencyManager(s)
+        m = p.register("unet", size, "cuda:0")
+        assert p.fault(m, 0, size).ok
+        p.unload_all()
+        s.close()
+    last, first = read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "a.jsonl", run=1)
+    assert last.runs == first.runs == 2
+    assert last.events[0]["bytes"] == 2 << 30 and first.events[0]["bytes"] == 1 << 30
+    with pytest.raises(TraceError, match="run 3 does not exist; the file holds 2 run"):
+        read_trace(tmp_path / "a.jsonl", run=3)
+    assert replay(str(tmp_path / "a.jsonl"), run=1).results["plugin"][0].loaded == 1 << 30
+
+
+def test_a_side_that_cannot_go_on_is_shown_and_breaks_the_guarantee(tmp_path, capsys):
+    """Past the ROCm address quota the plugin refuses (typed), the stock runtime crashes."""
+    events = [{"event": "register", "model": f"m{i}", "bytes": 100 << 30, "devices": ["hip:0"]} for i in range(4)]
+    events.append({"event": "unload_all"})
+    path = _trace_file(tmp_path, events, sim_profile="rocm-win-2gpu")
+    c = replay(path)
+    plugin, stock = c.results["plugin"][0], c.results["stock"][0]
+    assert plugin.stopped and "AddressSpaceExhausted" in plugin.stopped and "line 3 (event 2" in plugin.stopped
+    assert stock.lost and "SimulatedCrash" in stock.lost
+    assert any("the run stopped" in v for v in c.violations)
+    assert cli.main(["replay", path]) == 1
+
+
+def test_bad_replay_arguments_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    ran = []
+    import membackend.replay.compare as compare
+
+    monkeypatch.setattr(compare, "run_side", lambda *a, **k: ran.append(a))
+    assert cli.main(["replay", "hook-unload", "--plot", str(tmp_path / "t.txt")]) == 2
+    assert ".png, .svg, .pdf, .html" in capsys.readouterr().err
+    assert cli.main(["replay", "hook-unload", "--record", str(tmp_path)]) == 2
+    assert "a folder" in capsys.readouterr().err
+    assert cli.main(["replay", "hook-unload", "--profile", "nope"]) == 2
+    assert "accepted: wddm-6gb" in capsys.readouterr().err
+    events = [{"event": "register", "model": "m", "bytes": 1 << 20, "devices": ["cuda:0"]}]
+    path = _trace_file(tmp_path, events, sim_profile="h200")
+    assert cli.main(["replay", path, "--seeds", "3"]) == 2
+    assert "replays as recorded" in capsys.readouterr().err
+    assert ran == []
+
+
+def test_a_backend_asked_for_by_name_that_is_not_installed_is_a_configuration_error(capsys):
+    assert cli.main(["replay", "hook-unload", "--backend", "nosuch"]) == 2
+    assert "pip install membackend-nosuch" in capsys.readouterr().err

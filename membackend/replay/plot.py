@@ -27,6 +27,7 @@ import json
 import math
 import os
 import pathlib
+import textwrap
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -272,8 +273,11 @@ def _matplotlib_figure(layout: _Layout, *, title: str, reported: str | None, suf
 
     rows, columns = layout.rows, layout.columns
     panel_height = 2.3  # inches per row
-    footer_height = 0.35 + (0.3 if reported else 0.0)  # the legend, and the caption under it
     width = min(max(6.4, 4.4 * len(columns)), 18.0)
+    # a long caption wraps to the figure's width (about 15 characters an inch at 9 pt), else the
+    # layout engine squeezes the panels to make room for one long line
+    caption = textwrap.fill(reported, width=int(width * 15)) if reported else ""
+    footer_height = 0.35 + 0.18 * (caption.count("\n") + 1 if caption else 0)  # the legend, the caption
     height = panel_height * len(rows) + footer_height + 0.9
     figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)  # draw with Agg, never through pyplot's interactive machinery
@@ -288,8 +292,8 @@ def _matplotlib_figure(layout: _Layout, *, title: str, reported: str | None, suf
             axes[r][c] = figure.add_subplot(grid[r, c], sharex=axes[0][0] if r or c else None)
     footer = figure.add_subplot(grid[len(rows), :])
     footer.axis("off")
-    if reported:
-        footer.text(0.5, 0.0, reported, transform=footer.transAxes, ha="center", va="bottom",
+    if caption:
+        footer.text(0.5, 0.0, caption, transform=footer.transAxes, ha="center", va="bottom",
                     fontsize=9, parse_math=False)
     seen_series: set[str] = set()
     seen_markers: set[str] = set()
