@@ -716,17 +716,20 @@ class ResidencyManager:
         When the unload fails (``PartialFailure``), the model stays registered so
         that unregistering it again retries.
         """
+        self._unregister(model, None)
+
+    def _unregister(self, model: Model, via: str | None) -> None:
         self._via = "unregister"
         try:
             self.full_unload(model)
         finally:
             self._via = None
         for child in list(model.owned):
-            self.unregister(child)
+            self._unregister(child, f"owner {model.id}")
         if model.owner is not None and model in model.owner.owned:
             model.owner.owned.remove(model)
         self._models.pop(model.id, None)
-        self._trace("unregister", model)
+        self._trace("unregister", model, via=via)
 
     # ------------------------------------------------------------------ per-reservation controls
     # (what a comfy-aimdo ModelVBAR offers per reservation; the ComfyUI facade calls them)

@@ -291,3 +291,15 @@ def test_bad_replay_arguments_are_refused_before_anything_runs(tmp_path, capsys,
 def test_a_backend_asked_for_by_name_that_is_not_installed_is_a_configuration_error(capsys):
     assert cli.main(["replay", "hook-unload", "--backend", "nosuch"]) == 2
     assert "pip install membackend-nosuch" in capsys.readouterr().err
+
+
+def test_unregistering_an_owner_replays_once(tmp_path):
+    path = tmp_path / "u.jsonl"
+    s = BackendManager(load_settings(sim_profile="h200", backend="vmm", trace=str(path))).session()
+    p = ResidencyManager(s)
+    unet = p.register("unet", 1 << 30, "cuda:0")
+    p.register("unet/hook", 1 << 30, "cuda:0", "hook_delegate", owner=unet)
+    p.unregister(unet)  # the delegate goes with it: a consequence, not a request of its own
+    s.close()
+    assert [e["event"] for e in read_trace(path).events] == ["register", "register", "unregister"]
+    assert replay(str(path)).violations == []

@@ -1,4 +1,4 @@
-"""What a replay records over time, per side, for the table's peaks and for the timeline picture.
+"""What a replay records over time, per side, for the timeline picture.
 
 A :class:`Timeline` is a list of :class:`Sample` (one per device after every replayed event
 that can change memory) and a list of :class:`Marker` (full unloads, unload-everything,
@@ -48,14 +48,3 @@ class Timeline:
     def devices(self) -> list[str]:
         """The devices sampled, in the order first seen."""
         return list(dict.fromkeys(s.device for s in self.samples))
-
-    def peak(self, what: str, device: str | None = None) -> int:
-        """The largest ``reserved`` / ``resident`` / ``committed`` seen (one device, or all summed per instant)."""
-        if device is not None:
-            return max((getattr(s, what) or 0 for s in self.samples if s.device == device), default=0)
-        latest: dict[str, int] = {}  # every device's latest value; the peak of their sum over the run
-        peak = 0
-        for s in self.samples:
-            latest[s.device] = getattr(s, what) or 0
-            peak = max(peak, sum(latest.values()))
-        return peak
