@@ -372,6 +372,16 @@ class VmmBackend:
         except DriverError:
             state.spare.append(handle)  # still ours: trim() or the next fault takes it
 
+    def _fence_before_drop(self, state: _DeviceState) -> None:
+        """Fresh mappings may still be paging in (WDDM) and a device-granular platform fences every
+        unmap: synchronize first in either case."""
+        if state.dirty or self.capabilities.fence_granularity == "device":
+            self.driver.device_synchronize()
+            state.dirty = False
+
+    def _unmap(self, ptr: int, size: int) -> None:
+        self.driver.unmap(ptr, size)
+
     def _drop(self, r: Reservation, first: int, last: int) -> int:
         """Unmap every resident page in ``[first, last)`` and release (or keep) its memory; returns bytes dropped."""
         rng: _Range = r.handle
@@ -379,14 +389,11 @@ class VmmBackend:
         if not pages:
             return 0
         state = self._use(rng.index)
-        d = self.driver
-        if state.dirty or self.capabilities.fence_granularity == "device":
-            d.device_synchronize()
-            state.dirty = False
+        self._fence_before_drop(state)
         ps, dropped = r.page_size, 0
         for p in pages:
             try:
-                d.unmap(r.base + p * ps, ps)
+                self._unmap(r.base + p * ps, ps)
             except DriverError as exc:
                 exc.dropped = dropped  # the session accounts what did go
                 raise

@@ -14,7 +14,7 @@ from ..backends.vmm import VmmBackend
 from ..drivers.open import simulated_failures
 from ..platform import Platform
 from ..residency import StockPolicy
-from ..types import Candidate, Capabilities, DriverError, Score
+from ..types import Candidate, Capabilities, Score
 
 __all__ = ["stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
 
@@ -75,25 +75,12 @@ class AimdoStockVmm(VmmBackend):
     def _release_or_keep(self, state: Any, handle: Any) -> None:
         self._unsafe(self.driver.release, handle)  # mod1: released at once, never pooled
 
-    def _drop(self, r: Any, first: int, last: int) -> int:
-        rng = r.handle
-        pages = [p for p in range(first, last) if rng.handles[p] is not None]
-        if not pages:
-            return 0
-        state = self._use(rng.index)
-        ps, dropped = r.page_size, 0
-        for p in pages:  # mod1 per page: unmap, release; no sync of its own
-            try:
-                self._unsafe(self.driver.unmap, r.base + p * ps, ps)
-            except DriverError as exc:
-                exc.dropped = dropped  # the session accounts what did go
-                raise
-            self._release_or_keep(state, rng.handles[p])
-            rng.handles[p] = None
-            rng.ready[p] = 0
-            dropped += ps
-            state.resident -= ps
-        return dropped
+    def _fence_before_drop(self, state: Any) -> None:
+        """mod1 unmaps and releases page by page with no sync of its own (the policy's free paths
+        sync the device; a fault's evictions do not, see :class:`AimdoLoadPolicy`)."""
+
+    def _unmap(self, ptr: int, size: int) -> None:
+        self._unsafe(self.driver.unmap, ptr, size)
 
     def _unwind(self, state: Any, r: Any, mapped: list) -> int:
         for p, h in mapped:  # three_stooges' unwind: no sync
