@@ -70,6 +70,13 @@ def _byte_size() -> Any:
     return TypeAdapter(ByteSize)
 
 
+def _one_of(value: str | None, accepted: tuple[str, ...], what: str) -> str | None:
+    """``value`` lower-cased when it is one of ``accepted`` (case ignored); None stays None."""
+    if value is not None and value.lower() not in accepted:
+        raise ValueError(f"unknown {what} {value!r}")
+    return value.lower() if value else value
+
+
 def parse_bytes(value: Any) -> int:
     """``'512MiB'`` → 536870912; ints pass through. Raises ``ValueError`` on anything else.
 
@@ -233,9 +240,7 @@ def _models() -> Any:
         @field_validator("driver_model")
         @classmethod
         def _driver_model(cls, v: str | None) -> str | None:
-            if v is not None and v.lower() not in ("wddm", "tcc", "mcdm"):
-                raise ValueError(f"unknown driver model {v!r}")
-            return v.lower() if v else v
+            return _one_of(v, ("wddm", "tcc", "mcdm"), "driver model")
 
     class MachineOverrides(BaseModel):
         """Facts that replace what ``machine.py`` would detect, so tests can be any machine.
@@ -263,16 +268,12 @@ def _models() -> Any:
         @field_validator("os")
         @classmethod
         def _os(cls, v: str | None) -> str | None:
-            if v is not None and v.lower() not in ("linux", "windows", "darwin"):
-                raise ValueError(f"unknown OS {v!r}")
-            return v.lower() if v else v
+            return _one_of(v, ("linux", "windows", "darwin"), "OS")
 
         @field_validator("torch_vendor")
         @classmethod
         def _vendor(cls, v: str | None) -> str | None:
-            if v is not None and v.lower() not in ("cuda", "rocm", "cpu"):
-                raise ValueError(f"unknown torch vendor {v!r}")
-            return v.lower() if v else v
+            return _one_of(v, ("cuda", "rocm", "cpu"), "torch vendor")
 
     class Settings(BaseSettings):
         """Every setting of membackend; build it with :func:`load_settings`."""
