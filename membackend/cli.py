@@ -244,15 +244,17 @@ def _comfyui(action: str, folder: str) -> int:
     from .comfyui.install import install, uninstall
 
     try:
-        node, changed = (install if action == "install" else uninstall)(folder)
+        done = (install if action == "install" else uninstall)(folder)
     except MembackendError as exc:
         print(f"membackend: {exc}", file=sys.stderr)
         return 2
     if action == "install":
-        print(f"membackend: {'installed' if changed else 'already installed'}: {node}")
+        print(f"membackend: {'installed' if done.changed else 'already installed'}: {done.node}")
         print(f"  into this Python: {sys.executable} (it must be the one that runs ComfyUI)")
     else:
-        print(f"membackend: {'removed' if changed else 'not installed'}: {node}")
+        print(f"membackend: {'removed' if done.changed else 'not installed'}: {done.node}")
+        if done.left:
+            print(f"  left {len(done.left)} file(s) membackend did not write in {done.node}: {', '.join(done.left)}")
     return 0
 
 
