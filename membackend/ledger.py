@@ -45,6 +45,16 @@ def _finished(token: FenceToken) -> bool:
         return False
 
 
+def still_running(token: FenceToken) -> bool:
+    """Whether ``token`` says its work is still running (``done()`` answers false). After its ``wait()``
+    raised, a token whose ``done()`` raises too has failed for good -- a copy that errored is not running --
+    and counts as finished once the error is reported."""
+    try:
+        return not token.done()
+    except Exception:
+        return False
+
+
 class Ledger:
     """Per-device and per-reservation accounting, plus the sanitizer's checks (thread-safe)."""
 

@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # annotations only: the tracer is the session's, residency ne
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "StockPolicy"]
+__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "StockPolicy", "Unloaded"]
 
 # what the policy's page map says about one page
 GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
@@ -228,6 +228,17 @@ class Model:
     def reservation(self, device: Device | str | None = None) -> Reservation | None:
         slot = self.slots[Device.parse(device) if device is not None else self.devices[0]]
         return slot.reservation if slot.alive else None
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """What one full unload did: ``bytes`` that were resident, the reservations that were ``alive`` before,
+    how many were ``released`` (0 where the platform keeps address ranges), and their ``reserved_bytes``."""
+
+    bytes: int
+    alive: int
+    released: int
+    reserved_bytes: int
 
 
 class ResidencyManager:
@@ -619,6 +630,26 @@ class ResidencyManager:
         if failures:
             raise PartialFailure(f"full unload of model {model.id!r}", failures)
         return dropped
+
+    @_locked
+    def full_unload_unless_pinned(self, model: Model) -> "Unloaded | None":
+        """:meth:`full_unload`, unless a page of the model (or of what it owns) is pinned: then None, and
+        nothing was done.
+
+        The pin check and the unload are one decision under the policy's lock, so a
+        fault on another thread either pins first (None here) or comes after the
+        unload (and reserves anew, as any fresh fault). Raises what ``full_unload``
+        raises (``PartialFailure``)."""
+        self._check_registered(model)
+        if self._pinned(model):
+            return None
+        alive = [slot.reservation for slot in model.slots.values() if slot.alive]
+        dropped = self.full_unload(model)
+        return Unloaded(dropped, len(alive), sum(r.released for r in alive), sum(r.size for r in alive))
+
+    def _pinned(self, model: Model) -> bool:
+        return any(any(slot.pins) for slot in model.slots.values() if slot.alive) or \
+            any(self._pinned(child) for child in model.owned)
 
     #: why a full unload happens when it is not the caller's own request (traced as ``via``: a replay
     #: re-executes only the requests, not their consequences)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import pluggy
 
 from . import hookspec
-from .ledger import Ledger
+from .ledger import Ledger, still_running
 from .types import (
     Budget,
     Candidate,
@@ -107,6 +107,7 @@ class Session:
         self._pending_ids = self.ledger.pending_ids  # membership tests on the hot path
         self._sanitize = self.ledger.sanitize
         self.headroom = headroom
+        self._headrooms: dict[Device, int] = {}  # per device, set by the caller (ComfyUI's memory flags)
         self.candidate = candidate
         self.how = how
         self.tracer = tracer
@@ -407,9 +408,21 @@ class Session:
             raise untyped from exc
         if not isinstance(b, Budget):
             raise PluginError(f"backend {self.name!r} broke the contract: budget_query returned {b!r}")
-        if self.headroom is not None and self.headroom != b.headroom:
-            b = Budget.of(b.total, b.free, self.headroom, b.source, b.unified)
+        headroom = self._headrooms.get(device, self.headroom)
+        if headroom is not None and headroom != b.headroom:
+            b = Budget.of(b.total, b.free, headroom, b.source, b.unified)
         return b
+
+    def set_headroom(self, device: Any, headroom: int | None) -> None:
+        """Keep ``headroom`` bytes free on ``device`` from the next budget query on; None: back to the
+        session-wide ``headroom`` setting, or the backend's own."""
+        device = self._device(device)
+        if headroom is None:
+            self._headrooms.pop(device, None)
+            return
+        if not isinstance(headroom, int) or isinstance(headroom, bool) or headroom < 0:
+            raise InvalidSize(f"headroom must be a whole number of bytes >= 0, got {headroom!r}")
+        self._headrooms[device] = headroom
 
     def reservations(self) -> list[Reservation]:
         """Every reservation of this session that is still alive."""
@@ -529,9 +542,10 @@ class Session:
     def _wait_tokens(self, reservation: Reservation) -> None:
         """Wait for every token recorded on ``reservation`` (its lock held).
 
-        Every token is waited for even when one fails; then every token not
-        reporting done (the failed one included) is kept, so the next fence
-        waits again (G2), and the first failure is raised typed.
+        Every token is waited for even when one fails; then every token whose
+        ``done()`` says it is still running is kept, so the next fence waits
+        again (G2); a failed token (``wait()`` and ``done()`` raise) is reported
+        once and counts as finished (G1); the first failure is raised typed.
         """
         taken = self.ledger.take_pending(reservation.device, reservation)
         if not taken:
@@ -549,11 +563,16 @@ class Session:
             raise
         if not errors:
             return
-        self.ledger.restore_pending(taken)
+        # a token still running is kept (G2: the next fence waits again); one that failed for good is reported
+        # here, once, and then counts as finished, so it never keeps the range from being freed (G1)
+        running = {rid: (dev, [t for t in tokens if still_running(t)]) for rid, (dev, tokens) in taken.items()}
+        self.ledger.restore_pending(running)
         first = errors[0]
         if isinstance(first, MembackendError):
             raise first
         count = sum(len(tokens) for _dev, tokens in taken.values())
+        left = sum(len(tokens) for _dev, tokens in running.values())
         raise DriverError(type(first).__name__, "fence token wait",
                           f"{first} ({len(errors)} of {count} token(s) on reservation #{reservation.id} failed; "
-                          f"unfinished tokens are kept and the next fence waits for them again)") from first
+                          f"{left} still running kept for the next fence, the failed ones count as finished)") \
+            from first
