@@ -22,7 +22,9 @@ from membackend.cli import main as cli  # noqa: E402
 
 STANDIN = Path(__file__).parent / "fixtures" / "comfyui_standin"
 MiB = 1 << 20
-HOST = {"MEMBACKEND_BACKEND": "host", "MEMBACKEND_HEADROOM": "0", "MEMBACKEND_HOST_CAPACITY": "256MiB"}
+# --enable-dynamic-vram: this stand-in's device has no CUDA, so (as in ComfyUI) only the flag starts dynamic VRAM
+HOST = {"MEMBACKEND_BACKEND": "host", "MEMBACKEND_HEADROOM": "0", "MEMBACKEND_HOST_CAPACITY": "256MiB",
+        "STANDIN_ARGS": "--enable-dynamic-vram"}
 
 SCENARIOS = {  # name: (argv, environment); each is one process booting the stand-in
     "host": (["basic,status,unload,delegate,buffers"], HOST),
@@ -70,8 +72,8 @@ def results(tmp_path_factory):
 
 def test_start_up_prints_one_line_naming_the_backend_why_and_how_to_change_it(results):
     log = results["host"]["log"]
-    first = [ln for ln in log if "backend host" in ln]
-    assert len(first) == 1
+    first = [ln for ln in log if "using host" in ln]
+    assert len(first) == 1 and len(first[0]) <= 200
     assert "forced" in first[0] and "MEMBACKEND_BACKEND=<name>" in first[0] and "MEMBACKEND_DISABLE=1" in first[0]
     out = results["host"]["parts"]["basic"]
     assert out["dynamic"] and out["patcher"] == "ModelPatcherDynamic"
@@ -151,7 +153,7 @@ def test_an_old_comfy_aimdo_without_a_replaced_name_leaves_comfyui_stock(results
 def test_an_exception_in_a_patch_switches_the_adapter_off_and_comfyui_carries_on(results, where):
     r = results[f"inject_{where}"]
     out = r["out"]
-    assert out["aborted"] and "injected" in out["aborted"] and out["current"] is False
+    assert out["aborted"] and "injected" in out["aborted"] and out["running"] is False
     assert out["free_memory_restored"] and out["patcher_after"] == "ModelPatcher"
     assert out["video_correct"] and out["image_equal"]
     assert len([ln for ln in r["log"] if "switched off" in ln]) == 1
@@ -221,7 +223,7 @@ def test_an_exception_in_the_idle_patch_restores_everything_and_the_queue_carrie
     out = r["out"]
     assert out["settled_first"] and out["settled_second"]
     assert out["order"] == ["run p1", "ran p1", "run p2", "ran p2", "idle", "run p3", "ran p3"]
-    assert "injected into on_idle" in out["aborted"] and out["current"] is False
+    assert "injected into on_idle" in out["aborted"] and out["running"] is False
     assert not out["task_done_patched"] and out["free_memory_restored"] and out["patcher_after"] == "ModelPatcher"
     assert out["outputs"] == {"p1": True, "p2": True, "p3": True}
     assert out["history"] == ["p1", "p2", "p3"] and out["statuses"] == ["success"] * 3

@@ -16,14 +16,32 @@ import comfy_aimdo.control as control  # noqa: E402
 import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 
 from membackend.comfyui import startup, vbar  # noqa: E402
+from membackend.comfyui.wiring import FACADE_NAMES  # noqa: E402
+
+
+FLAGS = dict(cpu=False, highvram=False, gpu_only=False, novram=False, lowvram=False, disable_dynamic_vram=False,
+             enable_dynamic_vram=False, disable_cuda_graphs=False, disable_smart_memory=False, reserve_vram=None,
+             vram_headroom=0)
 
 
 @pytest.fixture
 def comfy_args(monkeypatch):
-    args = argparse.Namespace(disable_comfy_compiler=False, disable_cuda_graphs=False, enable_dynamic_vram=False,
-                              disable_dynamic_vram=False)
-    monkeypatch.setitem(sys.modules, "comfy.cli_args", types.SimpleNamespace(args=args))
+    """ComfyUI's parsed arguments and its own rule, as comfy/cli_args.py has them."""
+    args = argparse.Namespace(**FLAGS)
+
+    def enables_dynamic_vram():  # comfy/cli_args.py, enables_dynamic_vram
+        if args.enable_dynamic_vram:
+            return True
+        return not (args.disable_dynamic_vram or args.highvram or args.gpu_only or args.novram or args.cpu)
+    monkeypatch.setitem(sys.modules, "comfy.cli_args",
+                        types.SimpleNamespace(args=args, enables_dynamic_vram=enables_dynamic_vram))
     return args
+
+
+@pytest.fixture
+def serve_cpu(monkeypatch):
+    """The host backend takes over as a GPU backend would (what the stand-in ComfyUI does)."""
+    monkeypatch.setattr(startup, "SERVE_CPU_DEVICES", True)
 
 
 @pytest.fixture
@@ -37,67 +55,140 @@ def lines(caplog):
 
 @pytest.fixture
 def originals():
-    saved = (control.init_devices, {n: getattr(aimdo_vbar, n) for n in startup.FACADE_NAMES})
+    saved = (control.init_devices, {n: getattr(aimdo_vbar, n) for n in FACADE_NAMES}, control.set_log_info)
     yield saved
     rt = startup.current()
     if rt is not None:
         rt.stop()
-    assert control.init_devices is saved[0]
-    assert {n: getattr(aimdo_vbar, n) for n in startup.FACADE_NAMES} == saved[1]
+    assert control.init_devices is saved[0] and control.set_log_info is saved[2]
+    assert {n: getattr(aimdo_vbar, n) for n in FACADE_NAMES} == saved[1]
 
 
 def _untouched(originals, args):
     assert control.init_devices is originals[0]
-    assert not (args.disable_comfy_compiler or args.disable_cuda_graphs or args.enable_dynamic_vram)
+    assert not (args.disable_cuda_graphs or args.enable_dynamic_vram)
     assert startup.current() is None
 
 
-@pytest.mark.parametrize("env, says", [
-    ({"MEMBACKEND_DISABLE": "1"}, "off (MEMBACKEND_DISABLE is set)"),
-    ({"MEMBACKEND_BACKEND": "aimdo"}, "backend aimdo"),
-    ({}, "no accelerator backend fits"),
-    ({"MEMBACKEND_HEADROOM": "lots"}, "not started (ConfigError"),
-    ({"MEMBACKEND_BACKEND": "nosuch"}, "not started (BackendNotFound"),
+def _one_short_line(lines):
+    got = lines()
+    assert len(got) == 1, got
+    assert "\n" not in got[0] and len(got[0]) <= 200, got[0]
+    return got[0]
+
+
+@pytest.mark.parametrize("env, says, state", [
+    ({"MEMBACKEND_DISABLE": "1"}, "off (MEMBACKEND_DISABLE=1); ComfyUI runs stock", "disabled"),
+    ({"MEMBACKEND_BACKEND": "aimdo"}, "ComfyUI runs stock with its own comfy-aimdo", "stock"),
+    ({}, "ComfyUI runs stock: no GPU backend fits", "stock"),
+    ({"MEMBACKEND_BACKEND": "host"}, "ComfyUI runs stock: host serves no GPU", "stock"),
+    ({"MEMBACKEND_HEADROOM": "lots"}, "not started (ConfigError", "not-started"),
+    ({"MEMBACKEND_BACKEND": "nosuch"}, "not started (BackendNotFound", "not-started"),
 ])
-def test_off_aimdo_no_gpu_and_bad_settings_patch_nothing_and_say_so_in_one_line(
-        monkeypatch, comfy_args, lines, originals, env, says):
+def test_where_membackend_cannot_serve_nothing_is_patched_and_one_short_line_says_why(
+        monkeypatch, comfy_args, lines, originals, env, says, state):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert startup.prestartup() is None
     _untouched(originals, comfy_args)
-    got = lines()
-    assert len(got) == 1 and says in got[0], got
-    assert "MEMBACKEND_DISABLE=1" in got[0] or env.get("MEMBACKEND_DISABLE")
+    line = _one_short_line(lines)
+    assert line.startswith("membackend ") and says in line, line
+    assert "MEMBACKEND_DISABLE" in line
+    from membackend.comfyui import status
+    got = status.status()
+    assert got["running"] is False and got["state"] == state and got["line"] == line
 
 
-def test_comfyuis_own_disable_flag_wins(monkeypatch, comfy_args, lines, originals):
-    monkeypatch.setenv("MEMBACKEND_BACKEND", "host")
-    comfy_args.disable_dynamic_vram = True
+@pytest.mark.parametrize("flag", ["cpu", "highvram", "gpu_only", "novram", "disable_dynamic_vram"])
+def test_comfyuis_own_rule_wins_and_the_line_names_the_flag_as_typed(monkeypatch, comfy_args, lines, originals, flag):
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "h200")  # a GPU backend would fit
+    setattr(comfy_args, flag, True)
     assert startup.prestartup() is None
-    comfy_args.disable_dynamic_vram = False
+    setattr(comfy_args, flag, False)
     _untouched(originals, comfy_args)
-    assert len(lines()) == 1
+    typed = "--" + flag.replace("_", "-")
+    assert f"its dynamic VRAM is off ({typed})" in _one_short_line(lines)
 
 
-def test_a_selected_backend_arms_the_hook_and_stop_undoes_every_patch(monkeypatch, comfy_args, lines, originals):
+@pytest.mark.parametrize("flags, on, why", [
+    ({}, True, "ComfyUI's default"), ({"lowvram": True}, True, "ComfyUI's default"),
+    ({"disable_smart_memory": True}, True, "ComfyUI's default"),
+    ({"highvram": True}, False, "--highvram"), ({"gpu_only": True}, False, "--gpu-only"),
+    ({"novram": True}, False, "--novram"), ({"cpu": True}, False, "--cpu"),
+    ({"highvram": True, "enable_dynamic_vram": True}, True, "--enable-dynamic-vram"),
+    ({"cpu": True, "enable_dynamic_vram": True}, True, "--enable-dynamic-vram"),
+])
+def test_comfy_dynamic_vram_answers_comfyuis_rule(comfy_args, flags, on, why):
+    for k, v in flags.items():
+        setattr(comfy_args, k, v)
+    cli = sys.modules["comfy.cli_args"]
+    assert startup.comfy_dynamic_vram(cli) == (on, why)
+    assert startup.comfy_dynamic_vram(cli)[0] == cli.enables_dynamic_vram()
+
+
+@pytest.mark.parametrize("profile, backend", [("h200", "vmm"), ("wddm-6gb", "cuda_wddm"),
+                                              ("gb10-128gb", "unified_gb10"), ("rocm-win-2gpu", "rocm_windows")])
+def test_a_simulated_gpu_counts_as_served_even_under_cpu_with_forced_dynamic_vram(
+        monkeypatch, comfy_args, lines, originals, profile, backend):
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", profile)
+    comfy_args.cpu = comfy_args.enable_dynamic_vram = True
+    rt = startup.prestartup()
+    assert rt is not None and rt.name == backend and control.init_devices == rt.init_devices
+    line = _one_short_line(lines)
+    assert f"using {backend} (" in line and f"simulated {profile}" in line and "MEMBACKEND_BACKEND=<name>" in line
+    assert comfy_args.disable_cuda_graphs
+    assert "--disable-comfy-compiler" in rt.patches.skipped  # named as the flag a user types
+    rt.stop()
+    comfy_args.cpu = comfy_args.enable_dynamic_vram = False
+    _untouched(originals, comfy_args)
+
+
+def test_cpu_with_forced_dynamic_vram_on_real_facts_stays_stock(monkeypatch, comfy_args, lines, originals, serve_cpu):
+    monkeypatch.setattr(startup, "SERVE_CPU_DEVICES", False)
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "vmm")
+    comfy_args.cpu = comfy_args.enable_dynamic_vram = True
+    assert startup.prestartup() is None
+    assert "its device is the CPU (--cpu)" in _one_short_line(lines)
+
+
+def test_a_selected_backend_arms_the_hook_and_stop_undoes_every_patch(
+        monkeypatch, comfy_args, lines, originals, serve_cpu):
     # a ComfyUI whose model_management has none of the wired names: each is skipped and reported
     monkeypatch.setitem(sys.modules, "comfy.model_management", types.ModuleType("comfy.model_management"))
     monkeypatch.setenv("MEMBACKEND_BACKEND", "host")
     rt = startup.prestartup()
     assert rt is startup.current() and control.init_devices == rt.init_devices
-    assert comfy_args.disable_comfy_compiler and comfy_args.disable_cuda_graphs and comfy_args.enable_dynamic_vram
-    assert len(lines()) == 1 and "backend host (forced" in lines()[0]
+    assert comfy_args.disable_cuda_graphs and not comfy_args.enable_dynamic_vram  # ComfyUI's own flag decides
+    assert "using host (forced by MEMBACKEND_BACKEND)" in _one_short_line(lines)
     assert rt.init_devices((i, 0) for i in range(1)) is True
-    assert aimdo_vbar.ModelVBAR is vbar.ModelVBAR and vbar.get_runtime() is rt
+    assert aimdo_vbar.ModelVBAR is vbar.ModelVBAR and startup.current() is rt and rt.running
     assert {"comfy.model_management.free_memory", "comfy.model_management.get_free_memory",
             "comfy.model_management.load_models_gpu"} <= set(rt.patches.skipped)
+    # what main.py calls next: aimdo's log functions, whose library was never loaded here
+    assert control.lib is None
+    control.set_log_info()
+    control.set_log_debug()
     assert rt.init_devices([0]) is True  # ComfyUI's TypeError retry: the same answer, nothing redone
     rt.stop()
     _untouched(originals, comfy_args)
-    assert aimdo_vbar.ModelVBAR.__module__ == "comfy_aimdo.model_vbar" and vbar.get_runtime() is None
+    assert aimdo_vbar.ModelVBAR.__module__ == "comfy_aimdo.model_vbar" and startup.current() is None
 
 
-def test_a_failing_start_restores_everything_and_answers_with_the_original(monkeypatch, comfy_args, lines, originals):
+def test_comfyuis_headroom_flags_reach_the_budget(monkeypatch, comfy_args, originals, serve_cpu):
+    monkeypatch.setitem(sys.modules, "comfy.model_management", types.ModuleType("comfy.model_management"))
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "host")
+    monkeypatch.setenv("MEMBACKEND_HEADROOM", str(256 << 20))
+    comfy_args.reserve_vram = 1.0  # GB kept free at least (the larger of it and the backend's own)
+    rt = startup.prestartup()
+    assert rt.init_devices([(0, 512 << 20)]) is True  # --vram-headroom 0.5: on top
+    b = rt.session.budget_query(rt.devices[0])
+    assert b.headroom == (1 << 30) + (512 << 20) and b.usable == max(0, b.free - b.headroom)
+    assert rt.status()["budgets"][str(rt.devices[0])]["headroom"] == b.headroom
+    rt.stop()
+
+
+def test_a_failing_start_restores_everything_and_answers_with_the_original(
+        monkeypatch, comfy_args, lines, originals, serve_cpu):
     calls = []
 
     def original(ids):
@@ -113,13 +204,16 @@ def test_a_failing_start_restores_everything_and_answers_with_the_original(monke
     monkeypatch.setattr(wiring, "wire", broken)
     assert rt.init_devices(iter([(0, 0)])) is False
     assert calls == [[(0, 0)]]  # the generator was consumed once and handed on as a list
-    assert control.init_devices is original
-    assert {n: getattr(aimdo_vbar, n) for n in startup.FACADE_NAMES} == originals[1]
-    assert not comfy_args.enable_dynamic_vram and startup.current() is None and vbar.get_runtime() is None
+    assert control.init_devices is original and control.set_log_info is originals[2]
+    assert {n: getattr(aimdo_vbar, n) for n in FACADE_NAMES} == originals[1]
+    assert not comfy_args.disable_cuda_graphs and not rt.running
     assert rt.session is not None and rt.session.reservations() == []
     warn = [ln for ln in lines() if "switched off" in ln]
     assert len(warn) == 1 and "injected into the wiring" in warn[0] and "every original restored" in warn[0]
+    from membackend.comfyui import status
+    assert status.status()["state"] == "switched-off"
     monkeypatch.setattr(control, "init_devices", originals[0])
+    rt.stop()
 
 
 class _Queue:
@@ -137,7 +231,7 @@ class _Queue:
 
 
 def test_the_idle_patch_calls_on_idle_only_when_the_queue_is_empty_and_stop_restores_it(
-        monkeypatch, comfy_args, lines, originals):
+        monkeypatch, comfy_args, lines, originals, serve_cpu):
     monkeypatch.setitem(sys.modules, "comfy.model_management", types.ModuleType("comfy.model_management"))
     monkeypatch.setitem(sys.modules, "execution", types.SimpleNamespace(PromptQueue=_Queue))
     original = _Queue.task_done
@@ -159,7 +253,7 @@ def test_the_idle_patch_calls_on_idle_only_when_the_queue_is_empty_and_stop_rest
     assert _Queue.task_done is original
 
 
-def test_without_a_prompt_queue_the_idle_patch_is_skipped_and_reported(monkeypatch, comfy_args, originals):
+def test_without_a_prompt_queue_the_idle_patch_is_skipped_and_reported(monkeypatch, comfy_args, originals, serve_cpu):
     monkeypatch.setitem(sys.modules, "comfy.model_management", types.ModuleType("comfy.model_management"))
     monkeypatch.delitem(sys.modules, "execution", raising=False)
     monkeypatch.setenv("MEMBACKEND_BACKEND", "host")
@@ -181,6 +275,7 @@ def test_start_up_with_plain_settings_imports_no_pydantic_and_only_what_it_uses(
         import json, sys, types
         sys.modules["comfy.model_management"] = types.ModuleType("comfy.model_management")
         from membackend.comfyui import startup
+        startup.SERVE_CPU_DEVICES = True
         rt = startup.prestartup()
         if rt is not None:
             assert rt.init_devices([(0, 0)]), rt.aborted

@@ -14,7 +14,9 @@ import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 import comfy_aimdo.torch as aimdo_torch  # noqa: E402
 
 from membackend.comfyui import vbar as facade  # noqa: E402
-from membackend.comfyui.startup import FACADE_NAMES, Runtime  # noqa: E402
+from membackend.comfyui import runtime as adapter  # noqa: E402
+from membackend.comfyui.runtime import Runtime  # noqa: E402
+from membackend.comfyui.wiring import FACADE_NAMES  # noqa: E402
 from membackend.drivers.open import machine_for  # noqa: E402
 from membackend.manager import BackendManager  # noqa: E402
 from membackend.residency import ResidencyManager  # noqa: E402
@@ -53,17 +55,17 @@ def rt():
     settings = load_settings(backend="host", headroom=0, host_capacity=16 * PS, page_size=PS)
     mgr = BackendManager(settings)
     machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine))
+    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
     runtime.session = mgr.session(machine, selection=runtime.selection)
     runtime.residency = ResidencyManager(runtime.session)
     runtime.devices = [runtime.device_for(0)]
-    facade.set_runtime(runtime)
+    adapter.decided("armed", "test", "", runtime)
     yield runtime
     runtime.stop()
 
 
 def test_without_a_runtime_construction_fails_like_an_uninitialised_aimdo():
-    assert facade.get_runtime() is None
+    assert adapter.current() is None
     with pytest.raises(RuntimeError, match="not initialized"):
         facade.ModelVBAR(1 << 20, 0)
     assert facade.vbars_analyze() == 0

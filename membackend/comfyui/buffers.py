@@ -21,6 +21,10 @@ parameters and methods:
   the buffer and, with a ``device_ptr``, copies the bytes to the device.
 * :class:`ModelMMAP` -- a private, copy-on-write memory map of the file
   (Python's ``mmap``); ``get()`` its address, ``bounce()`` drops its pages.
+* :func:`read_file_to_device` -- comfy-aimdo's staged file reader (``comfy.memory_management``
+  loads a weight's bytes from its file straight to device memory with it): here a
+  plain read into host memory, then a copy to the device range. :func:`cleanup_file_reader`
+  has no staging ring to give back.
 
 Exceptions are aimdo's (``RuntimeError`` with aimdo's messages), so ComfyUI's
 own handling of them applies unchanged.
@@ -33,7 +37,9 @@ import mmap
 import os
 from typing import Any
 
-__all__ = ["VRAMBuffer", "HostBuffer", "ModelMMAP", "tensor_of"]
+from .runtime import current
+
+__all__ = ["VRAMBuffer", "HostBuffer", "ModelMMAP", "read_file_to_device", "cleanup_file_reader", "tensor_of"]
 
 
 def _address(buf: Any) -> int:
@@ -44,10 +50,8 @@ class VRAMBuffer:
     """comfy-aimdo's ``VRAMBuffer(max_size, device)`` over torch-allocated device memory."""
 
     def __init__(self, max_size, device):
-        from .vbar import get_runtime
-
-        rt = get_runtime()
-        if rt is None:
+        rt = current()
+        if rt is None or rt.session is None:
             raise RuntimeError(f"device {device} is not initialized (membackend has not started)")
         from ..tensors import torch_device
 
@@ -118,21 +122,9 @@ class HostBuffer:
         size, offset, file_offset = int(size), int(offset), int(file_offset)
         if offset < 0 or size < 0 or offset + size > self._capacity:
             raise RuntimeError("HostBuffer.read_file_slice failed")
-        fd = file_obj if isinstance(file_obj, int) else file_obj.fileno()
-        view = memoryview(self._map)[offset:offset + size]
-        got = 0
-        while got < size:
-            n = os.preadv(fd, [view[got:]], file_offset + got)
-            if n <= 0:
-                raise RuntimeError("HostBuffer.read_file_slice failed")
-            got += n
+        _read_into(file_obj, memoryview(self._map)[offset:offset + size], file_offset, "HostBuffer.read_file_slice")
         if device_ptr:
-            from .vbar import get_runtime
-            from ..tensors import tensor_at
-
-            rt = get_runtime()
-            dev = rt.device_for(device) if rt is not None else "cpu:0"
-            tensor_at(int(device_ptr), size, dev).copy_(tensor_at(self._base + offset, size, "cpu:0"))
+            _to_device(self._base + offset, size, device_ptr, device)
         self.size = max(self.size, offset + size)
 
     def register(self, offset, size):
@@ -146,6 +138,53 @@ class HostBuffer:
         if size < 0 or size > self._capacity:
             raise RuntimeError("HostBuffer.truncate failed")
         self.size = size
+
+
+def _read_into(file_obj: Any, view: memoryview, file_offset: int, what: str) -> None:
+    """Fill ``view`` with the file's bytes from ``file_offset``; aimdo's ``RuntimeError`` when it cannot."""
+    try:
+        fd = file_obj if isinstance(file_obj, int) else file_obj.fileno()
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], file_offset + got)
+            if n <= 0:
+                raise OSError(f"end of file at byte {file_offset + got}")
+            got += n
+    except (OSError, ValueError, AttributeError) as exc:
+        raise RuntimeError(f"{what} failed ({exc})") from None
+
+
+def _to_device(host_address: int, size: int, device_ptr: int, device: Any) -> None:
+    """Copy ``size`` bytes at ``host_address`` to ``device_ptr`` on ComfyUI's device index ``device``."""
+    from ..tensors import tensor_at
+
+    rt = current()
+    dev = rt.device_for(device) if rt is not None else "cpu:0"
+    tensor_at(int(device_ptr), size, dev).copy_(tensor_at(host_address, size, "cpu:0"))
+
+
+def read_file_to_device(file_obj, file_offset, size, stream, device_ptr, device, mark_cold=True):
+    """comfy-aimdo's ``host_buffer.read_file_to_device``: ``size`` bytes of the file at ``file_offset`` into
+    device memory at ``device_ptr``. Synchronous (``stream`` is accepted; the copy is done on return);
+    ``mark_cold`` (aimdo's page-cache hint) has no meaning here."""
+    size = int(size)
+    if size < 0 or int(file_offset) < 0:
+        raise RuntimeError("hostbuf_file_reader_read failed")
+    if size == 0:
+        return
+    bounce = mmap.mmap(-1, size)
+    try:
+        _read_into(file_obj, memoryview(bounce), int(file_offset), "hostbuf_file_reader_read")
+        _to_device(_address(bounce), size, device_ptr, device)
+    finally:
+        try:
+            bounce.close()
+        except BufferError:  # a view still exported: the map goes with the last reference
+            pass
+
+
+def cleanup_file_reader():
+    """comfy-aimdo's ``host_buffer.cleanup_file_reader``: nothing is staged, nothing to give back."""
 
 
 class ModelMMAP:

@@ -60,6 +60,7 @@ ADAPTER = """if True:
     sys.modules.setdefault("comfy.model_management", types.ModuleType("comfy.model_management"))
     t0 = time.perf_counter()
     from membackend.comfyui import startup
+    startup.SERVE_CPU_DEVICES = True  # host starts as a GPU backend would on a GPU machine: the most it does
     rt = startup.prestartup()
     t1 = time.perf_counter()
     import torch  # ComfyUI imports torch between the prestartup scripts and init_devices: not the adapter's

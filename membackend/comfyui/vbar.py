@@ -33,9 +33,10 @@ module functions is kept (a test compares them by introspection), so ComfyUI's
   quiescent point, where the adapter also runs the full unloads it had to put
   off because pages were still pinned.
 
-Nothing here runs until the adapter started (:func:`membackend.comfyui.startup.start`);
+Nothing here runs until the adapter started (:meth:`membackend.comfyui.runtime.Runtime.init_devices`);
 before that, constructing a ``ModelVBAR`` raises ``RuntimeError`` as aimdo does
-for a device it has not initialised. ``pageout_callback`` is accepted and kept:
+for a device it has not initialised. The running adapter is
+:func:`membackend.comfyui.runtime.current`. ``pageout_callback`` is accepted and kept:
 membackend never pages weights out to host memory, so it is never called.
 """
 
@@ -50,30 +51,27 @@ from ..residency import ModelKind
 from ..tensors import check_resident, tensor_at
 from .buffers import VRAMBuffer
 from .buffers import tensor_of as buffer_tensor
+from .runtime import current
 
 log = logging.getLogger("membackend")
 
 __all__ = ["ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "vbars_reset_watermark_limits",
-           "vbars_analyze", "aimdo_to_tensor", "set_runtime", "get_runtime"]
+           "vbars_analyze", "aimdo_to_tensor"]
 
 ALIGN = 512
-_runtime: Any = None  # the running adapter (membackend.comfyui.startup.Runtime); None: not started
 
 
-def set_runtime(runtime: Any) -> None:
-    global _runtime
-    _runtime = runtime
-
-
-def get_runtime() -> Any:
-    return _runtime
+def _started() -> Any:
+    """The adapter whose session is open (running, or switched off with models still served); else None."""
+    rt = current()
+    return rt if rt is not None and rt.residency is not None else None
 
 
 class ModelVBAR:
     """One model's address range, as comfy-aimdo's ``ModelVBAR``; see the module docstring."""
 
     def __init__(self, size, device, pageout_callback=None):
-        rt = _runtime
+        rt = _started()
         if rt is None:
             raise RuntimeError(f"device {device} is not initialized (membackend has not started)")
         self._rt = rt
@@ -107,13 +105,21 @@ class ModelVBAR:
         return (self, alloc, num_bytes)
 
     def fault(self, alloc, size):
-        self._rt.before_fault(self)
-        f = self._rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
-        if not f.ok:
-            return None
-        if f.mapped and self._rt.residency.tracer is not None:  # new pages: the cast path copies the layer
+        rt = self._rt
+        rt.pending.discard(self)  # used again: its put-off unload is cancelled
+        for _ in range(2):
+            f = rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
+            if not f.ok:
+                return None
+            r = self._model.reservation(self._dev)
+            if r is not None:
+                break
+            # a full unload on another thread (one that does not wait for pins: unload_all, stop) took the
+            # reservation between the fault and here: fault again, which reserves anew, as any fresh fault
+        else:
+            return None  # unloaded twice under us: out of memory, ComfyUI casts from its own copy
+        if f.mapped and rt.residency.tracer is not None:  # new pages: the cast path copies the layer
             self._copy_started[(alloc, int(size))] = time.perf_counter()
-        r = self._model.reservation(self._dev)
         return array("Q", (r.id, *f.generations))
 
     def unpin(self, alloc, size):
@@ -159,7 +165,7 @@ class ModelVBAR:
 
     def __del__(self):
         try:
-            if not getattr(self, "_closed", True) and get_runtime() is self._rt:
+            if not getattr(self, "_closed", True) and current() is self._rt:
                 self.close()
         except Exception as exc:  # a finalizer must not raise
             log.debug("membackend: closing a collected ModelVBAR failed: %s", exc)
@@ -192,7 +198,7 @@ def vbar_unpin(alloc):
 
 
 def _abort(vbar: Any, exc: Exception, where: str) -> None:
-    rt = getattr(vbar, "_rt", None) or _runtime
+    rt = getattr(vbar, "_rt", None) or current()
     if rt is None:
         raise exc
     rt.abort(exc, where)
@@ -207,7 +213,7 @@ def vbar_signature_compare(a, b):
 
 
 def vbars_reset_watermark_limits():
-    rt = _runtime
+    rt = _started()
     if rt is None:
         return
     for vbar in list(rt.vbars):
@@ -216,7 +222,7 @@ def vbars_reset_watermark_limits():
 
 
 def vbars_analyze(device=None):
-    rt = _runtime
+    rt = _started()
     if rt is None:
         return 0
     return rt.residency.evictable(rt.device_for(0 if device is None else device))
@@ -240,7 +246,7 @@ def _original_to_tensor(alloc: Any, device: Any) -> Any:
 
     fn = ct.aimdo_to_tensor
     if fn is aimdo_to_tensor:
-        rt = _runtime
+        rt = current()
         fn = rt.patches.original(ct, "aimdo_to_tensor") if rt is not None else None
     if fn is None or fn is aimdo_to_tensor:
         raise RuntimeError("comfy-aimdo's aimdo_to_tensor is not available")

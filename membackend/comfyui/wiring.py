@@ -1,25 +1,32 @@
-"""The wiring patches on ``comfy.model_management`` and ``execution.PromptQueue``, made when membackend starts.
+"""What membackend patches into ComfyUI when it starts: the facade, the buffers, ``comfy.model_management``
+and ``execution.PromptQueue``.
 
-Each is feature-detected (a name this ComfyUI lacks is skipped and listed in
-the status), wrapped by :meth:`Runtime.guard` (an exception inside restores every
-original and calls ComfyUI's own function with the same arguments, G6), and
-undone by :meth:`Runtime.abort` / :meth:`Runtime.stop`.
+:func:`wire` is the ``wire`` function :class:`~membackend.comfyui.runtime.Runtime` calls
+once its session is open. Each patch is feature-detected (a name this ComfyUI lacks
+is skipped and listed in the status), wrapped by :meth:`Runtime.guard` where it is a
+ComfyUI function (an exception inside restores every original and calls ComfyUI's
+own function with the same arguments, G6), and undone by ``Runtime.abort`` /
+``Runtime.stop``.
 
+* **The facade** (:mod:`.vbar`) over ``comfy_aimdo.model_vbar`` and
+  ``comfy_aimdo.torch.aimdo_to_tensor``; comfy-aimdo's ``VRAMBuffer``, ``HostBuffer``,
+  ``ModelMMAP`` and ``read_file_to_device`` (:mod:`.buffers`); and wherever ComfyUI's
+  modules bound those names. These are the *surface*: an abort after start leaves
+  them for the dynamic patchers ComfyUI already made.
 * **Budgets (G3).** ``get_free_memory(dev=None, torch_free_too=False)`` answers the
-  backend's usable budget (free minus headroom, from the platform's source);
-  ``get_total_memory(dev=None, torch_total_too=False)`` its total; the import-time
-  ``total_vram`` (MiB) is set from it.
+  backend's usable budget (free minus headroom, from the platform's source) and
+  ``get_total_memory(dev=None, torch_total_too=False)`` its total, for the devices the
+  backend serves (others -- the CPU -- stay ComfyUI's); the import-time ``total_vram``
+  (MiB) is set from it when ComfyUI's device is served.
 * **Keep warm (G4).** ``free_memory(memory_required, device, keep_loaded=[], ...)``:
   when the policy can make the room itself (``memory_required`` no more than the
   usable budget plus the bytes it could evict), dynamic models are hidden from
   ComfyUI's victim choice, so a workflow switch leaves them resident; the policy
   evicts on pressure, least recently used first, never a model of the current run.
-  An "everything" request (ComfyUI's ``1e30`` sentinel: ``unload_all_models``) hides nothing.
+  An "everything" request (ComfyUI's ``1e30`` sentinel: ``unload_all_models``) hides
+  nothing, and neither does ComfyUI's ``--disable-smart-memory``.
   ``load_models_gpu(models, ...)`` declares the run (``ResidencyManager.use``) and
-  holds strong references to its dynamic patchers (:meth:`Runtime.hold`), so a
-  workflow switch that drops ComfyUI's references keeps them warm; under RAM
-  pressure (``Runtime.ram_pressure``) they are given back, least recently used
-  first, never the current run's, here and between nodes.
+  holds strong references to its dynamic patchers (:mod:`.keepwarm`).
 * **Full unload (G1) and the Hook delegate (G5).** After ``free_memory`` returns, every
   dynamic model it removed whose nn.Module no loaded model still uses (clones share
   one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
@@ -27,10 +34,8 @@ undone by :meth:`Runtime.abort` / :meth:`Runtime.stop`.
   ``non_dynamic_delegate_model`` is dropped with it.
 * **Idle.** ``execution.PromptQueue.task_done(item_id, ...)`` (the prompt worker calls it
   after each prompt): after ComfyUI's own, when ``get_tasks_remaining()`` says nothing
-  is queued or running, :meth:`Runtime.idle` runs ``ResidencyManager.on_idle`` (what
-  the backend keeps for reuse goes back; resident models stay). Patched on the class,
-  so the queue ComfyUI creates after start-up has it. Not ``soft_empty_cache``: ComfyUI
-  also calls that in the middle of a run (after ``free_memory`` unloads).
+  is queued or running, :meth:`Runtime.idle` runs ``ResidencyManager.on_idle``. Patched
+  on the class, so the queue ComfyUI creates after start-up has it.
 """
 
 from __future__ import annotations
@@ -39,14 +44,56 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from . import buffers
 from . import vbar as facade
 
 if TYPE_CHECKING:
-    from .startup import Runtime
+    from .runtime import Runtime
 
-__all__ = ["wire"]
+__all__ = ["wire", "FACADE_NAMES", "BUFFER_NAMES"]
 
 EVERYTHING = 1e29  # ComfyUI asks for 1e30 / 1e32 when it means "unload everything"
+#: comfy_aimdo.model_vbar's names the facade replaces
+FACADE_NAMES = ("ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "vbars_reset_watermark_limits",
+                "vbars_analyze")
+#: comfy-aimdo's names that need its device, replaced by membackend.comfyui.buffers
+BUFFER_NAMES = (("comfy_aimdo.vram_buffer", "VRAMBuffer"), ("comfy_aimdo.host_buffer", "HostBuffer"),
+                ("comfy_aimdo.host_buffer", "read_file_to_device"), ("comfy_aimdo.host_buffer", "cleanup_file_reader"),
+                ("comfy_aimdo.model_mmap", "ModelMMAP"))
+
+
+def install_facade(rt: "Runtime") -> None:
+    """The facade and the buffers over comfy-aimdo's names, and wherever ComfyUI's modules bound them."""
+    p = rt.patches
+    mv = importlib.import_module("comfy_aimdo.model_vbar")
+    originals: dict[str, tuple[Any, Any]] = {}  # name -> (aimdo's object, ours)
+    for name in FACADE_NAMES:
+        originals[name] = (getattr(mv, name), getattr(facade, name))
+        p.replace(mv, name, getattr(facade, name), surface=True)
+    try:
+        ct = importlib.import_module("comfy_aimdo.torch")
+    except ImportError:
+        ct = None
+    if ct is not None and p.replace(ct, "aimdo_to_tensor", facade.aimdo_to_tensor, required=False, surface=True):
+        originals["aimdo_to_tensor"] = (p.original(ct, "aimdo_to_tensor"), facade.aimdo_to_tensor)
+    for modname, name in BUFFER_NAMES:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            p.skipped.append(f"{modname}.{name}")
+            continue
+        if p.replace(mod, name, getattr(buffers, name), required=False, surface=True,
+                     label=f"{modname}.{name}"):
+            originals[name] = (p.original(mod, name), getattr(buffers, name))
+    # ComfyUI's modules that bound these names with ``from comfy_aimdo... import name``
+    by_id = {id(theirs): (theirs, ours) for theirs, ours in originals.values()}
+    for modname, mod in list(sys.modules.items()):
+        if mod is None or not (modname == "comfy" or modname.startswith("comfy.") or modname == "execution"):
+            continue
+        for attr, value in list(vars(mod).items()):
+            found = by_id.get(id(value))
+            if found is not None and value is found[0]:
+                p.replace(mod, attr, found[1], surface=True)
 
 
 def _vbars_of(patcher: Any) -> list[facade.ModelVBAR]:
@@ -61,31 +108,44 @@ def _dynamic(lm: Any) -> bool:
 
 
 def wire(rt: "Runtime") -> None:
+    """Everything membackend patches into ComfyUI once the runtime's session is open."""
+    install_facade(rt)
     mm = importlib.import_module("comfy.model_management")
     p = rt.patches
 
-    # ---- G3: budgets from the backend
-    def free_of(dev: Any = None) -> int:
-        return rt.session.budget_query(rt.device_for(dev)).usable
+    # ---- G3: budgets from the backend, for the devices it serves
+    def ours(dev: Any) -> bool:
+        if dev is None and callable(getattr(mm, "get_torch_device", None)):
+            dev = mm.get_torch_device()
+        return rt.serves(dev)
 
-    def total_of(dev: Any = None) -> int:
-        return rt.session.budget_query(rt.device_for(dev)).total
+    def budget(dev: Any) -> Any:
+        return rt.session.budget_query(rt.device_for(dev))
 
     if hasattr(mm, "get_free_memory"):
+        original_get_free = mm.get_free_memory
+
         def get_free_memory(dev=None, torch_free_too=False):
-            free = free_of(dev)
+            if not ours(dev):
+                return rt.comfy(original_get_free, dev, torch_free_too)
+            free = budget(dev).usable
             return (free, free) if torch_free_too else free
-        p.replace(mm, "get_free_memory", rt.guard("get_free_memory", mm.get_free_memory, get_free_memory))
+        p.replace(mm, "get_free_memory", rt.guard("get_free_memory", original_get_free, get_free_memory))
     else:
         p.skipped.append("comfy.model_management.get_free_memory")
     if hasattr(mm, "get_total_memory"):
+        original_get_total = mm.get_total_memory
+
         def get_total_memory(dev=None, torch_total_too=False):
-            total = total_of(dev)
+            if not ours(dev):
+                return rt.comfy(original_get_total, dev, torch_total_too)
+            total = budget(dev).total
             return (total, total) if torch_total_too else total
-        p.replace(mm, "get_total_memory", rt.guard("get_total_memory", mm.get_total_memory, get_total_memory))
+        p.replace(mm, "get_total_memory", rt.guard("get_total_memory", original_get_total, get_total_memory))
     else:
         p.skipped.append("comfy.model_management.get_total_memory")
-    p.replace(mm, "total_vram", total_of(0) / (1024 * 1024), required=False)
+    if ours(None):
+        p.replace(mm, "total_vram", budget(None).total / (1024 * 1024), required=False)
 
     # ---- G1, G4, G5: free_memory
     if hasattr(mm, "free_memory") and hasattr(mm, "current_loaded_models"):
@@ -96,7 +156,7 @@ def wire(rt: "Runtime") -> None:
             before = list(loaded)
             sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
             hide = []
-            if memory_required < EVERYTHING:
+            if memory_required < EVERYTHING and rt.keep.enabled:
                 dev = rt.device_for(device)
                 room = rt.session.budget_query(dev).usable + rt.residency.evictable(dev)
                 if memory_required <= room:
@@ -133,7 +193,7 @@ def wire(rt: "Runtime") -> None:
                 rt.pending.discard(v)
             if vbars:
                 rt.residency.use([v._model for v in vbars])
-            rt.hold([m for m in models if _vbars_of(m)])
+            rt.keep.hold([m for m in models if _vbars_of(m)])
             return result
         p.replace(mm, "load_models_gpu", rt.guard("load_models_gpu", original_load, load_models_gpu))
     else:
