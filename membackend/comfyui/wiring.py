@@ -42,15 +42,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import buffers
 from . import vbar as facade
+from .runtime import AIMDO_LOG_LEVELS, Runtime, _no_aimdo_log
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
-__all__ = ["wire", "FACADE_NAMES", "BUFFER_NAMES"]
+__all__ = ["wire", "served", "FACADE_NAMES", "BUFFER_NAMES", "LEFT_TO_AIMDO"]
 
 EVERYTHING = 1e29  # ComfyUI asks for 1e30 / 1e32 when it means "unload everything"
 #: comfy_aimdo.model_vbar's names the facade replaces
@@ -62,7 +60,30 @@ BUFFER_NAMES = (("comfy_aimdo.vram_buffer", "VRAMBuffer"), ("comfy_aimdo.host_bu
                 ("comfy_aimdo.model_mmap", "ModelMMAP"))
 
 
-def install_facade(rt: "Runtime") -> None:
+#: comfy-aimdo names ComfyUI calls that membackend deliberately leaves to comfy-aimdo while it serves, and why
+LEFT_TO_AIMDO = {
+    "comfy_aimdo.control.init": "ComfyUI calls it before the prestartup scripts; it only loads aimdo's library "
+                                "(or fails to), which membackend then leaves unused",
+    "comfy_aimdo.control.analyze": "returns at once: it walks the device contexts of aimdo's own init_devices, and "
+                                   "there are none while membackend serves",
+    "comfy_aimdo.control.set_log_detail": "in no comfy-aimdo release; main.py catches the AttributeError and calls "
+                                          "set_log_info, which membackend serves",
+    "comfy_aimdo.torch.hostbuf_to_tensor": "plain Python over the buffer's size and get_raw_address(), which "
+                                           "membackend's HostBuffer answers",
+}
+
+
+def served() -> dict[str, Any]:
+    """Every comfy-aimdo name membackend replaces while it runs (``module.name``) and what answers it."""
+    out: dict[str, Any] = {f"comfy_aimdo.model_vbar.{n}": getattr(facade, n) for n in FACADE_NAMES}
+    out["comfy_aimdo.torch.aimdo_to_tensor"] = facade.aimdo_to_tensor
+    out.update({f"{m}.{n}": getattr(buffers, n) for m, n in BUFFER_NAMES})
+    out["comfy_aimdo.control.init_devices"] = Runtime.init_devices
+    out.update({f"comfy_aimdo.control.set_log_{level}": _no_aimdo_log for level in AIMDO_LOG_LEVELS})
+    return out
+
+
+def install_facade(rt: Runtime) -> None:
     """The facade and the buffers over comfy-aimdo's names, and wherever ComfyUI's modules bound them."""
     p = rt.patches
     mv = importlib.import_module("comfy_aimdo.model_vbar")
@@ -107,7 +128,7 @@ def _dynamic(lm: Any) -> bool:
     return patcher is not None and bool(_vbars_of(patcher))
 
 
-def wire(rt: "Runtime") -> None:
+def wire(rt: Runtime) -> None:
     """Everything membackend patches into ComfyUI once the runtime's session is open."""
     install_facade(rt)
     mm = importlib.import_module("comfy.model_management")
@@ -217,7 +238,7 @@ def wire(rt: "Runtime") -> None:
         p.skipped.append("execution.PromptQueue.task_done")
 
 
-def _retire(rt: "Runtime", removed: list[Any], loaded: list[Any], sizes: dict[int, int]) -> None:
+def _retire(rt: Runtime, removed: list[Any], loaded: list[Any], sizes: dict[int, int]) -> None:
     """Full unload (G1) of removed dynamic models no loaded model still uses; drop their delegates (G5)."""
     in_use = {id(lm.model.model) for lm in loaded if not lm.is_dead() and lm.model is not None}
     for lm in removed:
