@@ -237,3 +237,52 @@ def test_the_cast_buffer_refuses_a_range_past_its_size_as_aimdo_does(rt):
     assert t.numel() == 1000 and buf.size() == 1512
     with pytest.raises(RuntimeError, match="VRAM grow failed"):
         buf.get(1 << 20, 1)
+
+
+def _loaded(rt, pages=2):
+    v = facade.ModelVBAR(pages * PS, 0)
+    a = v.alloc(pages * PS)
+    assert facade.vbar_fault(a) is not None
+    facade.vbar_unpin(a)
+    return v, a
+
+
+def test_what_the_status_keeps_of_unloads_is_bounded(rt):
+    import json
+
+    from membackend.comfyui.runtime import UNLOADS_KEPT
+    v, a = _loaded(rt)
+    for _ in range(2000):
+        assert facade.vbar_fault(a) is not None
+        facade.vbar_unpin(a)
+        rt.unload_vbar(v, "test")
+    st = rt.status()
+    assert st["unload_count"] == 2000 and len(st["unloads"]) == UNLOADS_KEPT
+    assert len(json.dumps(st)) < 40_000
+
+
+def test_a_failed_copy_never_keeps_its_model_from_a_full_unload(rt):
+    from concurrent.futures import Future
+
+    from membackend.fences import FutureToken
+    v, a = _loaded(rt)
+    failed = Future()
+    failed.set_exception(OSError("copy failed"))
+    rt.residency.record(v._model, FutureToken(failed), v._dev)
+    rt.unload_vbar(v, "test")  # the failure is reported (one line); the unload is retried at the next node
+    assert v in rt.pending
+    facade.vbars_reset_watermark_limits()
+    assert rt.session.reservations() == [] and v not in rt.pending and rt.aborted is None
+    assert facade.vbar_fault(a) is not None  # and the model is usable again
+    facade.vbar_unpin(a)
+
+
+def test_a_full_unload_waits_for_a_pin_and_runs_at_the_next_quiescent_point(rt):
+    v = facade.ModelVBAR(2 * PS, 0)
+    a = v.alloc(PS)
+    assert facade.vbar_fault(a) is not None  # pinned
+    rt.unload_vbar(v, "test")
+    assert v in rt.pending and len(rt.session.reservations()) == 1
+    facade.vbar_unpin(a)
+    facade.vbars_reset_watermark_limits()
+    assert rt.session.reservations() == [] and rt.unloads[-1]["reason"] == "put off until no page was pinned"

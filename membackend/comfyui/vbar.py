@@ -48,6 +48,7 @@ from array import array
 from typing import Any
 
 from ..residency import ModelKind
+from ..types import DriverError
 from ..tensors import check_resident, tensor_at
 from .buffers import VRAMBuffer
 from .buffers import tensor_of as buffer_tensor
@@ -142,8 +143,16 @@ class ModelVBAR:
         self._rt.residency.set_watermark(self._model, max(0, int(size_bytes)), self._dev)
 
     def free_memory(self, size_bytes):
-        amount = int(min(float(size_bytes), float(self.max_size) * 2))  # ComfyUI passes 1e32 for "all"
-        return self._rt.residency.shed(self._model, max(0, amount), self._dev, floor=self._limit)
+        amount = max(0, int(min(float(size_bytes), float(self.max_size) * 2)))  # ComfyUI passes 1e32 for "all"
+        for attempt in range(2):
+            try:
+                return self._rt.residency.shed(self._model, amount, self._dev, floor=self._limit)
+            except DriverError as exc:
+                # a copy recorded on these pages failed: reported here, once; a failed token then counts as
+                # finished (a token still running is kept and fenced again), so the next try can free
+                log.warning("membackend: freeing %s waited for a copy that failed (%s)%s", self._model.id, exc,
+                            "; trying again" if attempt == 0 else "; nothing freed this time")
+        return 0
 
     def get_nr_pages(self):
         r = self._model.reservation(self._dev)
