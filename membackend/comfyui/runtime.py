@@ -110,7 +110,7 @@ class _ComfyRaised(Exception):
         self.exc = exc
 
 
-def _no_aimdo_log(*_args: Any, **_kwargs: Any) -> None:
+def aimdo_log_noop(*_args: Any, **_kwargs: Any) -> None:
     """Stands in for comfy-aimdo's ``set_log_<level>()`` while membackend serves: aimdo's native library,
     which those functions configure, is not in use (and may never have been loaded). ComfyUI's console
     level already governs membackend's own logger."""
@@ -199,7 +199,7 @@ class Runtime:
         self.fences = CopyFences(self.residency)
         control = importlib.import_module("comfy_aimdo.control")
         for level in AIMDO_LOG_LEVELS:  # main.py calls one right after we answer True
-            self.patches.replace(control, f"set_log_{level}", _no_aimdo_log, required=False)
+            self.patches.replace(control, f"set_log_{level}", aimdo_log_noop, required=False)
         self._wire(self)
         skipped = f"; not in this ComfyUI: {', '.join(self.patches.skipped)}" if self.patches.skipped else ""
         say(f"started {self.name} on {', '.join(map(str, self.devices))}; {len(self.patches.applied)} patch "

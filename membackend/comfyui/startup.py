@@ -77,7 +77,7 @@ def comfy_dynamic_vram(cli: Any) -> tuple[bool, str]:
         return (bool(rule()) if callable(rule) else True), "--enable-dynamic-vram"
     flag = next((f for attr, f in _DYNAMIC_OFF if getattr(args, attr, False)), None)
     on = bool(rule()) if callable(rule) else flag is None
-    return on, (flag or "ComfyUI's default") if not on else "ComfyUI's default"
+    return on, "ComfyUI's default" if on or flag is None else flag
 
 
 @dataclass(frozen=True)

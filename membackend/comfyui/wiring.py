@@ -46,7 +46,7 @@ from typing import Any
 
 from . import buffers
 from . import vbar as facade
-from .runtime import AIMDO_LOG_LEVELS, Runtime, _no_aimdo_log
+from .runtime import AIMDO_LOG_LEVELS, Runtime, aimdo_log_noop
 
 __all__ = ["wire", "served", "FACADE_NAMES", "BUFFER_NAMES", "LEFT_TO_AIMDO"]
 
@@ -79,7 +79,7 @@ def served() -> dict[str, Any]:
     out["comfy_aimdo.torch.aimdo_to_tensor"] = facade.aimdo_to_tensor
     out.update({f"{m}.{n}": getattr(buffers, n) for m, n in BUFFER_NAMES})
     out["comfy_aimdo.control.init_devices"] = Runtime.init_devices
-    out.update({f"comfy_aimdo.control.set_log_{level}": _no_aimdo_log for level in AIMDO_LOG_LEVELS})
+    out.update({f"comfy_aimdo.control.set_log_{level}": aimdo_log_noop for level in AIMDO_LOG_LEVELS})
     return out
 
 
