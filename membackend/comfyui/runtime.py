@@ -137,7 +137,10 @@ class Runtime:
         self.fences: "CopyFences | None" = None  # tokens for the cast path's queued copies (G2)
         self.devices: list[Device] = []
         self.vbars: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.pending: weakref.WeakSet[Any] = weakref.WeakSet()  # full unloads put off until no page is pinned
+        #: VBARs whose full unload is put off until no page is pinned; changed through put_off/cancel_put_off
+        #: (a WeakSet must not change while another thread copies it)
+        self.pending: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._pending_lock = threading.Lock()
         self.started: bool | None = None  # None: init_devices not called yet
         self.aborted: str | None = None
         self.unloads: collections.deque[dict[str, Any]] = collections.deque(maxlen=UNLOADS_KEPT)
@@ -315,13 +318,13 @@ class Runtime:
         try:
             dropped = self.residency.full_unload_unless_pinned(model)
         except PartialFailure as exc:
-            self.pending.add(vbar)
+            self.put_off(vbar)
             say(f"full unload of {model.id} failed, retried at the next node ({exc})", logging.WARNING)
             return
         if dropped is None:
-            self.pending.add(vbar)  # destroying pinned pages is what aborts aimdo (#14396): wait
+            self.put_off(vbar)  # destroying pinned pages is what aborts aimdo (#14396): wait
             return
-        self.pending.discard(vbar)
+        self.cancel_put_off(vbar)
         if not dropped.alive:
             return  # unloaded already
         entry = {"model": model.id, "device": str(vbar._dev), "bytes": dropped.bytes + earlier,
@@ -335,7 +338,9 @@ class Runtime:
     def quiescent(self) -> None:
         """Between nodes: run the full unloads that waited for pins to go; give back held models under
         RAM pressure (G4)."""
-        for vbar in list(self.pending):
+        with self._pending_lock:
+            waiting = list(self.pending)
+        for vbar in waiting:
             self.unload_vbar(vbar, "put off until no page was pinned")
         self.keep.relieve()
 
@@ -351,8 +356,18 @@ class Runtime:
             say(f"prompt queue empty: gave back {given} bytes the backend kept for reuse")
         return given
 
+    def put_off(self, vbar: Any) -> None:
+        """Run this VBAR's full unload at the next quiescent point."""
+        with self._pending_lock:
+            self.pending.add(vbar)
+
+    def cancel_put_off(self, vbar: Any) -> None:
+        """The VBAR is used again (or gone): its put-off unload is cancelled."""
+        with self._pending_lock:
+            self.pending.discard(vbar)
+
     def close_vbar(self, vbar: Any) -> None:
-        self.pending.discard(vbar)
+        self.cancel_put_off(vbar)
         self.vbars.discard(vbar)
         if self.fences is not None:
             self.fences.forget(vbar._model)

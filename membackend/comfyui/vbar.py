@@ -107,7 +107,7 @@ class ModelVBAR:
 
     def fault(self, alloc, size):
         rt = self._rt
-        rt.pending.discard(self)  # used again: its put-off unload is cancelled
+        rt.cancel_put_off(self)  # used again: its put-off unload is cancelled
         for _ in range(2):
             f = rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
             if not f.ok:

@@ -211,7 +211,7 @@ def wire(rt: Runtime) -> None:
             result = rt.comfy(original_load, models, *args, **kwargs)
             vbars = [v for m in models for v in _vbars_of(m)]
             for v in vbars:
-                rt.pending.discard(v)
+                rt.cancel_put_off(v)
             if vbars:
                 rt.residency.use([v._model for v in vbars])
             rt.keep.hold([m for m in models if _vbars_of(m)])
