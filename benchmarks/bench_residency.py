@@ -64,7 +64,7 @@ def run(target: str, cls) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     results = {t: {cls.policy: run(t, cls) for cls in (StockPolicy, ResidencyManager)}
-               for t in ["host", *PROFILES]}
+               for t in ["host", *(n for n, p in PROFILES.items() if all(d.vmm for d in p.devices))]}
     if "--json" in argv:
         print(json.dumps(results, indent=2))
         return 0

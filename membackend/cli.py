@@ -47,8 +47,12 @@ def _rss() -> int:
 
 
 def machine_report(m: Machine) -> dict[str, Any]:
+    """The machine facts as JSON: every field, ``sources`` per field (machine and device), and the
+    ``discovery`` lines (what each driver binding answered)."""
     d = dataclasses.asdict(m)
-    d["devices"] = [{**dataclasses.asdict(i), "device": str(i.device)} for i in m.devices]
+    d["sources"], d["discovery"] = dict(m.sources), list(m.discovery)
+    d["devices"] = [{**dataclasses.asdict(i), "device": str(i.device), "sources": dict(i.sources)}
+                    for i in m.devices]
     return d
 
 
@@ -137,18 +141,61 @@ def self_test(session: Session) -> dict[str, Any]:
     return {"ok": ok, "backend": session.name, "device": str(dev), "steps": steps}
 
 
+def kept_windows_report(session: Session) -> list[dict[str, Any]]:
+    """Per device, the address windows a backend under a reserve-churn limit keeps reserved after release,
+    the large frees it spent and the bound on what stays (``VmmBackend.kept_windows``); empty elsewhere."""
+    kept = getattr(session.backend, "kept_windows", None)
+    rows = []
+    for dev in session.devices() if kept is not None else ():
+        try:
+            k = kept(dev)
+        except MembackendError as exc:
+            rows.append({"device": str(dev), "line": f"{dev}: {type(exc).__name__}: {exc}"})
+            continue
+        if k is not None:
+            rows.append({**dataclasses.asdict(k), "device": str(dev), "line": k.describe()})
+    return rows
+
+
 # --------------------------------------------------------------------------- printing
 
 
+def _yes(value: bool | None) -> str:
+    return "unknown" if value is None else ("yes" if value else "no")
+
+
+#: the device facts the doctor prints, with how each value is shown
+_DEVICE_FACTS = (("name", "name", lambda v: v or "?"), ("total_memory", "total memory", _mib),
+                 ("arch", "arch", lambda v: v or "?"), ("integrated", "integrated", _yes),
+                 ("unified", "one pool with the host", _yes), ("vmm_supported", "virtual memory management", _yes),
+                 ("driver_model", "driver model", lambda v: v or "-"), ("luid", "LUID", lambda v: v or "-"))
+
+
 def _print_machine(m: Machine) -> None:
-    print(f"machine: {m.os}, {m.cpus} CPUs, RAM {_mib(m.ram_total)} ({_mib(m.ram_available)} available), "
-          f"cgroup limit {_mib(m.cgroup_limit) if m.cgroup_limit else 'none'}")
-    print(f"  torch: {m.torch_version or 'not installed'} ({m.torch_vendor or '-'} build)")
+    """Every fact with its source in brackets (``[?]``: nothing answered for it), then what each
+    driver binding answered (the discovery lines)."""
+    def src(name: str) -> str:
+        return m.source_of(name) or "?"
+
+    print("machine:")
+    print(f"  OS: {m.os}  [{src('os')}]")
+    print(f"  CPUs: {m.cpus}  [{src('cpus')}]")
+    print(f"  RAM: {_mib(m.ram_total)} ({_mib(m.ram_available)} available)  [{src('ram_total')}]")
+    print(f"  cgroup limit: {_mib(m.cgroup_limit) if m.cgroup_limit else 'none'}  [{src('cgroup_limit')}]")
+    print(f"  torch: {m.torch_version or 'not installed'} ({m.torch_vendor or '-'} build)  [{src('torch_version')}]")
     if not m.devices:
         print("  GPUs: none found")
     for d in m.devices:
-        extra = ", ".join(x for x in (d.driver_model, d.arch, "integrated" if d.integrated else "") if x)
-        print(f"  {d.device}: {d.name or '?'} {_mib(d.total_memory) if d.total_memory else ''} {extra} [{d.source}]")
+        print(f"  {d.device}: {d.name or '?'}  (listed by {d.source or '?'})")
+        for name, label, show in _DEVICE_FACTS:
+            value, where = getattr(d, name), d.source_of(name)
+            if where is None and name in ("driver_model", "luid") and value is None:
+                continue  # not asked off Windows
+            print(f"    {label}: {show(value)}  [{where or '?'}]")
+    if m.discovery:
+        print("  discovery:")
+        for line in m.discovery:
+            print(f"    {line}")
     if m.overridden:
         print(f"  overridden by settings: {', '.join(m.overridden)}")
 
@@ -228,6 +275,7 @@ def run(command: str, as_json: bool) -> int:
     if session is not None:
         out["budgets"] = budgets_report(session)
         out["selftest"] = self_test(session)
+        out["kept_windows"] = kept_windows_report(session)
     if as_json:
         print(json.dumps(out, indent=2, default=str))
     else:
@@ -237,6 +285,8 @@ def run(command: str, as_json: bool) -> int:
         if session is not None:
             _print_budgets(out["budgets"])
             _print_selftest(out["selftest"])
+            for row in out["kept_windows"]:
+                print(f"kept address windows: {row['line']}")
     return 0 if session is None or out["selftest"]["ok"] else 1
 
 

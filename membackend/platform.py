@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .drivers.gpu import BUDGET_SOURCES
-from .types import Candidate, Capabilities, Machine, Score
+from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
 
-__all__ = ["Platform", "GENERIC"]
+__all__ = ["Platform", "GENERIC", "vmm_unsupported"]
 
 MiB = 1 << 20
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]*$"
@@ -82,19 +82,57 @@ class Platform:
         return value
 
 
+_VMM_ATTRIBUTE = {"cuda": "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                  "hip": "hipDeviceAttributeVirtualMemoryManagementSupported"}
+
+
+def vmm_unsupported(gpus: tuple[DeviceInfo, ...] | list[DeviceInfo]) -> str | None:
+    """Why a virtual-memory backend cannot serve ``gpus``, or None when every one supports virtual
+    memory management (``DeviceInfo.vmm_supported`` is true).
+
+    A device that reports no support fails its first ``cuMemCreate`` / ``hipMemCreate`` with
+    ...NOT_SUPPORTED; one whose support is unknown was not listed through the driver API (NVML or
+    ``/proc`` only, or a driver that did not answer), which a VMM backend needs anyway. Every VMM
+    probe scores 0 with this reason.
+    """
+    for d in gpus:
+        if d.vmm_supported:
+            continue
+        attr = _VMM_ATTRIBUTE.get(d.device.kind, "virtual memory management support")
+        named = f"{d.device} ({d.name or 'unnamed'})"
+        if d.vmm_supported is False:
+            return (f"{named} does not support virtual memory management ({attr} = 0, from "
+                    f"{d.source_of('vmm_supported') or d.source}); the host backend serves it")
+        return (f"{named}: virtual memory management support is unknown ({attr} was not answered; the device "
+                f"was listed by {d.source or 'nothing'}), and a VMM backend needs the driver API that answers it")
+    return None
+
+
 def _generic_probe(machine: Machine) -> Candidate:
+    """Any CUDA or HIP device (HIP's when torch is a ROCm build), each supporting virtual memory
+    management; score 20, in the generic band."""
     vendor = "hip" if machine.torch_vendor == "rocm" else None
     gpus = machine.gpus(vendor)
     if not gpus:
         return Candidate("vmm", Score.NONE, f"no {vendor.upper() if vendor else 'CUDA or HIP'} device found")
     kind = gpus[0].device.kind
+    gpus = machine.gpus(kind)
+    lacking = vmm_unsupported(gpus)
+    if lacking:
+        return Candidate("vmm", Score.NONE, lacking)
     names = ", ".join(sorted({d.name or str(d.device) for d in gpus}))
     return Candidate("vmm", 20, f"generic VMM over {kind} on {len(gpus)} device(s): {names}")
 
 
-#: the built-in generic platform: any CUDA or HIP device, budget from mem-get-info
+#: the built-in generic platform: any CUDA or HIP device, budget from mem-get-info. A free waits for the
+#: fence tokens recorded on its range; the device is synchronized after fresh mappings only on devices
+#: under WDDM (``page_in_sync="wddm"``: Windows, TCC aside), whose video memory manager pages them in
+#: behind the process's back, work no token covers (ComfyUI #16246). Elsewhere nothing pages them in
+#: (and Linux cuMemUnmap is itself "synchronous for most use cases", CUDA driver API), so a device-wide
+#: sync would only stall every other stream, torch's included.
 GENERIC = Platform(
     name="vmm",
     probe=_generic_probe,
+    capabilities=Capabilities(page_in_sync="wddm"),
     description="generic virtual-memory backend over the CUDA or HIP driver",
 )

@@ -224,6 +224,9 @@ def _models() -> Any:
         unified: bool = False
         driver_model: str | None = Field(None, json_schema_extra={"accepted": "wddm, tcc, mcdm or unset"})
         arch: str | None = None
+        #: a device the user describes is taken to support virtual memory management unless told otherwise
+        vmm_supported: bool = True
+        luid: str | None = Field(None, json_schema_extra={"accepted": "16 hex digits (the adapter LUID)"})
 
         @field_validator("kind")
         @classmethod

@@ -29,6 +29,7 @@ __all__ = [
     "ReservationError",
     "ReservationReleased",
     "ForeignReservation",
+    "TensorAlive",
     "InvalidToken",
     "PartialFailure",
     "OutOfRange",
@@ -63,6 +64,29 @@ class ReservationReleased(ReservationError):
 
 class ForeignReservation(ReservationError):
     """A reservation that another session (or another backend) handed out; nothing was changed."""
+
+
+class TensorAlive(ReservationError):
+    """A free or release of a range that a live tensor from ``membackend.tensors`` still views.
+
+    Nothing was changed. ``reservation`` is the reservation, ``offset``/``size``
+    the byte range asked for, ``views`` how many live tensors overlap it and
+    ``held`` the byte ranges ``(offset, end)`` they view.
+    """
+
+    def __init__(self, verb: str, reservation: Any, offset: int, size: int, held: list[tuple[int, int]]):
+        self.verb = verb
+        self.reservation = reservation
+        self.offset = offset
+        self.size = size
+        self.held = sorted(held)
+        self.views = len(held)
+        spans = ", ".join(f"[{a}, {b})" for a, b in self.held[:4]) + (", ..." if len(held) > 4 else "")
+        super().__init__(
+            f"{verb}: range [{offset}, {offset + size}) of reservation #{reservation.id} ({reservation.device}) is "
+            f"viewed by {self.views} live tensor(s) from membackend.tensors (bytes {spans}); nothing was changed. "
+            f"Accepted: drop those tensors and every view of them (del t; gc.collect() for ones in a reference "
+            f"cycle) first, then free or release")
 
 
 class InvalidToken(MembackendError, TypeError):
@@ -199,7 +223,14 @@ class Device:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What is known about one device without creating a context on it."""
+    """What is known about one device without creating a context on it.
+
+    ``source`` names what listed the device (a binding, ``override``);
+    ``sources`` says, per field, where that field's value came from (e.g.
+    ``("integrated", "cuda: cuDeviceGetAttribute(INTEGRATED)")``); a field
+    with no entry kept its default because nothing answered.
+    ``vmm_supported`` is None when nothing was asked (or nothing answered).
+    """
 
     device: Device
     name: str = ""
@@ -209,6 +240,13 @@ class DeviceInfo:
     driver_model: str | None = None  # "wddm" / "tcc" / "mcdm" on Windows, None elsewhere
     arch: str | None = None  # "sm_90", "gfx1201", ...
     source: str = ""
+    vmm_supported: bool | None = None  # the driver's virtual memory management (cuMemCreate / hipMemCreate)
+    luid: str | None = None  # the adapter LUID as 16 hex digits (high part first), Windows only
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def source_of(self, name: str) -> str | None:
+        """Where field ``name`` came from, or None when nothing answered for it."""
+        return dict(self.sources).get(name)
 
 
 @dataclass(frozen=True)
@@ -224,6 +262,14 @@ class Machine:
     torch_vendor: str | None  # "cuda" / "rocm" / "cpu" / None when torch is absent
     devices: tuple[DeviceInfo, ...] = ()
     overridden: tuple[str, ...] = ()
+    #: per machine-level field, where its value came from (``("os", "platform.system()")``)
+    sources: tuple[tuple[str, str], ...] = ()
+    #: one line per driver binding asked: what it answered, or why it could not (for the doctor)
+    discovery: tuple[str, ...] = ()
+
+    def source_of(self, name: str) -> str | None:
+        """Where machine-level field ``name`` came from, or None when unknown."""
+        return dict(self.sources).get(name)
 
     def gpus(self, kind: str | None = None) -> tuple[DeviceInfo, ...]:
         return tuple(d for d in self.devices if d.device.kind != "cpu" and (kind is None or d.device.kind == kind))
@@ -336,6 +382,10 @@ class Candidate:
     opt_in: bool = False
 
 
+#: the accepted values of :attr:`Capabilities.page_in_sync`
+PAGE_IN_SYNC = ("always", "wddm", "never")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a platform tells the mechanism and the policy; the defaults suit a discrete GPU.
@@ -353,15 +403,30 @@ class Capabilities:
     * ``unified_pool``: the device shares one pool with the host (budgets say so).
     * ``address_quota``: bytes of GPU address space (reservations and mappings)
       the process may hold; a reserve past it is refused up front.
+    * ``page_in_sync``: whether a free (a release, a reservation's fence, a
+      failed fault's rollback) synchronizes the whole device when pages were
+      mapped since its last synchronize, because the driver may still be
+      paging a fresh mapping in behind the process's back, work no fence token
+      covers (Windows' video memory manager, VidMm in ``dxgmms2``, serves every
+      WDDM driver; releasing during that page-in is ComfyUI #16246's bugcheck).
+      ``always``: on every device; ``never``: the recorded fence tokens cover
+      everything, so a free stalls no other stream; ``wddm`` (the default):
+      only on devices that run under WDDM, i.e. on Windows unless the driver
+      model is TCC. The platforms' choices: generic ``vmm`` ``wddm``;
+      ``cuda_wddm`` ``always``; ``rocm_windows`` ``always``; ``unified_gb10``
+      ``never``.
     * ``reserve_churn_limit``: the platform fails large reserves after this many
-      large address frees; released windows of at least ``reserve_churn_window``
-      bytes are then kept (bounded) and reused instead of freed.
+      large address frees (process-wide); released windows of at least
+      ``reserve_churn_window`` bytes are kept and reused instead of freed, and
+      given back while the frees the limit allows last (see
+      :mod:`membackend.backends.vmm` for the bound on what stays).
     """
 
     release_on_full_unload: bool = True
     recycle_handles: bool = False
     recycle_limit: int | None = 16
     fence_granularity: str = "reservation"
+    page_in_sync: str = "wddm"
     unified_pool: bool = False
     address_quota: int | None = None
     reserve_churn_limit: int | None = None
@@ -370,6 +435,11 @@ class Capabilities:
     def __post_init__(self) -> None:
         if self.fence_granularity not in ("reservation", "device"):
             raise ValueError(f"fence_granularity {self.fence_granularity!r}; accepted: reservation, device")
+        if self.page_in_sync not in PAGE_IN_SYNC:
+            raise ValueError(f"page_in_sync {self.page_in_sync!r}; accepted: {', '.join(PAGE_IN_SYNC)}")
+        if self.reserve_churn_limit is not None and (not isinstance(self.reserve_churn_limit, int)
+                                                     or self.reserve_churn_limit < 1):
+            raise ValueError(f"reserve_churn_limit {self.reserve_churn_limit!r}; accepted: None or an int >= 1")
 
 
 @dataclass(frozen=True)

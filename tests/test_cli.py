@@ -85,3 +85,24 @@ def test_a_gpu_backend_whose_driver_cannot_answer_fails_the_self_test_cleanly(ca
     monkeypatch.setenv("MEMBACKEND_MACHINE__DEVICES", '[{"kind": "cuda", "total_memory": "8GiB"}]')
     code, out, _ = run(capsys, "doctor")
     assert code == 1 and "self-test: FAILED" in out and "budget query failed" in out
+
+
+def test_doctor_prints_each_fact_with_its_source(capsys, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "gb10-128gb")
+    code, out, _ = run(capsys, "doctor")
+    assert code == 0 and "selected: unified_gb10" in out
+    assert "OS: linux  [sim:gb10-128gb: the simulated OS]" in out
+    assert "integrated: yes  [cuda: cuDeviceGetAttribute(INTEGRATED)]" in out
+    assert "virtual memory management: yes  [cuda: cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)]" in out
+    assert "cuda (sim:gb10-128gb): 1 device(s), driver 13.0 (cuDriverGetVersion)" in out
+    monkeypatch.setenv("MEMBACKEND_MACHINE__OS", "linux")
+    code, out, _ = run(capsys, "doctor", "--json")
+    machine = json.loads(out)["machine"]
+    assert machine["sources"]["os"].startswith("user override MEMBACKEND_MACHINE__OS")
+    assert machine["devices"][0]["sources"]["total_memory"] == "cuda: cuDeviceTotalMem"
+    assert machine["discovery"] == ["cuda (sim:gb10-128gb): 1 device(s), driver 13.0 (cuDriverGetVersion)"]
+
+
+def test_doctor_says_why_a_real_driver_listed_nothing(capsys):
+    code, out, _ = run(capsys, "doctor")
+    assert "discovery:" in out and "cuda" in out.split("discovery:")[1]

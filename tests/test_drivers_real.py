@@ -52,3 +52,46 @@ def test_aimdo_backend_refuses_verbs_with_the_reason():
         pytest.skip("comfy-aimdo initialised a device here")
     with pytest.raises(DriverError, match="init_device"):
         b.membackend_reserve(device=Device("cuda", 0), size=1 << 20)
+
+
+def test_real_discovery_without_a_gpu_lists_nothing_and_says_why():
+    from membackend.machine import gather_machine
+
+    machine = gather_machine()
+    if machine.gpus():
+        pytest.skip("this machine has a GPU")
+    assert [line for line in machine.discovery if line.startswith("cuda")]
+    assert [line for line in machine.discovery if line.startswith("hip") or "HIP" in line]
+
+
+def test_the_real_hip_opener_falls_back_to_the_ctypes_binding_and_fails_typed():
+    from membackend.drivers import hip_ctypes
+    from membackend.drivers.open import open_gpu_driver
+
+    try:
+        hip_ctypes.load()
+    except DriverError:
+        pass
+    else:
+        pytest.skip("a HIP runtime is installed here")
+    with pytest.raises(DriverError) as info:
+        open_gpu_driver("hip")
+    assert info.value.call in ("dlopen", "hipInit")
+
+
+def test_the_cuda_wrapper_restores_a_null_context_even_when_the_call_fails():
+    """Without a driver every call fails typed, and nothing is left current."""
+    pytest.importorskip("cuda.bindings.driver")
+    from membackend.drivers.cuda import CudaDriver
+
+    d = CudaDriver()
+    try:
+        d.init()
+    except DriverError:
+        pass
+    else:
+        pytest.skip("a CUDA driver is present")
+    d.set_device(1)
+    with pytest.raises(DriverError):
+        d.mem_get_info()
+    d.close()  # nothing retained: nothing to release

@@ -22,8 +22,8 @@ LAYERS = [
     ["membackend.hookspec"],
     ["membackend.settings"],
     ["membackend.hostmem"],
-    ["membackend.machine"],
     ["membackend.drivers"],
+    ["membackend.machine"],  # facts come from the drivers' discovery (docs/discovery.md)
     ["membackend.platform"],
     ["membackend.backends"],
     ["membackend.ledger", "membackend.fences", "membackend.trace"],

@@ -103,3 +103,35 @@ def test_torch_build_from_metadata(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", absent)
     assert torch_build() == (None, None)
+
+
+def test_every_fact_says_where_it_came_from():
+    m = gather_machine()
+    for name in ("os", "cpus", "ram_total", "ram_available", "cgroup_limit", "torch_version", "torch_vendor"):
+        assert m.source_of(name), name
+    assert m.source_of("torch_version") == "torch's installed metadata (not imported)"
+    assert any(line.startswith(("cuda", "hip")) for line in m.discovery)  # what each driver binding answered
+    for d in m.devices:
+        assert d.source and d.source_of("name")
+
+
+def test_overridden_facts_are_sourced_as_the_users():
+    s = load_settings(machine={"os": "windows", "devices": [{"kind": "cuda", "name": "RTX 3050", "total_memory": "6GiB",
+                                                             "driver_model": "wddm"}]})
+    m = gather_machine(s.machine)
+    assert m.source_of("os").startswith("user override MEMBACKEND_MACHINE__OS")
+    d = m.devices[0]
+    assert d.source_of("driver_model").startswith("user override MEMBACKEND_MACHINE__DEVICES")
+    assert d.vmm_supported is True  # a device the user describes supports VMM unless told otherwise
+
+
+def test_ram_is_read_at_every_call_while_discovery_runs_once(monkeypatch):
+    import membackend.drivers.open as opener
+    from membackend.hostmem import HostMemory
+
+    gather_machine()
+    calls = []
+    monkeypatch.setattr(opener, "discover", lambda b: calls.append(b))  # a second discovery would be recorded
+    monkeypatch.setattr("membackend.drivers.discovery.host_memory",
+                        lambda: HostMemory(8 << 30, 3 << 30, "test", 8 << 30, 3 << 30, None))
+    assert gather_machine().ram_available == 3 << 30 and calls == []

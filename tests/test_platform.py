@@ -145,3 +145,64 @@ def test_a_headroom_rule_is_a_function_of_the_device_total():
     assert budget.headroom == min(8 * GiB, max(2 * GiB, budget.total // 20)) == 6_400_000_000
     with pytest.raises(ValueError, match="accepted: an int >= 0"):
         backend_on("h200", headroom=lambda total: -1).membackend_budget_query(Device("cuda", 0))
+
+
+def test_vmm_support_is_required_and_unknown_support_is_not_taken_for_support():
+    from membackend.platform import vmm_unsupported
+    from membackend.types import DeviceInfo, Machine
+
+    def machine(*flags):
+        return Machine(os="linux", cpus=2, ram_total=GiB, ram_available=GiB, cgroup_limit=None, torch_version=None,
+                       torch_vendor="cuda", devices=tuple(DeviceInfo(Device("cuda", i), "GPU", GiB, vmm_supported=f,
+                                                                     source="test")
+                                                          for i, f in enumerate(flags)))
+    assert vmm_unsupported(machine(True, True).devices) is None
+    assert "cuda:1 (GPU) does not support virtual memory management" in vmm_unsupported(machine(True, False).devices)
+    assert "unknown" in vmm_unsupported(machine(None).devices)
+    assert GENERIC.probe(machine(True, False)).score == Score.NONE
+    assert GENERIC.probe(machine(True)).score in Score.GENERIC
+
+
+def test_the_sim_hip_driver_needs_no_hip_package():
+    """hip-python has no Windows wheel: the simulated HIP driver takes its types from the ctypes binding."""
+    from membackend.drivers.open import bindings_missing
+
+    assert bindings_missing("hip", simulated=True) is None
+    assert LazyDriver("hip", "rocm-win-2gpu").missing() is None
+
+
+#: each interface's own methods in declaration order (dxgi.h, dxgi1_2.h, dxgi1_3.h, dxgi1_4.h; the C vtables
+#: list the inherited ones first), from IUnknown down
+_FACTORY4 = [
+    ("IUnknown", ["QueryInterface", "AddRef", "Release"]),
+    ("IDXGIObject", ["SetPrivateData", "SetPrivateDataInterface", "GetPrivateData", "GetParent"]),
+    ("IDXGIFactory", ["EnumAdapters", "MakeWindowAssociation", "GetWindowAssociation", "CreateSwapChain",
+                      "CreateSoftwareAdapter"]),
+    ("IDXGIFactory1", ["EnumAdapters1", "IsCurrent"]),
+    ("IDXGIFactory2", ["IsWindowedStereoEnabled", "CreateSwapChainForHwnd", "CreateSwapChainForCoreWindow",
+                       "GetSharedResourceAdapterLuid", "RegisterStereoStatusWindow", "RegisterStereoStatusEvent",
+                       "UnregisterStereoStatus", "RegisterOcclusionStatusWindow", "RegisterOcclusionStatusEvent",
+                       "UnregisterOcclusionStatus", "CreateSwapChainForComposition"]),
+    ("IDXGIFactory3", ["GetCreationFlags"]),
+    ("IDXGIFactory4", ["EnumAdapterByLuid", "EnumWarpAdapter"]),
+]
+_ADAPTER3 = _FACTORY4[:2] + [
+    ("IDXGIAdapter", ["EnumOutputs", "GetDesc", "CheckInterfaceSupport"]),
+    ("IDXGIAdapter1", ["GetDesc1"]),
+    ("IDXGIAdapter2", ["GetDesc2"]),
+    ("IDXGIAdapter3", ["RegisterHardwareContentProtectionTeardownStatusEvent",
+                       "UnregisterHardwareContentProtectionTeardownStatus", "QueryVideoMemoryInfo",
+                       "SetVideoMemoryReservation", "RegisterVideoMemoryBudgetChangeNotificationEvent",
+                       "UnregisterVideoMemoryBudgetChangeNotification"]),
+]
+
+
+def _slot(chain, method):
+    return [m for _, methods in chain for m in methods].index(method)
+
+
+def test_the_dxgi_vtable_slots_follow_the_interfaces_method_lists():
+    """A wrong slot would call another method and crash the process rather than raise."""
+    assert dxgi._RELEASE == _slot(_FACTORY4, "Release")
+    assert dxgi._FACTORY4_ENUM_ADAPTER_BY_LUID == _slot(_FACTORY4, "EnumAdapterByLuid")
+    assert dxgi._ADAPTER3_QUERY_VIDEO_MEMORY_INFO == _slot(_ADAPTER3, "QueryVideoMemoryInfo")

@@ -163,13 +163,13 @@ def test_gb10_device_pages_and_host_copies_draw_from_one_pool():
     d.init()
     before = d.sim.meminfo()["MemAvailable"]
     mapped_page(d, size=GiB)
-    d.call("cuMemAllocHost", GiB)  # a pinned host copy
+    d.host_alloc_pinned(GiB)  # a pinned host copy
     assert before - d.sim.meminfo()["MemAvailable"] == 2 * GiB
 
 
 def test_gb10_past_the_pool_is_out_of_memory():
     d = started("gb10-128gb")
-    d.call("cuMemAllocHost", 100 * 10**9)
+    d.host_alloc_pinned(100 * 10**9)
     with pytest.raises(DriverError) as info:
         d.create(30 * GiB, 0)
     assert code_name(info.value) == "CUDA_ERROR_OUT_OF_MEMORY"
@@ -273,3 +273,59 @@ def test_device_attributes_through_the_wrappers(profile, arch, model):
     assert d.arch(0) == arch and d.driver_model(0, os_name) == model
     assert d.total_mem(0) == d.sim.profile.devices[0].vram
     assert d.integrated(0) == (profile == "gb10-128gb")
+
+
+# --------------------------------------------------------------------------- contexts and devices (per thread)
+
+
+def test_cuda_a_thread_starts_with_no_context_and_context_bound_calls_need_one():
+    d = sim_driver("h200")
+    d.init()
+    m = d.m
+    assert int(m.cuCtxGetCurrent()[1]) == 0  # NULL and CUDA_SUCCESS (cuCtxGetCurrent docs)
+    assert m.cuMemGetInfo()[0].name == "CUDA_ERROR_INVALID_CONTEXT"
+    assert m.cuCtxGetDevice()[0].name == "CUDA_ERROR_INVALID_CONTEXT"
+    assert d.mem_get_info() == (d.sim.devices[0].vram, d.sim.devices[0].vram)  # the wrapper binds one for the call
+    assert int(m.cuCtxGetCurrent()[1]) == 0  # and unbinds it again
+
+
+def test_cuda_primary_contexts_are_reference_counted():
+    d = sim_driver("h200")
+    d.init()
+    dev = d.m.types.CUdevice(0)
+    assert d.m.cuDevicePrimaryCtxRelease(dev)[0].name == "CUDA_ERROR_INVALID_CONTEXT"  # not retained
+    d.set_device(0)
+    d.stream_create()
+    assert d.sim.devices[0].primary_refs == 1
+    d.stream_create()
+    assert d.sim.devices[0].primary_refs == 1  # retained once per wrapper
+    d.close()
+    assert d.sim.devices[0].primary_refs == 0
+
+
+def test_a_device_without_vmm_support_fails_create_with_not_supported():
+    d = started("mi100-novmm")
+    assert d.vmm_supported(0) is False
+    va = d.address_reserve(PAGE, 0)
+    with pytest.raises(DriverError) as info:
+        d.create(PAGE, 0)
+    assert code_name(info.value) == "hipErrorNotSupported"
+    d.address_free(va, PAGE)
+
+
+def test_the_luid_exists_on_windows_only():
+    assert started("wddm-6gb").luid(0) == (0xC0DE, 0)
+    with pytest.raises(DriverError) as info:
+        started("h200").luid(0)
+    assert code_name(info.value) == "CUDA_ERROR_NOT_SUPPORTED"
+
+
+def test_every_profile_answers_discovery():
+    from membackend.drivers.open import profile_names
+
+    for name in profile_names():
+        d = sim_driver(name)
+        d.init()
+        for i in range(d.device_count()):
+            assert d.name(i) and d.total_mem(i) > 0 and isinstance(d.vmm_supported(i), bool)
+            assert isinstance(d.integrated(i), bool) and d.arch(i)

@@ -201,6 +201,10 @@ class AimdoBackend:
         gpus = [d for d in machine.gpus() if d.device.kind in self.device_kinds]
         if not gpus:
             return Candidate(self.name, 0, "no CUDA or HIP GPU was detected for comfy-aimdo to manage")
+        lacking = [d for d in gpus if d.vmm_supported is False]  # aimdo's VBARs are cuMemCreate/hipMemCreate
+        if lacking:
+            return Candidate(self.name, 0, f"{lacking[0].device} ({lacking[0].name or 'unnamed'}) does not support "
+                                           "virtual memory management, which comfy-aimdo's VBARs need")
         state = "already loaded" if getattr(control, "lib", None) is not None else "initialised on first use"
         return Candidate(self.name, SCORE, f"comfy-aimdo on {gpus[0].device} ({state}; the stock engine)")
 

@@ -1,17 +1,30 @@
 """The one shape every GPU driver wrapper has (CUDA, HIP, and the simulations of both).
 
 A wrapper takes the driver module as a parameter (``cuda.bindings.driver``,
-``hip.hip`` or a simulated module with the same names), calls exactly what the
-VMM backend needs, and turns every non-success code into
+``hip.hip``, the ctypes binding :mod:`membackend.drivers.hip_ctypes` or a
+simulated module with the same names), calls exactly what discovery and the
+VMM backend need, and turns every non-success code into
 :class:`~membackend.types.DriverError` with the code and the call's name. A
 module that cannot even be called (cuda-python with no driver installed
 raises instead of returning a code) gives ``DriverError("unavailable", ...)``.
+
+**The caller's current device stays as it was.** The CUDA context or HIP
+device current on a thread is what torch's ``current_device()`` and ComfyUI
+read (CUDA driver API reference, ``cuCtxSetCurrent``: it "binds the specified
+CUDA context to the calling CPU thread"; HIP runtime API, ``hipSetDevice``:
+"sets device as the default device for the calling host thread"). So
+:meth:`GpuDriver.set_device` only *selects* the device that this wrapper's
+later calls on this thread run on; each call that needs a current device
+saves the thread's, switches only if it differs, and switches back before it
+returns (:meth:`GpuDriver.on_device`). :meth:`GpuDriver.close` releases what
+the wrapper retained (the CUDA primary contexts).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from ..types import DriverError
 
@@ -25,9 +38,11 @@ class GpuDriver:
     """Base of :class:`~membackend.drivers.cuda.CudaDriver` and :class:`~membackend.drivers.hip.HipDriver`.
 
     Subclasses set ``vendor`` and the vendor's codes (``SUCCESS``, ``OOM``,
-    ``NOT_READY``) and implement the methods below with their own API names.
-    Budget sources (:meth:`budget`) sit behind the same interface, so a
-    simulated driver can answer each from its own model of the platform.
+    ``NOT_READY``), implement the methods below with their own API names, and
+    say how to read, set and restore the thread's current device
+    (:meth:`_switch_to`, :meth:`_restore`). Budget sources (:meth:`budget`)
+    sit behind the same interface, so a simulated driver can answer each from
+    its own model of the platform.
     """
 
     vendor = ""
@@ -38,6 +53,7 @@ class GpuDriver:
     def __init__(self, module: Any, label: str):
         self.m = module
         self.label = label
+        self._selected = threading.local()  # per thread: the device set_device chose
 
     def call(self, name: str, *args: Any) -> tuple:
         """Call ``name`` and return the values after the status code; raise on failure."""
@@ -53,16 +69,77 @@ class GpuDriver:
     def is_oom(self, exc: DriverError) -> bool:
         return exc.code == self.OOM
 
+    # ------------------------------------------------------------------ the device a call runs on
+
+    def set_device(self, index: int) -> None:
+        """Select device ``index`` for this thread's following calls through this wrapper.
+
+        The thread's current device or context is not changed: each call that
+        needs one makes the selected device current and the caller's current
+        again afterwards. A bad index fails at the next such call, as the
+        driver's own check.
+        """
+        self._selected.index = index
+
+    def selected_device(self) -> int | None:
+        """The device :meth:`set_device` selected on this thread, or None."""
+        return getattr(self._selected, "index", None)
+
+    @contextmanager
+    def on_device(self, index: int | None = None) -> Iterator[None]:
+        """Run the block with device ``index`` (default: the selected one) current on this thread,
+        then make the caller's device or context current again, also when the block raised (its
+        error wins over a failed restore)."""
+        saved = self._switch_to(self.selected_device() if index is None else index)
+        try:
+            yield
+        except BaseException:
+            if saved is not None:
+                try:
+                    self._restore(saved)
+                except DriverError:
+                    pass
+            raise
+        if saved is not None:
+            self._restore(saved)
+
+    def _switch_to(self, index: int | None) -> Any:
+        """Make device ``index`` current on this thread if it is not (None: leave the thread's
+        current device, or the vendor's default where there is none); return what to restore,
+        or None when nothing changed."""
+        raise NotImplementedError
+
+    def _restore(self, saved: Any) -> None:
+        raise NotImplementedError
+
+    def _on(self, name: str, *args: Any) -> tuple:
+        """:meth:`call` with the selected device current, the caller's current again after it."""
+        with self.on_device():
+            return self.call(name, *args)
+
+    def close(self) -> None:
+        """Release what this wrapper retained (CUDA: the primary contexts). The wrapper may be used
+        again afterwards and retains again then. Raises ``DriverError`` when a release fails."""
+
+    # ------------------------------------------------------------------ discovery (no context needed)
+
+    def driver_version(self) -> int:
+        """The installed driver's version number (``cuDriverGetVersion``, ``hipDriverGetVersion``)."""
+        raise NotImplementedError
+
+    def vmm_supported(self, index: int) -> bool:
+        """Whether device ``index`` supports virtual memory management (address reserve, create, map)."""
+        raise NotImplementedError
+
     # the interface; each returns plain Python ints where it returns anything
     def init(self) -> None: raise NotImplementedError
     def device_count(self) -> int: raise NotImplementedError
-    def set_device(self, index: int) -> None: raise NotImplementedError
     def current_device(self) -> int: raise NotImplementedError
     def total_mem(self, index: int) -> int: raise NotImplementedError
     def name(self, index: int) -> str: raise NotImplementedError
     def integrated(self, index: int) -> bool: raise NotImplementedError
     def arch(self, index: int) -> str: raise NotImplementedError
-    def driver_model(self, index: int) -> str | None: raise NotImplementedError
+    def driver_model(self, index: int, os_name: str | None = None) -> str | None: raise NotImplementedError
     def granularity(self, index: int) -> int: raise NotImplementedError
     def address_reserve(self, size: int, alignment: int) -> int: raise NotImplementedError
     def address_free(self, ptr: int, size: int) -> None: raise NotImplementedError
@@ -88,7 +165,7 @@ class GpuDriver:
     def budget(self, source: str, index: int) -> tuple[int, int, str]:
         """``(total, free, label)`` of device ``index`` from one of :data:`BUDGET_SOURCES`.
 
-        * ``device``: the driver's mem-get-info for the device (made current first);
+        * ``device``: the driver's mem-get-info for the device (current for the call only);
         * ``wddm``: the WDDM video-memory budget of this process minus its current
           usage (DXGI ``QueryVideoMemoryInfo``; Windows only), so what is reported
           free never spills into shared system memory;
@@ -96,8 +173,8 @@ class GpuDriver:
           memory cgroup (reclaimable page cache counts; ``MemFree`` would not).
         """
         if source == "device":
-            self.set_device(index)
-            free, total = self.mem_get_info()
+            with self.on_device(index):
+                free, total = self.mem_get_info()
             call = "cuMemGetInfo" if self.vendor == "cuda" else "hipMemGetInfo"
             return total, free, f"{call} ({self.label})"
         if source == "wddm":

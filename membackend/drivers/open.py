@@ -1,31 +1,42 @@
-"""The one place that picks a real or a simulated driver.
+"""The one place that picks a real or a simulated driver, for discovery and for the backends.
 
 Settings, machine facts and backends know nothing of the simulation: they ask
-here. With ``sim_profile`` set (``MEMBACKEND_SIM_PROFILE=<profile>``) GPU
-drivers are simulated twins of the profile's platform and the machine facts
-follow the profile; without it the real cuda-python / hip-python wrappers are
-used. Profile names are validated here, where the simulation lives.
+here. With ``sim_profile`` set (``MEMBACKEND_SIM_PROFILE=<profile>``) the GPU
+driver is the profile's simulated twin and the host is the profile's
+simulated host; without it the real cuda-python, hip-python or ctypes HIP
+wrappers and this machine are used. Either way the machine facts come out of
+the same discovery code (:mod:`membackend.drivers.discovery`) reading that
+driver; the settings' ``machine`` overrides (``MEMBACKEND_MACHINE__*``) are
+applied last, as the user's explicit word. Profile names are validated here,
+where the simulation lives.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import functools
+import os
+import sys
 from typing import Any
 
-from ..machine import gather_machine, torch_build
-from ..types import ConfigError, Machine
+from ..types import ConfigError, DriverError, Machine
+from .discovery import Bindings, Discovered, RealHost, apply_overrides, assemble, discover, torch_build
 from .gpu import GpuDriver
 
-__all__ = ["profile_names", "check_sim_profile", "machine_for", "resolve_vendor", "bindings_missing",
-           "open_gpu_driver", "open_sim_variant", "simulated_failures", "LazyDriver"]
+__all__ = ["profile_names", "check_sim_profile", "machine_for", "gather", "discovery_for", "refresh",
+           "resolve_vendor", "bindings_missing", "open_gpu_driver", "open_sim_variant", "simulated_failures",
+           "LazyDriver"]
 
 VENDORS = ("cuda", "hip")
 
 
-def profile_names() -> tuple[str, ...]:
-    """The simulated platforms ``sim_profile`` accepts."""
+def profile_names(vmm_only: bool = False) -> tuple[str, ...]:
+    """The simulated platforms ``sim_profile`` accepts; ``vmm_only``: those whose every device supports
+    virtual memory management (the machines a VMM backend can serve)."""
     from .sim.profiles import PROFILES
 
-    return tuple(PROFILES)
+    return tuple(n for n, p in PROFILES.items() if not vmm_only or all(d.vmm for d in p.devices))
 
 
 def check_sim_profile(name: str | None) -> None:
@@ -35,17 +46,115 @@ def check_sim_profile(name: str | None) -> None:
                           f"unknown simulation profile {name!r}", ", ".join(profile_names()))
 
 
-def machine_for(settings: Any) -> Machine:
-    """The machine the settings describe: detected, then the simulated profile's facts, then overrides."""
-    overrides = settings.machine
-    if settings.sim_profile:
-        from ..settings import MachineOverrides
-        from .sim.profiles import get_profile
+# --------------------------------------------------------------------------- real openers
 
-        check_sim_profile(settings.sim_profile)
-        merged = {**get_profile(settings.sim_profile).machine_overrides(), **overrides.model_dump(exclude_none=True)}
-        overrides = MachineOverrides(**merged)
-    return gather_machine(overrides)
+#: the driver libraries the bindings load by name from the system's search path: cuda-python's
+#: ``libcuda.so.1`` / ``nvcuda.dll``, hip-python's ``libamdhip64.so``
+_SYSTEM_LIBRARY = {"cuda": "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1", "hip": "libamdhip64.so"}
+
+
+def _system_library(vendor: str) -> None:
+    """Raise ``DriverError("unavailable", "dlopen")`` unless the library the vendor's Python binding
+    loads by name is there (``dlopen`` of the same name returns the binding the same handle later);
+    so discovery imports no binding that could only fail."""
+    name = _SYSTEM_LIBRARY[vendor]
+    try:
+        ctypes.CDLL(name)
+    except OSError as exc:
+        binding = "cuda-python" if vendor == "cuda" else "hip-python"
+        raise DriverError("unavailable", "dlopen", f"{name} is not on the library search path ({exc}); "
+                                                   f"{binding} not asked") from None
+
+
+def _discovered_cuda() -> GpuDriver:
+    _system_library("cuda")
+    return _real_cuda()
+
+
+def _discovered_hip_python() -> GpuDriver:
+    if sys.platform != "win32":  # Windows has no hip-python: its import fails on its own, fast
+        _system_library("hip")
+    return _hip_python()
+
+
+def _real_cuda() -> GpuDriver:
+    from .cuda import CudaDriver
+
+    return CudaDriver()
+
+
+def _hip_python() -> GpuDriver:
+    from .hip import HipDriver
+
+    return HipDriver()
+
+
+def _hip_ctypes() -> GpuDriver:
+    from .hip import HipDriver
+    from .hip_ctypes import load
+
+    return HipDriver(load())
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def discovery_for(sim_profile: str | None = None, torch_vendor: str | None = "?") -> Bindings:
+    """What machine discovery asks: the simulated host and driver of ``sim_profile``, or this
+    machine with the real bindings (CUDA; NVML and ``/proc/driver/nvidia`` as supplements; HIP
+    through hip-python, then the ctypes binding). On a real machine a vendor torch's build cannot
+    use is not asked (``torch_vendor``: ``cuda`` skips HIP, ``rocm`` skips CUDA; ``?``: read it)."""
+    if sim_profile:
+        from .sim import SimHost, get_profile, sim_driver
+
+        check_sim_profile(sim_profile)
+        profile = get_profile(sim_profile)
+
+        def opener() -> GpuDriver:
+            return sim_driver(profile)
+        return Bindings(host=SimHost(profile), cuda=opener if profile.vendor == "cuda" else None,
+                        hip=(opener,) if profile.vendor == "hip" else ())
+    if torch_vendor == "?":
+        torch_vendor = torch_build()[1]
+    visible = {k: v for k, v in os.environ.items() if k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")}
+    return Bindings(host=RealHost(), cuda=None if torch_vendor == "rocm" else _discovered_cuda,
+                    hip=() if torch_vendor == "cuda" else (_discovered_hip_python, _hip_ctypes),
+                    nvml=torch_vendor != "rocm", proc_nvidia=torch_vendor != "rocm", environ=visible)
+
+
+@functools.lru_cache(maxsize=None)
+def _discovered(sim_profile: str | None) -> tuple[Discovered, Any]:
+    """Discovery runs once per process and profile: the drivers read their environment once too."""
+    bindings = discovery_for(sim_profile)
+    found = discover(bindings)
+    if not bindings.hip and bindings.cuda is not None and not sim_profile:
+        found = _note(found, "hip: not asked (torch is a CUDA build, which does not use HIP devices)")
+    if bindings.cuda is None and not sim_profile:
+        found = _note(found, "cuda: not asked (torch is a ROCm build, which does not use CUDA devices)")
+    return found, bindings.host
+
+
+def _note(found: Discovered, line: str) -> Discovered:
+    return dataclasses.replace(found, discovery=found.discovery + (line,))
+
+
+def refresh() -> None:
+    """Forget what discovery found, so the next machine is discovered again (for tests)."""
+    _discovered.cache_clear()
+
+
+def gather(overrides: Any = None, sim_profile: str | None = None) -> Machine:
+    """The machine: discovered once (real, or the simulated ``sim_profile``), RAM read now, then
+    ``overrides`` (a ``MachineOverrides``) applied. Never raises for a driver that fails."""
+    found, host = _discovered(sim_profile)
+    return apply_overrides(assemble(found, host.memory()), overrides)
+
+
+def machine_for(settings: Any) -> Machine:
+    """The machine the settings describe: discovered through the real or simulated drivers
+    (``sim_profile``), then the user's ``machine`` overrides."""
+    check_sim_profile(settings.sim_profile)
+    return gather(settings.machine, settings.sim_profile)
 
 
 def resolve_vendor(vendor: str | None, settings: Any) -> str:
@@ -64,23 +173,42 @@ def resolve_vendor(vendor: str | None, settings: Any) -> str:
     return "hip" if torch_vendor == "rocm" else "cuda"
 
 
-def bindings_missing(vendor: str) -> str | None:
-    """None when the vendor's Python bindings import (the simulation needs their types too), else why not."""
-    try:
-        if vendor == "hip":
+def bindings_missing(vendor: str, simulated: bool = False) -> str | None:
+    """None when a binding for ``vendor`` is there, else why not.
+
+    CUDA: cuda-python imports (the simulation needs its types too). HIP:
+    hip-python imports, or the ctypes binding finds and loads the HIP runtime
+    (:func:`membackend.drivers.hip_ctypes.load`); the simulation needs neither.
+    """
+    if vendor == "hip":
+        if simulated:
+            return None
+        try:
             from hip import hip  # noqa: F401
-        else:
-            import cuda.bindings.driver  # noqa: F401
+            return None
+        except ImportError as exc:
+            missing = f"hip-python is not installed ({exc})"
+        from .hip_ctypes import load
+
+        try:
+            load()
+        except DriverError as exc:
+            return f"{missing}, and {exc}; install a ROCm build of torch (its torch/lib has the HIP runtime)" \
+                   " or membackend[hip] (Linux)"
+        return None
+    try:
+        from .cuda import _import_driver
+
+        _import_driver()
     except ImportError as exc:
-        extra = "hip" if vendor == "hip" else "cuda"
-        return f"{'hip-python' if vendor == 'hip' else 'cuda-python'} is not installed ({exc}); " \
-               f"install membackend[{extra}]"
+        return f"cuda-python is not installed ({exc}); install membackend[cuda]"
     return None
 
 
 def open_gpu_driver(vendor: str, sim_profile: str | None = None) -> GpuDriver:
     """A driver wrapper for ``vendor``: over a fresh simulation of ``sim_profile`` when set, else the
-    real bindings. Not initialised: the caller calls ``init()`` on first use."""
+    real bindings (HIP: hip-python, else the ctypes binding). The caller calls ``init()`` on first
+    use (the real HIP opener may have called ``hipInit`` already to pick a binding; it is idempotent)."""
     if sim_profile:
         from .sim import get_profile, sim_driver
 
@@ -92,12 +220,24 @@ def open_gpu_driver(vendor: str, sim_profile: str | None = None) -> GpuDriver:
                               ", ".join(n for n in profile_names() if get_profile(n).vendor == vendor))
         return sim_driver(profile)
     if vendor == "hip":
-        from .hip import HipDriver
+        return _open_real_hip()
+    return _real_cuda()
 
-        return HipDriver()
-    from .cuda import CudaDriver
 
-    return CudaDriver()
+def _open_real_hip() -> GpuDriver:
+    """hip-python where it imports and loads its runtime (``hipInit`` is asked to find out), else the
+    ctypes binding of the runtime torch's ROCm build ships; raises ``DriverError`` when neither can."""
+    try:
+        driver = _hip_python()
+    except ImportError:
+        return _hip_ctypes()
+    try:
+        driver.init()
+    except DriverError as exc:
+        if exc.code != "unavailable":
+            return driver  # the runtime answered (no device, ...): the caller sees the same answer
+        return _hip_ctypes()
+    return driver
 
 
 def open_sim_variant(sim_profile: str, **changes: Any) -> GpuDriver:
@@ -105,8 +245,6 @@ def open_sim_variant(sim_profile: str, **changes: Any) -> GpuDriver:
     (replays draw the page-in latency and copy bandwidth per seed, or size a device as a report's):
     ``device_memory`` sets every device's memory; any other keyword replaces that field of the
     profile. An unknown field is a ``ConfigError`` listing the accepted ones."""
-    import dataclasses
-
     from .sim import get_profile, sim_driver
 
     check_sim_profile(sim_profile)
@@ -139,8 +277,8 @@ class LazyDriver:
         self.simulated = bool(sim_profile)
 
     def missing(self) -> str | None:
-        """Why this driver cannot be opened (bindings absent), without opening it."""
-        return bindings_missing(self.vendor)
+        """Why this driver cannot be opened (bindings absent), without initialising it."""
+        return bindings_missing(self.vendor, self.simulated)
 
     def __call__(self) -> GpuDriver:
         return open_gpu_driver(self.vendor, self.sim_profile)

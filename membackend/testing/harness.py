@@ -81,12 +81,13 @@ class Target:
 
 
 def parse_target(text: str, profiles: list[str] | None = None, gpu: bool = True) -> list[Target]:
-    """``vmm:h200`` → [vmm over h200]; ``vmm:all`` → one per simulated profile; a bare name gets
+    """``vmm:h200`` → [vmm over h200]; ``vmm:all`` → one per simulated profile whose devices support virtual
+    memory management (a profile without is a machine no VMM backend serves); a bare name gets
     ``profiles`` when its backend serves GPU devices (``gpu``), else stands alone."""
     name, _, profile = text.strip().partition(":")
     chosen = [profile] if profile else (list(profiles or []) if gpu else [])
     if "all" in chosen:
-        chosen = list(profile_names())
+        chosen = list(profile_names(vmm_only=True))
     return [Target(name, p) for p in chosen] if chosen else [Target(name)]
 
 

@@ -7,19 +7,24 @@ It adds what only a simulation can offer — ``sim`` (the platform, for tests
 to inspect, advance its clock or inject faults), :meth:`inspect` (the
 driver's own tables) and :meth:`inject_failures` — and answers the budget
 sources from its model of the platform (the simulated twins of DXGI and
-``MemAvailable``). Only :mod:`membackend.drivers.open` imports this package.
+``MemAvailable``). :class:`SimHost` is the simulated host around it (OS,
+torch build, ``/proc/meminfo``), so machine discovery runs its real code on a
+profile. Only :mod:`membackend.drivers.open` imports this package.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Mapping
 
+from ...hostmem import HostMemory
 from ..cuda import CudaDriver
+from ..discovery import torch_vendor_of
 from ..hip import HipDriver
 from .platform import FaultPlan, FaultRule, SimError, SimPlatform, SimulatedBugcheck, SimulatedCrash
 from .profiles import PROFILES, Profile, SimDeviceSpec, get_profile
 
-__all__ = ["sim_driver", "SimCudaDriver", "SimHipDriver", "SimPlatform", "FaultPlan", "FaultRule", "SimError",
+__all__ = ["sim_driver", "SimHost", "SimCudaDriver", "SimHipDriver", "SimPlatform", "FaultPlan", "FaultRule", "SimError",
            "SimulatedBugcheck", "SimulatedCrash", "PROFILES", "Profile", "SimDeviceSpec", "get_profile",
            "SIM_ERRORS"]
 
@@ -101,7 +106,36 @@ class SimHipDriver(_Simulated, HipDriver):
         super().__init__(SimHipModule(platform))
 
 
-def sim_driver(profile: str | Profile, faults: FaultPlan | None = None) -> Any:
-    """A driver wrapper over a new simulated machine of ``profile``."""
-    platform = SimPlatform(profile, faults)
+def sim_driver(profile: str | Profile, faults: FaultPlan | None = None,
+               environ: Mapping[str, str] | None = None) -> Any:
+    """A driver wrapper over a new simulated machine of ``profile``; ``environ`` is the environment
+    its driver reads (``CUDA_VISIBLE_DEVICES``...), empty by default."""
+    platform = SimPlatform(profile, faults, environ)
     return (SimHipDriver if platform.profile.vendor == "hip" else SimCudaDriver)(platform)
+
+
+class SimHost:
+    """The host of a simulated machine, answering what discovery asks a real one: the OS name
+    (``platform.system()``), the installed torch build (its version string, parsed by the real
+    :func:`~membackend.drivers.discovery.torch_vendor_of`) and ``/proc/meminfo`` of a fresh process
+    on the profile (:meth:`SimPlatform.meminfo`). CPUs are this machine's: no profile models them."""
+
+    def __init__(self, profile: str | Profile):
+        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        self.label = f"sim:{self.profile.name}"
+
+    def os_name(self) -> tuple[str, str]:
+        return self.profile.os, f"{self.label}: the simulated OS"
+
+    def cpus(self) -> tuple[int, str]:
+        return os.cpu_count() or 1, "os.cpu_count() (not simulated)"
+
+    def torch(self) -> tuple[str | None, str | None, str]:
+        version = self.profile.torch or None
+        return version, torch_vendor_of(version) if version else None, f"{self.label}: the simulated torch build"
+
+    def memory(self) -> HostMemory:
+        info = SimPlatform(self.profile).meminfo()
+        return HostMemory(total=info["MemTotal"], available=info["MemAvailable"],
+                          source=f"MemAvailable ({self.label})", ram_total=info["MemTotal"],
+                          ram_available=info["MemAvailable"], cgroup_limit=None)

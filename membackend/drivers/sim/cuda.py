@@ -27,15 +27,32 @@ class SimCudaDriverModule(SimApi):
     success = "CUDA_SUCCESS"
     status_enum = "CUresult"
     kinds = {"oom": "CUDA_ERROR_OUT_OF_MEMORY", "invalid": "CUDA_ERROR_INVALID_VALUE",
-             "invalid_device": "CUDA_ERROR_INVALID_DEVICE", "not_ready": "CUDA_ERROR_NOT_READY"}
+             "invalid_device": "CUDA_ERROR_INVALID_DEVICE", "not_ready": "CUDA_ERROR_NOT_READY",
+             "invalid_context": "CUDA_ERROR_INVALID_CONTEXT", "not_supported": "CUDA_ERROR_NOT_SUPPORTED",
+             "no_device": "CUDA_ERROR_NO_DEVICE"}
 
     def __init__(self, platform: SimPlatform):
         self.types = _bindings()
         super().__init__(platform)
 
+    def _ctx(self, name: str, outputs: int, fn: Any) -> tuple:
+        """A call whose documented errors include CUDA_ERROR_INVALID_CONTEXT: it needs a bound context
+        (cuda-python's docstrings list the codes each call returns)."""
+        def run():
+            self.platform.require_context()
+            return fn()
+        return self._run(name, outputs, run)
+
     # devices and contexts
     def cuInit(self, Flags):
-        return self._run("cuInit", 0, self.platform.init)
+        def init():
+            self.platform.init()
+            if not self.platform.devices:  # nothing visible (cuInit's CUDA_ERROR_NO_DEVICE)
+                raise SimError("no_device", "no CUDA-capable device is visible")
+        return self._run("cuInit", 0, init)
+
+    def cuDriverGetVersion(self):
+        return self._run("cuDriverGetVersion", 1, lambda: self.platform.profile.driver_version)
 
     def cuDeviceGetCount(self):
         return self._run("cuDeviceGetCount", 1, lambda: len(self.platform.devices))
@@ -53,30 +70,49 @@ class SimCudaDriverModule(SimApi):
         a = self.types.CUdevice_attribute
 
         def get():
-            d = self.platform._device(_int(dev))
+            p = self.platform
+            d = p._device(_int(dev))
             major, minor = (int(d.arch[3:-1] or 0), int(d.arch[-1])) if d.arch.startswith("sm_") else (0, 0)
+            domain, bus, slot = p.pci_location(d.index)
+            # TCC_DRIVER is 1 for TCC (and MCDM) devices, 0 under WDDM and on every other OS
             return {a.CU_DEVICE_ATTRIBUTE_INTEGRATED: int(d.integrated),
-                    a.CU_DEVICE_ATTRIBUTE_TCC_DRIVER: int(not self.platform.profile.wddm and
-                                                          self.platform.profile.os == "windows"),
+                    a.CU_DEVICE_ATTRIBUTE_TCC_DRIVER: int(not p.profile.wddm and p.profile.os == "windows"),
+                    a.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: int(d.vmm),
                     a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: major,
-                    a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: minor}.get(attrib, 0)
+                    a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: minor,
+                    a.CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: domain,
+                    a.CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: bus,
+                    a.CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: slot}.get(attrib, 0)
         return self._run("cuDeviceGetAttribute", 1, get)
+
+    def cuDeviceGetLuid(self, dev):
+        def luid():
+            if self.platform.profile.os != "windows":  # "only meaningful on Windows"
+                raise SimError("not_supported", "a device LUID exists on Windows only")
+            return self.platform.luid(_int(dev)), 1  # (8 bytes, node mask)
+        return self._run("cuDeviceGetLuid", 2, luid)
 
     def cuDevicePrimaryCtxRetain(self, dev):
         return self._run("cuDevicePrimaryCtxRetain", 1,
-                         lambda: self.types.CUcontext(self.platform._device(_int(dev)).index + 1))
+                         lambda: self.types.CUcontext(self.platform.primary_retain(_int(dev))))
+
+    def cuDevicePrimaryCtxRelease(self, dev):
+        return self._run("cuDevicePrimaryCtxRelease", 0, lambda: self.platform.primary_release(_int(dev)))
+
+    def cuCtxGetCurrent(self):
+        return self._run("cuCtxGetCurrent", 1, lambda: self.types.CUcontext(self.platform.current_context))
 
     def cuCtxSetCurrent(self, ctx):
-        return self._run("cuCtxSetCurrent", 0, lambda: self.platform.set_current(_int(ctx) - 1))
+        return self._run("cuCtxSetCurrent", 0, lambda: self.platform.set_current_context(_int(ctx)))
 
     def cuCtxGetDevice(self):
-        return self._run("cuCtxGetDevice", 1, lambda: self.types.CUdevice(self.platform.current))
+        return self._ctx("cuCtxGetDevice", 1, lambda: self.types.CUdevice(self.platform.current))
 
     def cuCtxSynchronize(self):
-        return self._run("cuCtxSynchronize", 0, self.platform.device_synchronize)
+        return self._ctx("cuCtxSynchronize", 0, self.platform.device_synchronize)
 
     def cuMemGetInfo(self):
-        return self._run("cuMemGetInfo", 2, self.platform.mem_get_info)
+        return self._ctx("cuMemGetInfo", 2, self.platform.mem_get_info)
 
     # virtual memory management
     def cuMemGetAllocationGranularity(self, prop, option):
@@ -108,16 +144,16 @@ class SimCudaDriverModule(SimApi):
 
     # streams, events, copies
     def cuStreamCreate(self, Flags):
-        return self._run("cuStreamCreate", 1, lambda: self.types.CUstream(self.platform.stream_create()))
+        return self._ctx("cuStreamCreate", 1, lambda: self.types.CUstream(self.platform.stream_create()))
 
     def cuStreamSynchronize(self, hStream):
-        return self._run("cuStreamSynchronize", 0, lambda: self.platform.stream_synchronize(_int(hStream)))
+        return self._ctx("cuStreamSynchronize", 0, lambda: self.platform.stream_synchronize(_int(hStream)))
 
     def cuEventCreate(self, Flags):
-        return self._run("cuEventCreate", 1, lambda: self.types.CUevent(self.platform.event_create()))
+        return self._ctx("cuEventCreate", 1, lambda: self.types.CUevent(self.platform.event_create()))
 
     def cuEventRecord(self, hEvent, hStream):
-        return self._run("cuEventRecord", 0, lambda: self.platform.event_record(_int(hEvent), _int(hStream)))
+        return self._ctx("cuEventRecord", 0, lambda: self.platform.event_record(_int(hEvent), _int(hStream)))
 
     def cuEventQuery(self, hEvent):
         def query():
@@ -126,20 +162,20 @@ class SimCudaDriverModule(SimApi):
         return self._run("cuEventQuery", 0, query)
 
     def cuEventSynchronize(self, hEvent):
-        return self._run("cuEventSynchronize", 0, lambda: self.platform.event_synchronize(_int(hEvent)))
+        return self._ctx("cuEventSynchronize", 0, lambda: self.platform.event_synchronize(_int(hEvent)))
 
     def cuEventDestroy(self, hEvent):
-        return self._run("cuEventDestroy", 0, lambda: self.platform.event_destroy(_int(hEvent)))
+        return self._ctx("cuEventDestroy", 0, lambda: self.platform.event_destroy(_int(hEvent)))
 
     def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount, hStream):
-        return self._run("cuMemcpyHtoDAsync", 0,
+        return self._ctx("cuMemcpyHtoDAsync", 0,
                          lambda: self.platform.copy_async(_int(dstDevice), ByteCount, _int(hStream)))
 
     def cuMemAllocHost(self, bytesize):
         def alloc():
             self.platform.host_alloc(bytesize)
             return bytesize  # the sim has no host addresses; the size stands in for the pointer
-        return self._run("cuMemAllocHost", 1, alloc)
+        return self._ctx("cuMemAllocHost", 1, alloc)
 
     def cuMemFreeHost(self, p):
-        return self._run("cuMemFreeHost", 0, lambda: self.platform.host_free(_int(p)))
+        return self._ctx("cuMemFreeHost", 0, lambda: self.platform.host_free(_int(p)))

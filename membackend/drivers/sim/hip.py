@@ -5,6 +5,10 @@ enums and structs (imported from hip-python), over a
 Opaque handles (pointers, allocation handles, events, streams) come back as
 plain ints: hip-python's handle types wrap runtime addresses, and every hip-python
 call accepts an int where it takes one.
+
+Where hip-python is not installed (Windows: its dependencies have no wheel) the
+types come from :mod:`membackend.drivers.hip_ctypes`, whose enums and structs
+carry the same names and values, so the simulation needs no HIP package.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ __all__ = ["SimHipModule"]
 
 
 def _bindings() -> Any:
-    from hip import hip
-
+    try:
+        from hip import hip
+    except ImportError:
+        from .. import hip_ctypes as hip
     return hip
 
 
@@ -32,7 +38,9 @@ class SimHipModule(SimApi):
     success = "hipSuccess"
     status_enum = "hipError_t"
     kinds = {"oom": "hipErrorOutOfMemory", "invalid": "hipErrorInvalidValue",
-             "invalid_device": "hipErrorInvalidDevice", "not_ready": "hipErrorNotReady"}
+             "invalid_device": "hipErrorInvalidDevice", "not_ready": "hipErrorNotReady",
+             "invalid_context": "hipErrorInvalidContext", "not_supported": "hipErrorNotSupported",
+             "no_device": "hipErrorNoDevice"}
 
     def __init__(self, platform: SimPlatform):
         self.types = _bindings()
@@ -42,7 +50,17 @@ class SimHipModule(SimApi):
         return self._run("hipInit", 0, self.platform.init)
 
     def hipGetDeviceCount(self):
-        return self._run("hipGetDeviceCount", 1, lambda: len(self.platform.devices))
+        def count():
+            if not self.platform.devices:  # "hipErrorNoDevice: Call to hipGetDeviceCount returned 0 devices"
+                raise SimError("no_device", "no HIP device is visible")
+            return len(self.platform.devices)
+        return self._run("hipGetDeviceCount", 1, count)
+
+    def hipDriverGetVersion(self):
+        return self._run("hipDriverGetVersion", 1, lambda: self.platform.profile.driver_version)
+
+    def hipRuntimeGetVersion(self):
+        return self._run("hipRuntimeGetVersion", 1, lambda: self.platform.profile.driver_version)
 
     def hipSetDevice(self, deviceId):
         return self._run("hipSetDevice", 0, lambda: self.platform.set_current(deviceId))
@@ -61,7 +79,8 @@ class SimHipModule(SimApi):
 
         def get():
             d = self.platform._device(deviceId)
-            return {a.hipDeviceAttributeIntegrated: int(d.integrated)}.get(attr, 0)
+            return {a.hipDeviceAttributeIntegrated: int(d.integrated),
+                    a.hipDeviceAttributeVirtualMemoryManagementSupported: int(d.vmm)}.get(attr, 0)
         return self._run("hipDeviceGetAttribute", 1, get)
 
     def hipGetDeviceProperties(self, deviceId):
@@ -69,8 +88,13 @@ class SimHipModule(SimApi):
             # hip-python's hipDeviceProp_t has read-only char fields, so the sim answers with a
             # record carrying the same attribute names
             d = self.platform._device(deviceId)
+            windows = self.platform.profile.os == "windows"  # the LUID fields are zero elsewhere
+            digits = d.arch[3:] if d.arch.startswith("gfx") else ""  # gfx1201: 12.0, gfx908: 9.0
+            major, minor = (int(digits[:-2]), int(digits[-2], 16)) if len(digits) >= 3 else (0, 0)
             return SimpleNamespace(name=d.name, gcnArchName=f"{d.arch}:sramecc+:xnack-", totalGlobalMem=d.vram,
-                                   integrated=int(d.integrated))
+                                   integrated=int(d.integrated), major=major, minor=minor,
+                                   luid=self.platform.luid(d.index) if windows else bytes(8),
+                                   luidDeviceNodeMask=1 if windows else 0)
         return self._run("hipGetDeviceProperties", 1, props)
 
     def hipDeviceSynchronize(self):

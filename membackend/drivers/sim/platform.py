@@ -25,6 +25,23 @@ Where a behaviour comes from:
 * Unified memory: MemFree excludes the page cache that MemAvailable counts
   (proc(5), /proc/meminfo); device pages and host copies share the pool
   (ComfyUI #15285, unsloth PR #11208).
+* The current device is per host thread: CUDA driver API reference,
+  ``cuCtxSetCurrent`` ("binds the specified CUDA context to the calling CPU
+  thread") and ``cuCtxGetCurrent`` (NULL and CUDA_SUCCESS when none is bound);
+  HIP runtime API, ``hipSetDevice`` ("the default device for the calling host
+  thread"; 0 until set). A primary context is reference counted:
+  ``cuDevicePrimaryCtxRetain`` / ``cuDevicePrimaryCtxRelease`` (releasing one
+  that is not retained is CUDA_ERROR_INVALID_CONTEXT).
+* A device without virtual memory management support fails ``cuMemCreate`` /
+  ``hipMemCreate`` with ...NOT_SUPPORTED (CUDA driver API reference,
+  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED; ROCm/hip #3151).
+* ``CUDA_VISIBLE_DEVICES`` / ``HIP_VISIBLE_DEVICES`` (from the ``environ``
+  given to the platform, not the process's, so a GPU machine's setting never
+  changes a simulated one): a comma-separated list of ordinals; the list stops
+  at the first entry that is not a valid, unrepeated ordinal; the visible
+  devices are renumbered from 0 in that order (CUDA C Programming Guide,
+  "CUDA Environment Variables"; ROCm's HIP_VISIBLE_DEVICES, which honours
+  CUDA_VISIBLE_DEVICES "for CUDA compatibility" when it is unset).
 """
 
 from __future__ import annotations
@@ -35,8 +52,9 @@ import itertools
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
+from ..discovery import visible_ordinals
 from .profiles import Profile, get_profile
 
 _T = TypeVar("_T")
@@ -53,7 +71,8 @@ class SimulatedCrash(BaseException):
 
 
 class SimError(Exception):
-    """A driver call failed; ``kind`` is one of oom, invalid, not_ready, invalid_device, injected."""
+    """A driver call failed; ``kind`` is one of oom, invalid, not_ready, invalid_device, invalid_context,
+    not_supported, no_device, injected."""
 
     def __init__(self, kind: str, detail: str = "", code: object = None):
         super().__init__(f"{kind}: {detail}")
@@ -112,7 +131,9 @@ class _Device:
     vram: int
     arch: str
     integrated: bool
+    vmm: bool = True
     used: int = 0  # physical bytes in handles on this device
+    primary_refs: int = 0  # cuDevicePrimaryCtxRetain minus cuDevicePrimaryCtxRelease
 
     @property
     def spilled(self) -> int:
@@ -172,10 +193,12 @@ class SimPlatform:
 
     VA_BASE = 0x7F00_0000_0000
 
-    def __init__(self, profile: Profile | str, faults: FaultPlan | None = None):
+    def __init__(self, profile: Profile | str, faults: FaultPlan | None = None,
+                 environ: Mapping[str, str] | None = None):
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         p = self.profile
-        self.devices = [_Device(i, d.name, d.vram, d.arch, d.integrated) for i, d in enumerate(p.devices)]
+        specs = [p.devices[i] for i in visible_ordinals(len(p.devices), p.vendor, environ or {})]
+        self.devices = [_Device(i, d.name, d.vram, d.arch, d.integrated, d.vmm) for i, d in enumerate(specs)]
         self.faults = faults or FaultPlan()
         self.clock = 0.0
         self._ids = itertools.count(1)
@@ -197,7 +220,7 @@ class SimPlatform:
         self.bugchecks = 0
         self.crashes = 0
         self.use_after_free = 0
-        self._current = threading.local()  # the current device is per thread, as CUDA's current context is
+        self._current = threading.local()  # per thread: .device (HIP's, or the CUDA context's) and .ctx
         #: one lock for the whole simulated driver: every API call and sim-only helper holds it, so
         #: threads see each call as one step (real drivers serialise their own tables the same way);
         #: re-entrant because helpers call each other
@@ -208,11 +231,46 @@ class SimPlatform:
 
     @property
     def current(self) -> int:
+        """The calling thread's current device: HIP's (0 until set), or the device of the CUDA
+        context bound to the thread."""
         return getattr(self._current, "device", 0)
 
     def set_current(self, device: int) -> None:
+        """``hipSetDevice``: the calling thread's device."""
         self._device(device)
         self._current.device = device
+
+    # CUDA contexts: one primary context per device, handle = index + 1 (0 is NULL)
+
+    @property
+    def current_context(self) -> int:
+        """``cuCtxGetCurrent``: the context bound to the calling thread, 0 (NULL) when none is."""
+        return getattr(self._current, "ctx", 0)
+
+    def set_current_context(self, ctx: int) -> None:
+        """``cuCtxSetCurrent``: bind ``ctx`` (0 unbinds) to the calling thread."""
+        if ctx:
+            self._device(ctx - 1)
+            self._current.device = ctx - 1
+        self._current.ctx = ctx
+
+    def require_context(self) -> None:
+        """Calls whose documented errors include CUDA_ERROR_INVALID_CONTEXT need a bound context."""
+        if not self.current_context:
+            raise SimError("invalid_context", "no CUDA context is current on this thread")
+
+    @_locked
+    def primary_retain(self, device: int) -> int:
+        d = self._device(device)
+        d.primary_refs += 1
+        return device + 1
+
+    @_locked
+    def primary_release(self, device: int) -> None:
+        d = self._device(device)
+        if d.primary_refs <= 0:
+            raise SimError("invalid_context", f"the primary context of device {device} is not retained")
+        d.primary_refs -= 1
 
     def _device(self, index: int) -> _Device:
         if not isinstance(index, int) or not 0 <= index < len(self.devices):
@@ -320,6 +378,16 @@ class SimPlatform:
         self.inject("init")
         self.initialized = True
 
+    def luid(self, device: int) -> bytes:
+        """The adapter LUID (8 bytes: LowPart, HighPart, little-endian) DXGI would know the device by."""
+        self._device(device)
+        return (0x0000C0DE + device).to_bytes(4, "little") + (0).to_bytes(4, "little")
+
+    def pci_location(self, device: int) -> tuple[int, int, int]:
+        """(domain, bus, device) of the simulated board: one bus per device."""
+        self._device(device)
+        return 0, 0x01 + device, 0
+
     @_locked
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) as the driver reports them for the current device."""
@@ -406,6 +474,8 @@ class SimPlatform:
     def create(self, size: int, device: int) -> int:
         self._granular(size, "allocation size")
         d = self._device(device)
+        if not d.vmm:
+            raise SimError("not_supported", f"device {device} does not support virtual memory management")
         self._check_current(device, "the allocation")
         p = self.profile
         if p.unified:

@@ -18,10 +18,13 @@ MiB, GiB = 1 << 20, 1 << 30
 
 @dataclass(frozen=True)
 class SimDeviceSpec:
+    """One simulated device: what its driver answers to discovery (name, memory, attributes)."""
+
     name: str
     vram: int
     arch: str
     integrated: bool = False
+    vmm: bool = True  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED / hipDeviceAttribute...
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,10 @@ class Profile:
     """One simulated machine.
 
     ``vendor`` picks the API surface (``cuda``: cuda-python names; ``hip``:
-    hip-python names). The flags switch documented platform behaviours on.
+    hip-python names). ``os``, ``host_ram`` and ``torch`` describe the
+    simulated host the discovery code reads besides the driver (the OS name,
+    ``/proc/meminfo``, torch's installed version). The flags switch documented
+    platform behaviours on.
     """
 
     name: str
@@ -38,6 +44,8 @@ class Profile:
     devices: tuple[SimDeviceSpec, ...]
     host_ram: int
     description: str
+    torch: str = ""  # the torch build the simulated host has installed ("" : none)
+    driver_version: int = 12080  # cuDriverGetVersion / hipDriverGetVersion's answer
     granularity: int = 2 * MiB
     copy_bandwidth: float = 25e9  # bytes/s of an async host-to-device copy (PCIe 4.0 x16 class)
     # Windows WDDM: a created+mapped handle pages in later; unmapping or releasing it
@@ -60,20 +68,6 @@ class Profile:
     unmap_synchronizes: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def machine_overrides(self) -> dict:
-        """Settings ``machine`` overrides that make machine facts match this profile."""
-        return {
-            "os": self.os,
-            "ram_total": self.host_ram,
-            "ram_available": self.host_ram,
-            "torch_vendor": "rocm" if self.vendor == "hip" else "cuda",
-            "devices": [
-                {"kind": self.vendor, "index": i, "name": d.name, "total_memory": d.vram, "integrated": d.integrated,
-                 "unified": self.unified, "driver_model": "wddm" if self.wddm else None, "arch": d.arch}
-                for i, d in enumerate(self.devices)
-            ],
-        }
-
 
 PROFILES: dict[str, Profile] = {
     p.name: p
@@ -83,6 +77,7 @@ PROFILES: dict[str, Profile] = {
             devices=(SimDeviceSpec("NVIDIA GeForce RTX 3050", 6 * GiB, "sm_86"),),
             host_ram=32 * GiB,
             description="Windows CUDA under WDDM, 6 GB (RTX 3050 class): deferred page-in, sysmem fallback",
+            torch="2.13.0+cu128", driver_version=12080,
             wddm=True, pagein_seconds=0.004, wddm_budget_headroom=512 * MiB,
             notes=("ComfyUI #16246: allocate/free churn during page-in ends in a bugcheck",
                    "ComfyUI PR #11845: past the budget the driver spills to shared memory"),
@@ -93,6 +88,7 @@ PROFILES: dict[str, Profile] = {
                      SimDeviceSpec("AMD Radeon RX 9070 XT", 16 * GiB, "gfx1201")),
             host_ram=64 * GiB,
             description="Windows ROCm, 2 x 16 GB (gfx1201): commit-charged reservations, 256 GiB quota, churn defect",
+            torch="2.13.0+rocm10.0.0", driver_version=100000000,  # HIP_VERSION encoding: 10.0.0
             private_commit_reservations=True, address_quota=256 * GiB, churn_limit=14, current_device_checked=True,
             notes=("ComfyUI #15993: 41.58 GB private bytes stay committed after unload",
                    "rocm-systems #9823: the 16th 16 GiB window (240 GiB) crashed",
@@ -104,6 +100,7 @@ PROFILES: dict[str, Profile] = {
             devices=(SimDeviceSpec("NVIDIA GB10", 128 * 10**9, "sm_121", integrated=True),),
             host_ram=128 * 10**9,
             description="GB10 unified memory, 128 GB shared by CPU and GPU; MemFree below MemAvailable",
+            torch="2.13.0+cu130", driver_version=13000,
             unified=True, page_cache=12 * GiB, copy_bandwidth=200e9, unmap_synchronizes=True,
             notes=("ComfyUI #15285: free memory must come from MemAvailable on one pool",
                    "unsloth PR #11208: 8,128 MiB reported vs 46,477 MiB real"),
@@ -113,7 +110,17 @@ PROFILES: dict[str, Profile] = {
             devices=(SimDeviceSpec("NVIDIA H200", 143_771 * MiB, "sm_90"),),
             host_ram=256 * GiB,
             description="discrete CUDA on Linux, 141 GB (the control)",
+            torch="2.13.0+cu130", driver_version=13000,
             unmap_synchronizes=True,
+        ),
+        Profile(
+            name="mi100-novmm", vendor="hip", os="linux",
+            devices=(SimDeviceSpec("AMD Instinct MI100", 32 * GiB, "gfx908", vmm=False),),
+            host_ram=256 * GiB,
+            description="HIP on Linux without virtual memory management (MI100 under ROCm 5.4): no VMM backend fits",
+            torch="2.0.1+rocm5.4.2", driver_version=50422804,
+            notes=("ROCm/hip #3151: hipDeviceAttributeVirtualMemoryManagementSupported is 0 on MI100, ROCm 5.4.2",
+                   "a device without it fails hipMemCreate / cuMemCreate with ...NotSupported"),
         ),
     )
 }

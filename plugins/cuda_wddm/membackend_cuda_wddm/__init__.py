@@ -8,11 +8,16 @@ cuda-python driver or, with ``MEMBACKEND_SIM_PROFILE``, its simulated twin.
 What it tells the mechanism and the policy, and why:
 
 * **Probe.** Fits when the OS is Windows and every NVIDIA device runs the WDDM
-  driver model (``DeviceInfo.driver_model``, from NVML's driver model or
-  cuda-python's ``CU_DEVICE_ATTRIBUTE_TCC_DRIVER``). TCC and MCDM devices are
-  not managed by the WDDM video memory manager (no deferred page-in, no
-  sysmem fallback) and DXGI does not report their budget: score 0, with the
-  device named. The score rises as VRAM falls (:func:`score_for`), because
+  driver model and supports virtual memory management. Both come from
+  machine discovery before torch: ``DeviceInfo.driver_model`` is
+  ``cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_TCC_DRIVER)`` (0: WDDM; NVML's
+  ``nvmlDeviceGetDriverModel`` only where CUDA did not answer), and
+  ``DeviceInfo.vmm_supported`` is
+  ``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED``. TCC and MCDM
+  devices (the attribute is 1) are not managed by the WDDM video memory
+  manager (no deferred page-in, no sysmem fallback) and DXGI does not report
+  their budget; an unknown driver model is not taken for WDDM: score 0, with
+  the device named. The score rises as VRAM falls (:func:`score_for`), because
   the smaller the card, the more a load evicts: ComfyUI #16246 is a 6 GB
   RTX 3050 evicting about 20 GB of staged weights to load the next 19 GB.
 * **Budget** (``budget_source="wddm"``): DXGI ``QueryVideoMemoryInfo``'s
@@ -23,9 +28,12 @@ What it tells the mechanism and the policy, and why:
   keeps on Windows "to avoid deadlocked sysmem fallback" (aimdo
   ``src-win/shmem-detect.c``); ``MEMBACKEND_CUDA_WDDM_HEADROOM`` changes it
   for this plugin, the generic ``MEMBACKEND_HEADROOM`` for every backend.
-* **Less churn** (``recycle_handles``): physical handles freed by an eviction
-  are kept (bounded per device) and mapped again by the next fault instead of
-  released and created again; a full unload of everything gives them back.
+* **Less churn** (``recycle_handles``, ``recycle_limit=None``): physical
+  handles freed by an eviction are kept, with no count limit, and mapped again
+  by the next fault instead of released and created again. The budget bounds
+  them: a budget query releases kept handles first whenever the driver's free
+  memory falls below the headroom, and a trim (unload of everything, close)
+  gives them all back.
 * **Fence before free** (``fence_granularity="reservation"``): frees and
   releases wait for the events recorded on the reservation (the session's
   fence tokens); the mechanism adds a device synchronize only when pages were
@@ -33,7 +41,7 @@ What it tells the mechanism and the policy, and why:
   no event covers that (the page-in use-after-free of ComfyUI #16246).
 * **Pages of 64 MiB**, twice comfy-aimdo's 32 MiB VBAR page: WDDM pages whole
   allocations in, so fewer, larger allocations mean fewer page-ins and
-  driver calls, and the bounded recycle pool (16 handles) holds 1 GiB.
+  driver calls.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from __future__ import annotations
 import math
 import os
 
-from membackend.platform import Platform
+from membackend.platform import Platform, vmm_unsupported
 from membackend.settings import SIZE_ACCEPTED, parse_bytes
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
@@ -87,7 +95,8 @@ def headroom(total: int = 0) -> int:
 
 
 def probe(machine: Machine) -> Candidate:
-    """Windows, and every NVIDIA device under WDDM; the score rises as VRAM falls (:func:`score_for`).
+    """Windows, and every NVIDIA device under WDDM (TCC_DRIVER = 0) with virtual memory management
+    support; the score rises as VRAM falls (:func:`score_for`).
 
     Pure: reads machine facts only, no GPU context. A headroom setting that
     cannot be parsed is reported here too (``ConfigError``), so the doctor
@@ -107,6 +116,9 @@ def probe(machine: Machine) -> Candidate:
                          f"not every NVIDIA device runs under WDDM ({named}); TCC and MCDM devices have no WDDM "
                          "page-in or sysmem fallback and no DXGI budget: the generic vmm backend serves them "
                          f"(force this one with MEMBACKEND_BACKEND={NAME} if the driver model is misreported)")
+    lacking = vmm_unsupported(gpus)
+    if lacking:
+        return Candidate(NAME, Score.NONE, lacking)
     smallest = min(gpus, key=lambda d: d.total_memory or math.inf)
     score = score_for(smallest.total_memory)
     vram = f"{smallest.total_memory / GiB:.1f} GiB" if smallest.total_memory else "unknown VRAM"
@@ -114,7 +126,9 @@ def probe(machine: Machine) -> Candidate:
         else "more than the ~12 GB this plugin is meant for, so it scores low in the band"
     room = headroom()
     return Candidate(NAME, score,
-                     f"Windows, {len(gpus)} NVIDIA device(s) under WDDM; smallest {smallest.device} "
+                     f"Windows, {len(gpus)} NVIDIA device(s) under WDDM (from "
+                     f"{smallest.source_of('driver_model') or smallest.source or 'the machine facts'}); smallest "
+                     f"{smallest.device} "
                      f"({smallest.name or 'unnamed'}) has {vram}, {fit}; score = 96 - 2 per GiB of VRAM, "
                      f"within {SCORE_FLOOR}-{SCORE_TOP}; budget = DXGI budget - usage - {room // MiB} MiB headroom")
 
@@ -126,7 +140,10 @@ PLATFORM = Platform(
     probe=probe,
     budget_source="wddm",
     capabilities=Capabilities(recycle_handles=True, recycle_limit=None, fence_granularity="reservation",
-                              release_on_full_unload=True),
+                              release_on_full_unload=True,
+                              # VidMm pages a fresh mapping in after cuMemMap returns, and no fence token covers
+                              # that: a free after a fault synchronizes the device first (ComfyUI #16246)
+                              page_in_sync="always"),
     page_size=64 * MiB,
     headroom=headroom,
     description="CUDA on Windows WDDM with little VRAM: DXGI budget, recycled handles, event fences before frees",

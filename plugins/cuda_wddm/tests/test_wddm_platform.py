@@ -20,8 +20,8 @@ def machine(os="windows", *devices: DeviceInfo) -> Machine:
                    torch_version=None, torch_vendor="cuda", devices=devices)
 
 
-def gpu(index=0, vram=6 * GiB, model="wddm", kind="cuda", name="NVIDIA GeForce RTX 3050") -> DeviceInfo:
-    return DeviceInfo(Device(kind, index), name, vram, driver_model=model)
+def gpu(index=0, vram=6 * GiB, model="wddm", kind="cuda", name="NVIDIA GeForce RTX 3050", vmm=True) -> DeviceInfo:
+    return DeviceInfo(Device(kind, index), name, vram, driver_model=model, vmm_supported=vmm)
 
 
 # ------------------------------------------------------------------ probe
@@ -176,3 +176,8 @@ def test_a_free_waits_for_the_copy_event_before_unmapping():
     s.free(r, 0, r.size)  # would be a SimulatedBugcheck without the wait
     assert sim.bugchecks == 0 and sim.state(0)["pending_ops"] == 0
     s.close()
+
+
+def test_a_wddm_device_without_virtual_memory_management_does_not_fit():
+    c = wddm.probe(machine("windows", gpu(vmm=False)))
+    assert c.score == 0 and "does not support virtual memory management" in c.reason and "cuda:0" in c.reason

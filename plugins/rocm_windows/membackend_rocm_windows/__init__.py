@@ -21,13 +21,35 @@ the mechanism and the policy must treat the platform:
 * **Reserve/free churn.** The HIP VMM on Windows fails large address reserves
   after repeated reserve/free rounds (the standalone reproducer fails at
   iteration 14, rocm-systems #6191): ``reserve_churn_limit=14`` makes the
-  mechanism keep released windows of at least 1 GiB in a bounded per-device
-  pool and reuse them for equal or smaller reservations; they count as
-  committed while held and go back on a trim (unload of everything, close).
+  mechanism keep released windows of at least 1 GiB per device and reuse
+  them for equal or smaller reservations. They count as committed while
+  kept and go back on a trim (idle, unload of everything, close) while the
+  platform allows: at most 12 large frees (14 minus a margin of 2) are
+  spent in the process. Once they are, what stays is bounded: at most 4
+  windows per device (or as many large reservations as the device had
+  alive at once), and a large reserve that no kept window holds and that
+  could not stay within that bound is refused as out of memory
+  (``AddressWindowsExhausted``, a ``MemoryError``), as is one the runtime
+  itself fails — never a ``DriverError``. ``membackend doctor`` shows the
+  windows kept, the frees spent and the bound (``VmmBackend.kept_windows``).
+* **Device synchronize after fresh mappings** (``page_in_sync="always"``).
+  AMD's Windows driver is a WDDM driver too: Windows' video memory manager
+  (``dxgmms2``, where ComfyUI #16246's bugcheck was) pages its allocations
+  in, and no report says HIP VMM mappings escape that. So a free after a
+  fault synchronizes the device first, as stock comfy-aimdo does on this
+  platform (its VBAR free paths call ``hipDeviceSynchronize``).
 * **Per device.** Budgets come from each device's own mem-get-info minus the
-  headroom (``budget_source="device"``); the mechanism makes the device
-  current before every call (HIP calls on another device's memory fail with
-  a second device visible, TheRock #6224).
+  headroom (``budget_source="device"``); the HIP driver wrapper makes the
+  device current for every call that touches it (HIP calls on another
+  device's memory fail with a second device visible, TheRock #6224) and the
+  caller's device current again afterwards, so torch's current device is
+  never moved.
+* **When it fits** (:func:`probe`): Windows, torch a ROCm build or absent,
+  and HIP devices listed by machine discovery before torch — through
+  hip-python where it installs, otherwise through a ctypes binding of the HIP
+  runtime library torch's ROCm build ships in ``torch/lib`` (hip-python's
+  dependencies have no Windows wheel) — every one an AMD ``gfx`` device that
+  reports ``hipDeviceAttributeVirtualMemoryManagementSupported``.
 * **Pages** of 32 MiB, comfy-aimdo's VBAR page: fewer mappings per model
   (#9823: 3072 mappings of 32 MiB in one reservation are healthy).
 
@@ -48,7 +70,8 @@ import os
 import re
 from typing import Any, Mapping
 
-from membackend.platform import Platform
+from membackend.backends.vmm import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
+from membackend.platform import Platform, vmm_unsupported
 from membackend.settings import SIZE_ACCEPTED, parse_bytes
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
@@ -70,7 +93,7 @@ CHURN_LIMIT = 14  # rocm-systems #6191: the reproducer's reserve fails at iterat
 CHURN_WINDOW = 1 * GiB  # #6191 churns VBARs of 64 and 192 x 32 MiB pages (2 and 6 GiB); smaller ones are freed
 PAGE_SIZE = 32 * MiB  # comfy-aimdo's VBAR_PAGE_SIZE
 SCORE_TORCH = 70  # Windows, a ROCm build of torch, AMD devices listed
-SCORE_LISTED = 60  # Windows, AMD devices listed (hip-python or overrides), torch absent
+SCORE_LISTED = 60  # Windows, AMD devices listed by discovery (hip-python or the HIP runtime's ctypes binding), no torch
 
 
 def _parse_svm(raw: str) -> int | None:
@@ -123,7 +146,8 @@ def _size(n: int) -> str:
 
 
 def probe(machine: Machine, policy: str = "") -> Candidate:
-    """Windows, a ROCm (or no) torch build, and AMD (``gfx``) HIP devices listed; 0 with the reason elsewhere.
+    """Windows, a ROCm (or no) torch build, and AMD (``gfx``) HIP devices listed, each supporting
+    virtual memory management; 0 with the reason elsewhere.
 
     Pure: reads the machine facts only (no GPU context). ``policy`` is appended to
     the reason when it fits, so the doctor says what the platform changes.
@@ -136,17 +160,21 @@ def probe(machine: Machine, policy: str = "") -> Candidate:
                                            "install a ROCm build of torch")
     gpus = machine.gpus("hip")
     if not gpus:
-        return Candidate(NAME, Score.NONE, "no HIP device listed (ROCm torch or hip-python finds none; "
+        return Candidate(NAME, Score.NONE, "no HIP device listed (discovery through hip-python or the HIP "
+                                           "runtime found none: see the discovery lines of `membackend doctor`; "
                                            "check the driver and HIP_VISIBLE_DEVICES)")
     foreign = [d for d in gpus if d.arch and not d.arch.startswith("gfx")]
     if foreign:
         listed = ", ".join(f"{d.device} {d.name} ({d.arch})" for d in foreign)
         return Candidate(NAME, Score.NONE, f"HIP device(s) that are not AMD GPUs: {listed}")
+    lacking = vmm_unsupported(gpus)
+    if lacking:
+        return Candidate(NAME, Score.NONE, lacking)
     listed = ", ".join(f"{d.device} {d.name or 'unnamed'} ({d.arch or 'architecture unknown'})" for d in gpus)
     if machine.torch_vendor == "rocm":
         score, via = SCORE_TORCH, "a ROCm build of torch"
     else:
-        score, via = SCORE_LISTED, "no torch; HIP devices listed"
+        score, via = SCORE_LISTED, f"no torch; HIP devices listed by {gpus[0].source or 'the machine facts'}"
     return Candidate(NAME, score, f"Windows ROCm on {len(gpus)} device(s): {listed}; {via}"
                                   + (f"; {policy}" if policy else ""))
 
@@ -164,7 +192,9 @@ def _build(quota_setting: str | None, svm_setting: str | None) -> Platform:
     limit = enforced(quota)
     policy = (f"reservations released on full unload; address quota {_size(limit)} "
               f"({_size(quota)} from {source}, 1/{QUOTA_MARGIN} kept as margin); released windows of "
-              f">= {_size(CHURN_WINDOW)} pooled per device against the reserve/free churn defect")
+              f">= {_size(CHURN_WINDOW)} kept per device against the reserve/free churn defect, given back "
+              f"while {CHURN_LIMIT - CHURN_MARGIN} of its {CHURN_LIMIT} large frees last, at most "
+              f"{KEPT_WINDOWS_PER_DEVICE} per device kept after")
     return Platform(
         name=NAME,
         vendor="hip",
@@ -176,6 +206,7 @@ def _build(quota_setting: str | None, svm_setting: str | None) -> Platform:
             reserve_churn_limit=CHURN_LIMIT,
             reserve_churn_window=CHURN_WINDOW,
             fence_granularity="reservation",
+            page_in_sync="always",  # a WDDM driver: VidMm pages fresh mappings in (see the module docstring)
         ),
         page_size=PAGE_SIZE,
         description=f"ROCm on Windows: {policy}",

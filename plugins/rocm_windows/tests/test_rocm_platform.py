@@ -14,10 +14,10 @@ from membackend.types import ConfigError, Device, DeviceInfo, Machine, Score
 MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
 
 
-def machine(os="windows", torch="rocm", devices=(("AMD Radeon RX 9070 XT", "gfx1201"),) * 2, kind="hip"):
+def machine(os="windows", torch="rocm", devices=(("AMD Radeon RX 9070 XT", "gfx1201"),) * 2, kind="hip", vmm=True):
     return Machine(os=os, cpus=16, ram_total=64 * GiB, ram_available=64 * GiB, cgroup_limit=None,
                    torch_version="2.13.0+rocm10.0.0" if torch == "rocm" else None, torch_vendor=torch,
-                   devices=tuple(DeviceInfo(Device(kind, i), name=n, total_memory=16 * GiB, arch=a)
+                   devices=tuple(DeviceInfo(Device(kind, i), name=n, total_memory=16 * GiB, arch=a, vmm_supported=vmm)
                                  for i, (n, a) in enumerate(devices)))
 
 
@@ -119,3 +119,10 @@ def test_one_entry_point_in_the_backends_group():
     assert [(e.group, e.name, e.value) for e in eps] == [
         ("membackend.backends", "rocm_windows", "membackend_rocm_windows:PLATFORM")]
     assert isinstance(tuple(eps)[0].load(), Platform)
+
+
+def test_a_device_without_virtual_memory_management_does_not_fit():
+    c = rw.probe(machine(vmm=False))
+    assert c.score == 0 and "does not support virtual memory management" in c.reason
+    unknown = rw.probe(machine(vmm=None))
+    assert unknown.score == 0 and "unknown" in unknown.reason

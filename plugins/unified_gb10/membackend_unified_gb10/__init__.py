@@ -7,12 +7,16 @@ membackend's generic virtual-memory backend so (it subclasses nothing; the
 mechanism is :class:`membackend.backends.vmm.VmmBackend`):
 
 * **When it fits** (:func:`probe`): every CUDA device of the machine reports
-  the *integrated* attribute (``cudaDeviceProp.integrated``; torch's
-  ``is_integrated``). Unified addressing alone never decides it: every
-  discrete GPU on 64-bit Linux has unified addressing too. A machine that
-  mixes integrated and discrete CUDA devices is left to the generic ``vmm``
-  backend, since one budget source cannot describe both. The score is
-  :data:`SCORE`, in the platform band, above the generic backends.
+  the *integrated* attribute and supports virtual memory management, as
+  machine discovery reads them before torch
+  (``cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_INTEGRATED)`` and
+  ``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED``; NVML says
+  nothing of it and its memory query is unsupported on GB10). Unified
+  addressing alone never decides it: every discrete GPU on 64-bit Linux has
+  unified addressing too. A machine that mixes integrated and discrete CUDA
+  devices is left to the generic ``vmm`` backend, since one budget source
+  cannot describe both. The score is :data:`SCORE`, in the platform band,
+  above the generic backends.
 * **One pool (G3)**: the budget source is ``unified`` — ``MemAvailable``
   (which counts reclaimable page cache) capped by the memory cgroup — never
   the driver's mem-get-info, which reports ``MemFree`` on these parts
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import os
 
-from membackend.platform import Platform
+from membackend.platform import Platform, vmm_unsupported
 from membackend.settings import SIZE_ACCEPTED, parse_bytes
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
@@ -111,7 +115,8 @@ def _pool(machine: Machine, device_total: int) -> tuple[int, str]:
 
 
 def probe(machine: Machine) -> Candidate:
-    """Fits when every CUDA device is integrated; pure (machine facts only, no GPU context).
+    """Fits when every CUDA device is integrated and supports virtual memory management; pure
+    (machine facts only, no GPU context).
 
     Raises ``ConfigError`` when ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` is set and
     unusable, so the doctor shows the backend as broken with that message.
@@ -135,10 +140,15 @@ def probe(machine: Machine) -> Candidate:
         return Candidate(name, Score.NONE, f"{integrated[0].device} {integrated[0].name} is integrated but "
                                            f"{discrete[0].device} {discrete[0].name} is discrete: one pool's budget "
                                            "cannot serve both; the generic vmm serves them")
+    lacking = vmm_unsupported(integrated)
+    if lacking:
+        return Candidate(name, Score.NONE, lacking)
     d = integrated[0]
     size, how = _pool(machine, d.total_memory)
     more = f" and {len(integrated) - 1} more" if len(integrated) > 1 else ""
-    return Candidate(name, SCORE, f"{d.device} {d.name}{more} is integrated: one {_gb(size)} pool ({how}) shared "
+    return Candidate(name, SCORE, f"{d.device} {d.name}{more} is integrated (from "
+                                  f"{d.source_of('integrated') or d.source or 'the machine facts'}): one "
+                                  f"{_gb(size)} pool ({how}) shared "
                                   "with the host; budget from MemAvailable, faults past it refused up front, "
                                   "models kept warm while it allows")
 
@@ -156,6 +166,7 @@ PLATFORM = Platform(
         release_on_full_unload=True,  # a full unload gives the range and its pages back to the one pool (G1)
         recycle_handles=False,  # a kept physical handle is pool memory the host cannot use
         fence_granularity="reservation",  # Linux cuMemUnmap synchronizes; no device-wide sync needed
+        page_in_sync="never",  # Linux: no video memory manager pages mappings in; fence tokens cover the work
     ),
     page_size=PAGE_SIZE,
     headroom=headroom,

@@ -17,8 +17,8 @@ def machine(*devices: DeviceInfo, ram: int = 128 * GB, cgroup: int | None = None
 
 
 def gpu(index: int = 0, name: str = "NVIDIA GB10", total: int = 128 * GB, integrated: bool = True,
-        unified: bool = True, kind: str = "cuda") -> DeviceInfo:
-    return DeviceInfo(Device(kind, index), name, total, integrated=integrated, unified=unified)
+        unified: bool = True, kind: str = "cuda", vmm: bool | None = True) -> DeviceInfo:
+    return DeviceInfo(Device(kind, index), name, total, integrated=integrated, unified=unified, vmm_supported=vmm)
 
 
 def test_the_record_is_a_cuda_platform_on_the_unified_budget_that_refuses_past_the_pool():
@@ -91,3 +91,8 @@ def test_a_bad_headroom_variable_makes_the_probe_raise_a_config_error(monkeypatc
         probe(machine(gpu()))
     assert info.value.key == HEADROOM_ENV and "'sixteen' is not a size" in str(info.value)
     assert "GiB" in info.value.accepted
+
+
+def test_an_integrated_device_without_virtual_memory_management_does_not_fit():
+    c = probe(machine(gpu(vmm=False)))
+    assert c.score == 0 and "does not support virtual memory management" in c.reason
