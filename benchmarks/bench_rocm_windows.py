@@ -19,7 +19,12 @@ rocm-systems #6191). Printed side by side:
   cycles completed, the first failure, large frees the driver counted, private
   commit after the cycles (first, last), peak address space in use against the
   enforced quota. Also the plugin unloading *everything* every cycle (which
-  drains the pool each time).
+  gives the kept windows back while the platform's large frees last).
+* **per cycle** (``--per-cycle N``, default 20): the same cycles ending in
+  ``unload_all``, printed cycle by cycle: private commit after the unload and
+  the address windows the backend reports kept (``VmmBackend.kept_windows``,
+  what ``membackend doctor`` shows), with the large frees the driver counted,
+  for the plugin and for the generic vmm (which hits the churn defect).
 * **quota**: 16 GiB reservations until refused: how many, whether the
   runtime crashed.
 
@@ -93,6 +98,9 @@ def cycles(backend: str | None, cls, n: int, unload_everything: bool = False) ->
     done, error, commits, peak = r.done, r.error, r.commits, r.peak_quota_used
     out = {"backend": s.backend.name, "policy": cls.policy, "unload": "unload_all" if unload_everything else
            "full_unload", "cycles": n, "done": done, "error": error, "large_frees": sim.churn_frees,
+           "commit_each": commits, "kept_each": r.kept,
+           "kept_report": [k.describe() for k in (kept(d) for d in (HIP0, HIP1)) if k is not None]
+           if (kept := getattr(s.backend, "kept_windows", None)) else [],
            "commit_first": commits[0] if commits else None, "commit_last": commits[-1] if commits else None,
            "commit_flat_after_2": None if error else len(set(commits[2:])) <= 1, "peak_quota_used": peak,
            "quota_limit": s.capabilities.address_quota, "crashes": sim.crashes}
@@ -124,6 +132,7 @@ def reserve_until_refused(backend: str | None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     n = int(argv[argv.index("--cycles") + 1]) if "--cycles" in argv else 200
+    per = int(argv[argv.index("--per-cycle") + 1]) if "--per-cycle" in argv else 20
     for key in [k for k in os.environ if k.startswith("MEMBACKEND_")]:
         del os.environ[key]  # figures for the defaults
     results = {
@@ -131,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         "cycles": [cycles("vmm", StockPolicy, n), cycles("vmm", ResidencyManager, n),
                    cycles(None, ResidencyManager, n), cycles(None, ResidencyManager, n, unload_everything=True)],
         "quota": [reserve_until_refused("vmm"), reserve_until_refused(None)],
+        "per_cycle": [cycles(None, ResidencyManager, per, unload_everything=True),
+                      cycles("vmm", ResidencyManager, per, unload_everything=True)],
     }
     results["seed"][1]["policy"] = "stock, aimdo VBAR sizing"
     if "--json" in argv:
@@ -153,6 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in results["quota"]:
         print(f"  {r['backend']:<13} {r['windows']:>3} windows ({mib(r['reserved'])}), then {r['outcome']}; "
               f"simulated crashes {r['crashes']}")
+    plugin, control = results["per_cycle"]
+    print(f"{per} load/run/unload_all cycles of TE + UNet alternating hip:0 / hip:1, after each: private commit "
+          f"(GiB) and the windows {plugin['backend']} reports kept (GiB)")
+    print(f"  {'cycle':>5}  {plugin['backend'] + ' commit':>20} {'kept':>7}  {control['backend'] + ' commit':>12}")
+    gib = lambda b: "-" if b is None else f"{b / GiB:,.2f}"  # noqa: E731
+    for i in range(per):
+        at = lambda r, key: r[key][i] if i < len(r[key]) else None  # noqa: E731
+        print(f"  {i + 1:>5}  {gib(at(plugin, 'commit_each')):>20} {gib(at(plugin, 'kept_each')):>7}  "
+              f"{gib(at(control, 'commit_each')):>12}")
+    for r in (plugin, control):
+        print(f"  {r['backend']}: {r['done']} of {per} cycles, {r['large_frees']} large frees; "
+              f"first failure: {r['error'] or '-'}")
+    for line in plugin["kept_report"]:
+        print(f"  kept: {line}")
     return 0
 
 

@@ -58,7 +58,7 @@ VERBS = (
 #: every hook a backend must implement
 HOOKS = ("membackend_probe",) + VERBS
 #: hooks a backend may implement; the session and the conformance kit use them when present
-OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_failures")
+OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_failures", "membackend_close")
 
 
 @hookspec
@@ -156,6 +156,17 @@ def membackend_trim(device: Device) -> int:
     the driver returns to its baseline (G1).
     Post: returns the bytes given back; ``membackend_inspect`` then reports ``held == 0``.
     Errors: ``DriverError``; what could not be given back stays held (and is tried again next time).
+    """
+
+
+@hookspec(firstresult=True)
+def membackend_close() -> None:
+    """Optional. The session is closing: give back what the backend holds of the driver itself.
+
+    Called once by ``Session.close()``, after every reservation was released and every
+    device trimmed: a retained primary context (``cuDevicePrimaryCtxRelease``), a
+    runtime handle. Using the backend afterwards may acquire them again.
+    Errors: ``DriverError``; ``close()`` reports it with the other failures.
     """
 
 

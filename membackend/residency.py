@@ -14,7 +14,9 @@ module is policy, on top of a :class:`~membackend.session.Session`:
   kept free (for activations); when a fault is out of memory, unpinned pages of
   the lowest-priority reservations are freed, top down, until it fits, then it
   is retried; with nothing left to evict the out-of-memory result reaches the
-  caller.
+  caller. Pages a live tensor from :mod:`membackend.tensors` views are skipped
+  as pinned ones are (the session would refuse their free with ``TensorAlive``),
+  and a full unload of a model with such a tensor is refused the same way.
 * **Full unload** (G1, G5): fence, free every page, release the reservation
   (when the backend's capabilities say so, the default) and do the same for
   what the model owns indirectly (Hook delegates, cast buffers) and its pins.
@@ -59,6 +61,7 @@ from .types import (
     PartialFailure,
     Reservation,
     ReservationReleased,
+    TensorAlive,
     WrongDevice,
 )
 
@@ -312,7 +315,7 @@ class ResidencyManager:
         try:
             for d in devs:
                 model.slots[d] = _Slot(model, d)
-                self._reserve(model.slots[d])
+                self._reserve_making_room(model.slots[d])
         except BaseException as exc:
             self._roll_back(model, exc)
             raise
@@ -354,6 +357,33 @@ class ResidencyManager:
     def _reserve(self, slot: _Slot) -> None:
         slot.bind(self.session.reserve(slot.device, slot.model.size))
         self._trace("reserve", slot.model, device=str(slot.device), bytes=slot.reservation.size)
+
+    def _reserve_making_room(self, slot: _Slot) -> None:
+        """Reserve ``slot``; when the backend refuses for want of memory or address space (a
+        ``MemoryError``: e.g. every window a reserve-churn limit lets it keep is in use), fully unload idle
+        models on the device -- least recently used first, never the current run's, never a pinned one --
+        so their ranges can serve, and try again. Raises the backend's last refusal when none is left."""
+        tried: set[str] = set()
+        while True:
+            try:
+                self._reserve(slot)
+                return
+            except MemoryError:
+                victim = next((s for s in self._by_priority(slot.device) if s is not slot and s.model.id not in tried
+                               and s.model.id not in self._running and not any(s.pins)), None)
+                if victim is None:
+                    raise
+                tried.add(victim.model.id)
+                owner = self._models.get(victim.model.id)
+                while owner is not None and owner.owner is not None:
+                    owner = owner.owner
+                if owner is None or owner.id == slot.model.id:
+                    continue
+                try:
+                    self.full_unload(owner)
+                except PartialFailure:
+                    continue  # what could be unloaded was; the next idle model is tried
+                self._trace("evict_model", owner, device=str(slot.device), bytes=0, reason="address space")
 
     def _slot(self, model: Model, device: Any) -> _Slot:
         self._check_registered(model)
@@ -443,7 +473,12 @@ class ResidencyManager:
         slot = self._slot(model, device)
         offset, size, first, last = self._pages(slot, model, offset, size)
         if not slot.alive:  # used again after a full unload: reserve again, transparently
-            self._reserve(slot)
+            try:
+                self._reserve_making_room(slot)
+            except MemoryError:  # refused for want of memory or address space, nothing left to unload
+                self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                            result="oom", reason="address space")
+                return Fault(False, (), first, 0)
             offset, size, first, last = self._pages(slot, model, offset, size)
         r = slot.reservation
         model.last_used = next(self._clock)
@@ -559,9 +594,10 @@ class ResidencyManager:
         own = protect is not None and protect[0] is slot
         lo, hi = (protect[1], protect[2]) if own else (0, 0)
         resident, pins = slot.resident, slot.pins
+        held = self._viewed(slot)  # pages a live tensor views are skipped, as pinned ones are
 
         def evictable(p: int) -> bool:
-            return resident[p] and not pins[p] and not lo <= p < hi
+            return resident[p] and not pins[p] and not lo <= p < hi and p not in held
 
         freed, lowest, p = 0, None, r.pages - 1
         while p >= 0 and freed < amount:
@@ -579,11 +615,22 @@ class ResidencyManager:
             slot.watermark = lowest if slot.watermark is None else min(slot.watermark, lowest)
         return freed
 
+    def _viewed(self, slot: _Slot) -> frozenset[int] | set[int]:
+        """Pages of ``slot`` that a live tensor from ``membackend.tensors`` views (never evicted)."""
+        views = getattr(self.session, "views", None)
+        spans = views(slot.reservation) if views is not None else ()
+        if not spans:
+            return frozenset()
+        ps = slot.reservation.page_size
+        return {p for a, b in spans for p in range(a // ps, (b - 1) // ps + 1)}
+
     def _free_pages(self, slot: _Slot, start: int, end: int) -> int:
         r = slot.reservation
         self._fence_before_free(slot)
         try:
             dropped = self.session.free(r, start * r.page_size, (end - start) * r.page_size)
+        except TensorAlive:  # a tensor made over these pages since they were chosen: skipped, nothing changed
+            return 0
         except Exception as exc:
             slot.free_failed(start, end, exc)
             raise
@@ -674,11 +721,15 @@ class ResidencyManager:
     def _unload_slot(self, slot: _Slot, release: bool) -> int:
         r = slot.reservation
         self.session.fence(reservation=r)
+        pins = slot.pins
         slot.clear_pins()  # its pins go with it
         if not release:
             return self._shed(slot, math.inf, None)
         try:
             dropped = self.session.release_reservation(r)
+        except TensorAlive:  # refused, nothing changed: the model keeps its pages and pins
+            slot.pins = pins
+            raise
         except Exception as exc:
             slot.free_failed(0, r.pages, exc)
             raise
@@ -815,7 +866,9 @@ class ResidencyManager:
         total = 0
         for slot in self._by_priority(device):
             ps = slot.reservation.page_size
-            total += sum(1 for r, p in zip(slot.resident, slot.pins) if r and not p) * ps
+            held = self._viewed(slot)
+            total += sum(1 for i, (r, p) in enumerate(zip(slot.resident, slot.pins))
+                         if r and not p and i not in held) * ps
         return total
 
     # ------------------------------------------------------------------ reporting

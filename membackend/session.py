@@ -15,7 +15,9 @@ answer in the backend's place, so it is refused.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import logging
 import operator
 import threading
@@ -44,6 +46,7 @@ from .types import (
     PartialFailure,
     PluginError,
     Reservation,
+    TensorAlive,
     WrongDevice,
 )
 
@@ -90,6 +93,15 @@ class Session:
     outlives its reservation. A fence token's ``wait()`` must not call back
     into the session on the same reservation (the reservation's lock is held).
 
+    **Live tensor views.** ``membackend.tensors``' public functions register each
+    tensor they make as a *view* of its byte range (:meth:`add_view`); the view
+    ends when torch frees the tensor's storage (every tensor sharing it gone).
+    :meth:`free` and :meth:`release_reservation` of a range a live view overlaps
+    raise :class:`~membackend.types.TensorAlive` and change nothing, so a tensor
+    never reads freed or reused memory. Registration is serialised with the
+    reservation's other verbs; with no view on a reservation its frees pay one
+    dict lookup.
+
     ``tracer`` (a :class:`membackend.trace.TraceObserver` or None) wraps the
     verbs like any observer and is exposed as :attr:`tracer` for the layers
     above (the residency manager logs its decisions to it).
@@ -116,6 +128,10 @@ class Session:
             observers.append(tracer)
         #: live reservations of this session -> the lock that serialises verbs on each
         self._live: dict[Reservation, threading.Lock] = {}
+        #: reservations with (or recently with) live tensor views -> {view key: (offset, end)}; an entry is
+        #: added under the reservation's lock, removed without any lock by the finalizer of the tensor's storage
+        self._views: dict[Reservation, dict[int, tuple[int, int]]] = {}
+        self._view_keys = itertools.count(1)
         known = self.devices()
         self._known = frozenset(known)
         self._known_kinds = frozenset(d.kind for d in known)
@@ -275,7 +291,9 @@ class Session:
         return f
 
     def free(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
-        """Fence, then drop the resident pages of a page-aligned range (default: all). Returns bytes dropped."""
+        """Fence, then drop the resident pages of a page-aligned range (default: all). Returns bytes dropped.
+
+        ``TensorAlive`` (nothing changed) while a tensor from ``membackend.tensors`` views the range."""
         try:
             lock = self._live[reservation]
         except (KeyError, TypeError):
@@ -301,6 +319,8 @@ class Session:
         try:
             if reservation.released:
                 self.ledger.check_alive(reservation, "free")
+            if reservation in self._views:
+                self._check_views(reservation, offset, size, "free")
             if reservation.id in self._pending_ids:
                 self._wait_tokens(reservation)
             if self._sanitize:
@@ -318,11 +338,15 @@ class Session:
         return dropped
 
     def release_reservation(self, reservation: Reservation) -> int:
-        """Fence, drop every page and return the address range; the reservation is dead afterwards."""
+        """Fence, drop every page and return the address range; the reservation is dead afterwards.
+
+        ``TensorAlive`` (nothing changed) while a tensor from ``membackend.tensors`` views any of it."""
         lock = self._lock_of(reservation, "release_reservation")
         with lock:
             if reservation.released:  # a concurrent release won
                 self.ledger.check_alive(reservation, "release_reservation")
+            if reservation in self._views:
+                self._check_views(reservation, 0, reservation.size, "release_reservation")
             self._wait_tokens(reservation)
             self.ledger.check_quiet(reservation, "release_reservation")
             try:
@@ -334,7 +358,51 @@ class Session:
             reservation.released = True
             self.ledger.on_release(reservation)
             self._live.pop(reservation, None)
+            self._views.pop(reservation, None)
         return dropped
+
+    # ------------------------------------------------------------------ tensor views
+
+    def add_view(self, reservation: Reservation, offset: int, size: int) -> Callable[[], None]:
+        """Register a live view of ``[offset, offset+size)``: until the returned callable is called,
+        :meth:`free` and :meth:`release_reservation` of an overlapping range raise ``TensorAlive``.
+
+        ``membackend.tensors`` calls it before it faults the range and ties the returned callable
+        to the tensor's storage (``weakref.finalize``), so the view ends when the storage is freed.
+        The callable takes no lock and may run on any thread (the garbage collector's included);
+        calling it twice is harmless.
+        """
+        lock = self._lock_of(reservation, "add_view")
+        offset, size = self._range(reservation, offset, size)
+        key = next(self._view_keys)
+        with lock:
+            if reservation.released:
+                self.ledger.check_alive(reservation, "add_view")
+            views = self._views.get(reservation)
+            if views is None:
+                views = self._views[reservation] = {}
+            views[key] = (offset, offset + size)
+        return functools.partial(views.pop, key, None)
+
+    def views(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> list[tuple[int, int]]:
+        """The byte ranges ``(offset, end)`` of live tensor views overlapping ``[offset, offset+size)``
+        (default: the whole reservation); a snapshot, empty when there are none."""
+        views = self._views.get(reservation)
+        if not views:
+            return []
+        end = reservation.size if size is None else offset + size
+        return [(a, b) for a, b in views.copy().values() if a < end and offset < b]
+
+    def _check_views(self, reservation: Reservation, offset: int, size: int, verb: str) -> None:
+        """Raise ``TensorAlive`` when a live view overlaps the range (the reservation's lock held)."""
+        views = self._views[reservation]
+        if not views:  # every view ended: stop paying for the check (add_view re-creates it under this lock)
+            del self._views[reservation]
+            return
+        end = offset + size
+        held = [(a, b) for a, b in views.copy().values() if a < end and offset < b]
+        if held:
+            raise TensorAlive(verb, reservation, offset, size, held)
 
     def record(self, reservation: Reservation, token: FenceToken) -> None:
         """Note asynchronous work (a copy, a kernel) on the reservation; fences wait for it.
@@ -483,7 +551,8 @@ class Session:
         return state
 
     def close(self) -> int:
-        """Release every reservation still alive, then trim every device served; returns how many were released.
+        """Release every reservation still alive, trim every device served, then let the backend give back what
+        it holds of the driver (``membackend_close``); returns how many reservations were released.
 
         Carries on past failures; if any, raises one ``PartialFailure`` naming
         each (what could be released and trimmed was).
@@ -504,6 +573,12 @@ class Session:
             failures += exc.failures
         except MembackendError as exc:
             failures.append(("trim", exc))
+        if self._opt_close is not None:  # what the backend holds of the driver itself (a primary context)
+            try:
+                self._opt_close()
+            except Exception as exc:
+                failures.append(("close", exc if isinstance(exc, MembackendError) else
+                                 PluginError(f"backend {self.name!r} raised {type(exc).__name__} in close: {exc}")))
         if failures:
             raise PartialFailure("close", failures)
         return released
@@ -515,6 +590,7 @@ class Session:
         if not isinstance(r, Reservation):
             return  # nothing a backend could release
         self._live.pop(r, None)
+        self._views.pop(r, None)
         self.ledger.forget(r)
         try:
             self._release_reservation(r)

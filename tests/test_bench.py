@@ -62,7 +62,7 @@ def _positive(x) -> bool:
 
 def test_every_key_with_sane_types(quick):
     r, _, calls = quick
-    assert set(r) == {"dispatch", "dispatch_free", "hot_path", "host_fault", "pages_alive", "startup",
+    assert set(r) == {"dispatch", "dispatch_free", "hot_path", "host_fault", "pages_alive", "free_sync", "startup",
                       "scenarios", "targets_met", "guarantees_held", "machine"}
     assert _positive(r["dispatch"]) and _positive(r["dispatch_free"])
     assert [row["ratio"] for row in r["hot_path"]] == [r["dispatch"], r["dispatch_free"]]
@@ -103,7 +103,28 @@ def test_every_scenario_replayed_with_its_figures(quick):
         assert sc["figures"]["alive_after_unload"]["plugin"] == 0
         assert sc["stock_reproduces"] is True, name
     assert r["guarantees_held"] is True
-    assert lines == ["hot path", "host fault", "pages alive", "startup"] + [f"scenario {n}" for n in SCENARIOS]
+    assert lines == ["hot path", "host fault", "pages alive", "free sync", "startup"] + \
+        [f"scenario {n}" for n in SCENARIOS]
+
+
+def test_free_sync_rows_show_what_the_device_sync_costs_and_why_wddm_keeps_it(quick):
+    """Shapes and the simulated driver's behaviour only (no wall-time threshold): with the sync every free
+    waits for the other range's kernel; without it the kernel is still running afterwards, except on WDDM,
+    where the free races the page-in of the fresh mapping (ComfyUI #16246)."""
+    r, _, _ = quick
+    rows = {row["profile"]: row for row in r["free_sync"]}
+    assert set(rows) == set(bench.FREE_SYNC_PROFILES)
+    for name, row in rows.items():
+        assert _positive(row["sync_us"]) and row["sync_stall_ms"] > 0 and row["sync_kernel_running"] == 0.0, name
+        assert row["sync_failure"] is None and row["sync_hazards"] == 0, name
+        if name == "wddm-6gb":
+            assert row["platform_syncs"] and "Bugcheck" in row["nosync_failure"] and row["nosync_us"] is None
+            assert row["ratio"] is None and row["nosync_hazards"] > 0
+        else:
+            assert row["nosync_failure"] is None and row["nosync_hazards"] == 0, name
+            assert _positive(row["nosync_us"]) and _positive(row["ratio"]), name
+            assert row["nosync_stall_ms"] == 0 and row["nosync_kernel_running"] == 1.0, name
+    assert [rows[n]["platform_syncs"] for n in ("h200", "gb10-128gb", "rocm-win-2gpu")] == [False, False, True]
 
 
 def test_json_serialisable(quick):
@@ -116,6 +137,7 @@ def test_table_mentions_every_entry(quick):
     r, _, _ = quick
     text = bench.format_bench(r)
     for needle in ("Session.fault", "Session.free", "host fault", "pages alive", "start-up", "<= 0.15",
+                   "free with a token unfinished on another range", "SimulatedBugcheck",
                    "guarantees held in every scenario: yes"):
         assert needle in text, needle
     for name, sc in SCENARIOS.items():
@@ -164,6 +186,15 @@ def test_plugin_that_did_not_run_does_not_hold(monkeypatch):
     assert sc["violations"] == [] and r["guarantees_held"] is False
     text = bench.format_bench(r)
     assert "plugin holds G1: no" in text and "not run" in text
+
+
+def test_bench_free_sync_script_runs(tmp_path):
+    script = BENCH_CORE.with_name("bench_free_sync.py")
+    out = subprocess.run([sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [row["profile"] for row in rows] == list(bench.FREE_SYNC_PROFILES)
 
 
 def test_bench_core_script_still_runs(tmp_path):

@@ -258,13 +258,16 @@ def test_a_file_several_processes_appended_to_replays_run_by_run(tmp_path):
 
 
 def test_a_side_that_cannot_go_on_is_shown_and_breaks_the_guarantee(tmp_path, capsys):
-    """Past the ROCm address quota the plugin refuses (typed), the stock runtime crashes."""
-    events = [{"event": "register", "model": f"m{i}", "bytes": 100 << 30, "devices": ["hip:0"]} for i in range(4)]
+    """Past the ROCm address quota, with every model the current run's (none idle to give its range back),
+    the plugin refuses (typed); the stock runtime crashes."""
+    events = [{"event": "register", "model": f"m{i}", "bytes": 100 << 30, "devices": ["hip:0"]} for i in range(2)]
+    events.append({"event": "use", "models": ["m0", "m1"]})
+    events += [{"event": "register", "model": f"m{i}", "bytes": 100 << 30, "devices": ["hip:0"]} for i in (2, 3)]
     events.append({"event": "unload_all"})
     path = _trace_file(tmp_path, events, sim_profile="rocm-win-2gpu")
     c = replay(path)
     plugin, stock = c.results["plugin"][0], c.results["stock"][0]
-    assert plugin.stopped and "AddressSpaceExhausted" in plugin.stopped and "line 3 (event 2" in plugin.stopped
+    assert plugin.stopped and "AddressSpaceExhausted" in plugin.stopped and "line 5 (event 4" in plugin.stopped
     assert stock.lost and "SimulatedCrash" in stock.lost
     assert any("the run stopped" in v for v in c.violations)
     assert cli.main(["replay", path]) == 1

@@ -21,6 +21,8 @@ PAGE = 2 * MiB
 
 def session_on(profile: str, faults: FaultPlan | None = None, **caps) -> Session:
     p = get_profile(profile)
+    # knobs not given are the profile's (page_in_sync follows the profile's OS, not this process's)
+    caps = {"page_in_sync": capabilities_for(p).page_in_sync, **caps} if caps else None
     backend = VmmBackend(GENERIC, sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else capabilities_for(p))
     machine = gather_machine(load_settings(sim_profile=profile).machine.model_copy(
         update={"devices": None}))  # devices come from the session's backend kind only
@@ -76,6 +78,66 @@ def test_device_fence_granularity_syncs_before_every_unmap():
     assert s.free(r) == PAGE and sim(s).bugchecks == 0
 
 
+def free_waited_for_another_ranges_kernel(s: Session, kernel_seconds: float = 0.05) -> bool:
+    """Fault a fresh range and free it while a kernel reading another range runs (its token recorded):
+    whether the free waited for that kernel (it finished, the simulated clock moved)."""
+    d, device = s.backend.driver, Device(s.backend.device_kinds[0], 0)
+    busy, fresh = s.reserve(device, 4 * PAGE), s.reserve(device, 4 * PAGE)
+    s.fault(busy, 0, 4 * PAGE)
+    s.fence(device)
+    stream = d.stream_create()
+    d.sim.launch(int(stream), busy.base, 4 * PAGE, kernel_seconds)
+    token = s.backend.fence_token(busy, stream)
+    s.record(busy, token)
+    assert s.fault(fresh, 0, 4 * PAGE).ok
+    clock = d.sim.clock
+    assert s.free(fresh) == 4 * PAGE
+    waited = token.done()
+    assert waited == (d.sim.clock >= clock + kernel_seconds)
+    assert d.sim.use_after_free == d.sim.bugchecks == 0
+    s.release_reservation(fresh)
+    s.release_reservation(busy)  # fences its token first
+    return waited
+
+
+@pytest.mark.parametrize("profile", ["h200", "gb10-128gb", "rocm-win-2gpu"])
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_free_after_a_fault_synchronizes_the_device_only_where_the_platform_asks(profile, mode):
+    """page_in_sync="never": the recorded tokens cover the range, so freeing it leaves another stream's kernel
+    running; "always": the free synchronizes the device and waits for that kernel too (every stream stalls)."""
+    assert free_waited_for_another_ranges_kernel(session_on(profile, page_in_sync=mode)) is (mode == "always")
+
+
+@pytest.mark.parametrize("os_name, driver_model, syncs", [
+    ("windows", "wddm", True), ("windows", "mcdm", True), ("windows", "tcc", False), ("linux", None, False),
+])
+def test_page_in_sync_wddm_synchronizes_only_devices_under_wddm(os_name, driver_model, syncs):
+    """The generic platform's choice: on Windows every driver model but TCC is served by the video memory
+    manager that pages fresh mappings in (ComfyUI #16246); Linux has none. Read from the machine facts."""
+    import dataclasses
+
+    facts = machine_for(load_settings(sim_profile="h200"))
+    machine = dataclasses.replace(facts, os=os_name,
+                                  devices=(dataclasses.replace(facts.devices[0], driver_model=driver_model),))
+    backend = VmmBackend(GENERIC, sim_driver("h200"), machine=lambda: machine)
+    assert backend.capabilities.page_in_sync == "wddm"
+    s = Session(backend, machine=machine, ledger=Ledger(sanitize=True))
+    assert free_waited_for_another_ranges_kernel(s) is syncs
+
+
+def test_the_platforms_page_in_sync_choices():
+    import membackend_cuda_wddm
+    import membackend_rocm_windows
+    import membackend_unified_gb10
+
+    assert GENERIC.capabilities.page_in_sync == "wddm"
+    assert membackend_cuda_wddm.PLATFORM.capabilities.page_in_sync == "always"
+    assert membackend_rocm_windows.PLATFORM.capabilities.page_in_sync == "always"
+    assert membackend_unified_gb10.PLATFORM.capabilities.page_in_sync == "never"
+    with pytest.raises(ValueError, match="accepted: always, wddm, never"):
+        Capabilities(page_in_sync="sometimes")
+
+
 def test_each_device_is_made_current_for_its_own_pages():
     s = session_on("rocm-win-2gpu")
     a = s.reserve("hip:1", 4 * PAGE)
@@ -98,12 +160,18 @@ def test_the_address_quota_is_refused_before_the_driver_crashes():
     assert sim(s).crashes == 0 and len(kept) < 15
     for r in kept:
         s.release_reservation(r)
-    assert sim(s).private_commit == 4 * 16 * GiB, "four windows kept against the churn limit, the rest freed"
+    # every window is kept until a trim (releasing spends none of the platform's large frees): no more
+    # than the device had alive at once
+    assert sim(s).private_commit == len(kept) * 16 * GiB and sim(s).churn_frees == 0
     freed = s.backend.membackend_trim(Device("hip", 0))
-    # ten large frees were spent releasing; trim spends two more and keeps the rest (the margin)
-    assert freed == 2 * 16 * GiB and sim(s).churn_frees == 12
-    assert sim(s).private_commit == 2 * 16 * GiB == s.inspect(Device("hip", 0)).held
-    assert s.reserve("hip:0", 16 * GiB).size == 16 * GiB, "a large reserve still works"
+    # trim spends the 12 large frees the platform allows (14 minus the margin) and keeps the rest
+    assert freed == 12 * 16 * GiB and sim(s).churn_frees == 12
+    left = (len(kept) - 12) * 16 * GiB
+    assert sim(s).private_commit == left == s.inspect(Device("hip", 0)).held
+    report = s.backend.kept_windows(Device("hip", 0))
+    assert (report.windows, report.bytes, report.bound) == (len(kept) - 12, left, len(kept))
+    assert (report.large_frees_spent, report.large_frees_allowed, report.can_give_back) == (12, 12, False)
+    assert s.reserve("hip:0", 16 * GiB).size == 16 * GiB, "a large reserve still works: a kept window"
 
 
 def test_reserve_churn_limit_is_honoured_by_reusing_released_windows():

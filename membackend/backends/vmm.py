@@ -12,16 +12,18 @@ Mechanism only, per device:
 * fault: for each missing page, create physical memory, map it, set access;
   if a step fails, the pages this call mapped are rolled back; each page gets
   a new generation whenever it gets new physical memory;
-* free: synchronize the device if pages were mapped since it was last
-  synchronized (a fresh mapping may still be paging in: the WDDM bugcheck of
-  ComfyUI #16246), or before every unmap when the platform's fence
-  granularity is ``device``; then unmap and release each page, or keep the
-  physical handle (bounded) for the next fault when ``recycle_handles``;
-* release: free every page, then return the address range — or, under a
-  reserve-churn limit, keep a large window (bounded) for the next reserve
-  that fits, since the platform fails large reserves after enough frees;
-* trim: give back kept handles and windows (the session calls it on close
-  and after a full unload of everything);
+* free: the session has already waited for the fence tokens recorded on the
+  range; the device is synchronized only where the platform's
+  ``page_in_sync`` says the driver pages fresh mappings in behind the
+  process's back (WDDM: ComfyUI #16246), and then only if pages were mapped
+  since the last synchronize, or before every unmap when the platform's
+  fence granularity is ``device``; then unmap and release each page, or keep
+  the physical handle (bounded) for the next fault when ``recycle_handles``;
+* release: free every page, then return the address range; under a
+  reserve-churn limit a large window is kept for the next reserve that fits
+  instead (see below);
+* trim: give back kept handles and windows (the session calls it on close,
+  the residency manager after a full unload of everything and at idle);
 * fence: recorded work arrives as :class:`~membackend.drivers.gpu.EventToken`
   from :meth:`VmmBackend.fence_token` (the session waits for those); a
   device-wide fence synchronizes the device;
@@ -30,22 +32,41 @@ Mechanism only, per device:
 * inspect / inject_failures: the driver's own tables and random driver
   failures, where the driver offers them (the simulated drivers do).
 
+**Under a reserve-churn limit** (Windows ROCm: large reserves fail once the
+process has freed enough large windows, rocm-systems #6191) a released window
+of at least ``reserve_churn_window`` bytes is kept on its device and reused by
+the next large reserve it holds. Frees of large windows are counted; the
+backend spends at most the limit minus :data:`CHURN_MARGIN` of them, on
+trim (given back whenever one is left) and on keeping a device's kept windows
+within its bound: :data:`KEPT_WINDOWS_PER_DEVICE`, or more where the device
+had more large reservations alive at once. That bound is what stays reserved
+once no free is left, and it is kept by construction: a fresh large reserve
+that could never be brought back within it is refused with
+:class:`AddressWindowsExhausted` (a ``MemoryError``, so an out-of-memory, never
+a ``DriverError``), as is one the driver itself refuses for want of memory
+(frees this backend did not see, e.g. another library in the process, may
+have spent the limit). :meth:`VmmBackend.kept_windows` reports the windows,
+the frees spent and the bound (``membackend doctor`` prints it).
+
 The right device is made current before every call that touches one. Calls
 on different reservations may arrive from several threads (the session
-serialises calls on one reservation): one lock guards the per-device state.
+serialises calls on one reservation): one lock guards the per-device state
+and the churn accounting.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 from array import array
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from .._version import __version__
 from ..drivers.gpu import EventToken, GpuDriver
-from ..drivers.open import LazyDriver, resolve_vendor
+from ..drivers.open import LazyDriver, machine_for, resolve_vendor
 from ..hookspec import hookimpl
 from ..platform import GENERIC, Platform
 from ..types import (
@@ -65,16 +86,66 @@ from ..types import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VmmBackend", "AddressSpaceExhausted"]
+__all__ = ["VmmBackend", "AddressSpaceExhausted", "AddressWindowsExhausted", "KeptWindows",
+           "KEPT_WINDOWS_PER_DEVICE", "CHURN_MARGIN"]
 
-MiB = 1 << 20
+MiB, GiB = 1 << 20, 1 << 30
 NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
-WINDOW_POOL_LIMIT = 4  # released address windows kept per device under a reserve-churn limit, at most
-CHURN_MARGIN = 2  # large frees left unspent under a reserve-churn limit (the limit is one reproducer's count)
+#: kept address windows per device under a reserve-churn limit, at least this bound (more where the device
+#: had more large reservations alive at once): what stays reserved once the platform allows no more frees
+KEPT_WINDOWS_PER_DEVICE = 4
+#: large frees left unspent under a reserve-churn limit (the limit is one reproducer's count, rocm-systems #6191)
+CHURN_MARGIN = 2
 
 
 class AddressSpaceExhausted(MembackendError, MemoryError):
     """A reservation would pass the platform's per-process GPU address quota."""
+
+
+class AddressWindowsExhausted(AddressSpaceExhausted):
+    """A large reservation under a reserve-churn limit that no kept window holds and no new window may serve:
+    the platform allows no more large frees, so a new window could never be given back within the bound,
+    or the driver refused the new window (its error is the cause). Out of memory, nothing changed:
+    unloading a model puts its window back for reuse."""
+
+
+@dataclass(frozen=True)
+class KeptWindows:
+    """What a backend under a reserve-churn limit keeps reserved on one device after release.
+
+    ``windows``/``bytes``: released address windows kept for reuse (charged to
+    the process's commit on Windows ROCm); ``bound``: the most that stay kept
+    on the device once no large free is left (:data:`KEPT_WINDOWS_PER_DEVICE`,
+    or the most large reservations the device had alive at once);
+    ``large_frees_spent`` of ``large_frees_allowed`` (the platform's
+    ``churn_limit`` minus :data:`CHURN_MARGIN`), process-wide for this backend
+    (frees made by other code in the process are not seen);
+    ``can_give_back``: a trim would free windows.
+    """
+
+    device: Device
+    windows: int
+    bytes: int
+    largest: int
+    bound: int
+    large_frees_spent: int
+    large_frees_allowed: int
+    churn_limit: int
+    can_give_back: bool
+
+    def describe(self) -> str:
+        """One line for the doctor and logs."""
+        if not self.windows:
+            kept = "no address window kept"
+        else:
+            if self.can_give_back:
+                why = "given back on the next trim: idle, unload of everything, close"
+            else:
+                why = "they stay: the platform allows no more large frees"
+            kept = f"{self.windows} address window(s) kept, {self.bytes / GiB:,.2f} GiB ({why})"
+        return (f"{self.device}: {kept}; at most {self.bound} stay once no large free is left; large frees "
+                f"{self.large_frees_spent} of {self.large_frees_allowed} spent (large reserves fail after "
+                f"{self.churn_limit}, rocm-systems #6191)")
 
 
 class _Range:
@@ -97,30 +168,47 @@ class _Range:
 
 
 class _DeviceState:
-    __slots__ = ("granularity", "page_size", "dirty", "reserved", "resident", "spare", "windows")
+    __slots__ = ("granularity", "page_size", "page_in_sync", "dirty", "reserved", "resident", "spare", "windows",
+                 "large_alive", "large_peak")
 
-    def __init__(self, granularity: int, page_size: int):
+    def __init__(self, granularity: int, page_size: int, page_in_sync: bool):
         self.granularity = granularity
         self.page_size = page_size
+        self.page_in_sync = page_in_sync  # fresh mappings may still be paging in: synchronize before unmapping
         self.dirty = False  # pages mapped since the last device synchronize
         self.reserved = 0  # address space of live reservations (whole windows)
         self.resident = 0
         self.spare: list[Any] = []  # unmapped physical handles kept for reuse
-        self.windows: list[tuple[int, int]] = []  # (base, size) of released windows kept for reuse
+        self.windows: list[tuple[int, int]] = []  # (base, size) of released large windows kept for reuse
+        self.large_alive = 0  # live reservations on large windows (under a reserve-churn limit)
+        self.large_peak = 0  # the most of those alive at once
 
     @property
     def pooled(self) -> int:
         return sum(size for _, size in self.windows)
 
+    @property
+    def window_bound(self) -> int:
+        """The most kept windows this device holds once no large free is left."""
+        return max(KEPT_WINDOWS_PER_DEVICE, self.large_peak)
+
+    def over_bound(self, more_alive: int = 0) -> int:
+        """Large windows (alive and kept) past the bound, with ``more_alive`` more reservations alive."""
+        alive = self.large_alive + more_alive
+        return max(0, alive + len(self.windows) - max(KEPT_WINDOWS_PER_DEVICE, self.large_peak, alive))
+
 
 class VmmBackend:
     """See the module docstring. ``driver`` is a :class:`GpuDriver` (initialised on first use), or
     None with ``driver_factory`` to open one lazily; ``capabilities``, ``headroom`` and ``page_size``
-    replace the platform's own (for tests and comparisons)."""
+    replace the platform's own (for tests and comparisons). ``machine`` (a function returning the
+    :class:`~membackend.types.Machine`, asked once, on first use of a device) says which devices run under
+    WDDM where ``page_in_sync`` is ``wddm``; without it this process's OS and the driver's answer decide."""
 
     def __init__(self, platform: Platform = GENERIC, driver: GpuDriver | None = None, *,
                  capabilities: Capabilities | None = None, headroom: int | None = None,
-                 page_size: int | None = None, driver_factory: LazyDriver | None = None):
+                 page_size: int | None = None, driver_factory: LazyDriver | None = None,
+                 machine: Callable[[], Machine] | None = None):
         self.platform = platform
         self.name = platform.name
         self.version = platform.version or __version__
@@ -133,6 +221,8 @@ class VmmBackend:
         self._generation = itertools.count(1)
         self._initialised = False
         self._lock = threading.RLock()
+        self._machine = machine
+        self._machine_facts: Machine | None = None
         self._large_frees = 0  # frees of windows >= reserve_churn_window, process-wide (what #6191 counts)
         self._churn_warned = False
         vendor = driver.vendor if driver is not None else getattr(driver_factory, "vendor", None)
@@ -156,7 +246,8 @@ class VmmBackend:
         vendor = resolve_vendor(platform.vendor, settings)
         # the headroom setting replaces the platform's here too, so the up-front refusal of a unified
         # pool keeps the same headroom as the budget the session reports
-        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile), headroom=settings.headroom)
+        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile), headroom=settings.headroom,
+                   machine=lambda: machine_for(settings))
 
     # ------------------------------------------------------------------ driver access
 
@@ -182,10 +273,48 @@ class VmmBackend:
             d.set_device(index)
             g = d.granularity(index)
             page = max(g, -(-self.requested_page_size // g) * g)
-            state = self._devices[index] = _DeviceState(g, page)
+            state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index))
         else:
             d.set_device(index)
         return state
+
+    def _syncs_page_ins(self, index: int) -> bool:
+        """Whether frees on device ``index`` synchronize it after fresh mappings (``page_in_sync``).
+
+        ``wddm``: yes where the device runs under WDDM, whose video memory
+        manager pages memory in asynchronously: on Windows, unless the driver
+        model is TCC (every other Windows driver model, WDDM and MCDM, is served
+        by VidMm). The facts come from the machine where one was given (a
+        simulated profile's too), else from this process's OS and the driver.
+        """
+        mode = self.capabilities.page_in_sync
+        if mode != "wddm":
+            return mode == "always"
+        os_name, model = self._os_and_driver_model(index)
+        return os_name == "windows" and model != "tcc"
+
+    def _os_and_driver_model(self, index: int) -> tuple[str, str | None]:
+        if self._machine is not None and self._machine_facts is None:
+            try:
+                self._machine_facts = self._machine()
+            except Exception as exc:  # the facts are advice here: the process's own OS decides instead
+                log.warning("membackend: %s: machine facts unavailable (%s: %s); deciding page-in syncs from "
+                            "this process's OS", self.name, type(exc).__name__, exc)
+                self._machine = None
+        if self._machine_facts is not None:
+            m = self._machine_facts
+            info = next((i for i in m.devices if i.device == Device(self.device_kinds[0], index)), None)
+            if info is not None and info.driver_model is not None:
+                return m.os, info.driver_model
+            os_name = m.os
+        else:
+            os_name = "windows" if sys.platform == "win32" else sys.platform
+        if os_name != "windows":
+            return os_name, None
+        try:
+            return os_name, self.driver.driver_model(index, os_name)
+        except (DriverError, NotImplementedError, TypeError):  # unknown: WDDM is what Windows runs
+            return os_name, None
 
     def _device_index(self, device: Device) -> int:
         if device.kind not in self.device_kinds:
@@ -224,15 +353,57 @@ class VmmBackend:
             state = self._use(index)
             ps = state.page_size
             rounded = -(-size // ps) * ps
-            window = self._pooled_window(state, rounded)
+            large = self._is_large(rounded)
+            window = self._pooled_window(state, rounded) if large else None
             if window is None:
                 self._check_quota(device, rounded)
-                base = self.driver.address_reserve(rounded, ps)
-                window = (base, rounded)
+                if large:
+                    self._check_window_bound(device, state, rounded)
+                window = (self._reserve_window(device, rounded, ps, large), rounded)
             base, span = window
             state.reserved += span
+            if self._is_large(span):
+                state.large_alive += 1
+                state.large_peak = max(state.large_peak, state.large_alive)
         return Reservation(device, base, rounded, ps, self.name, handle=_Range(index, rounded // ps, span),
                            requested=size)
+
+    def _reserve_window(self, device: Device, size: int, alignment: int, large: bool) -> int:
+        """A fresh address window. Under a reserve-churn limit a large one the driver refuses for want of
+        memory (the platform's limit reached by frees this backend did not see, or the system's commit
+        limit: reservations are charged to commit) is out of memory, typed, with the driver's error as its
+        cause; nothing is changed, so trim still gives kept windows back (G1)."""
+        try:
+            return self.driver.address_reserve(size, alignment)
+        except DriverError as exc:
+            if not (large and self.driver.is_oom(exc)):
+                raise
+            log.warning("membackend: %s: the driver refused a %d byte address window on %s (%s); answered as "
+                        "out of memory", self.name, size, device, exc)
+            raise self._refused(device, self._devices[device.index], size,
+                                f"the driver refused a large address window ({exc}), as the platform does once "
+                                f"the process has spent its large frees") from exc
+
+    def _check_window_bound(self, device: Device, state: _DeviceState, size: int) -> None:
+        """Refuse a fresh large window that could never be given back within the devices' bounds: the
+        frees left must cover every device's kept windows past its bound (this one with the new window)."""
+        over = sum(s.over_bound(1 if s is state else 0) for s in self._devices.values())
+        if over > self._large_frees_left():
+            raise self._refused(device, state, size, "a new large address window could never be given back: "
+                                                     "the platform allows no more large frees")
+
+    def _refused(self, device: Device, state: _DeviceState, size: int, why: str) -> AddressWindowsExhausted:
+        largest = max((w for _, w in state.windows), default=0)
+        if state.large_alive:
+            hint = f"unload a model on {device} and its window can be reused"
+        else:
+            hint = "every kept window is smaller; a larger one needs a new process"
+        return AddressWindowsExhausted(
+            f"reserving {size} bytes on {device}: {why} (large reserves fail after "
+            f"{self.capabilities.reserve_churn_limit} large frees, rocm-systems #6191; {self._large_frees} of "
+            f"{self._large_frees_allowed()} allowed are spent) and no kept window holds it ({len(state.windows)} "
+            f"kept, largest {largest} bytes; {state.large_alive} large reservation(s) alive; at most "
+            f"{state.window_bound} stay kept); out of memory: {hint}")
 
     def _check_quota(self, device: Device, rounded: int) -> None:
         quota = self.capabilities.address_quota
@@ -245,7 +416,8 @@ class VmmBackend:
                 f"({in_use} in use); unload a model first")
 
     def _pooled_window(self, state: _DeviceState, size: int) -> tuple[int, int] | None:
-        """The smallest kept window that holds ``size`` bytes, taken out of the pool."""
+        """The smallest kept window that holds ``size`` bytes, taken out of the pool (large reserves only:
+        a small one is reserved and freed at no cost to the churn limit)."""
         fits = [w for w in state.windows if w[1] >= size]
         if not fits:
             return None
@@ -334,17 +506,21 @@ class VmmBackend:
     def _unwind(self, state: _DeviceState, r: Reservation, mapped: list[tuple[int, Any]]) -> int:
         """Roll back a failed fault; returns the bytes that had to stay mapped.
 
-        Fresh mappings may still be paging in, so the device is synchronized
-        first (aimdo's ``three_stooges`` unwinds without one). A page whose
-        unmap fails stays resident with a new generation, so nothing leaks.
+        Where the platform pages fresh mappings in asynchronously
+        (``page_in_sync``), the device is synchronized first (aimdo's
+        ``three_stooges`` unwinds without one); elsewhere nothing touched the
+        fresh pages yet. A page whose unmap fails stays resident with a new
+        generation, so nothing leaks.
         """
         d = self.driver
-        try:
-            d.device_synchronize()
-            state.dirty = False
-        except DriverError:
-            log.warning("membackend: cannot synchronize to roll back a fault; %d page(s) stay mapped", len(mapped))
-            return self._keep(state, r, mapped)
+        if state.page_in_sync:
+            try:
+                d.device_synchronize()
+                state.dirty = False
+            except DriverError:
+                log.warning("membackend: cannot synchronize to roll back a fault; %d page(s) stay mapped",
+                            len(mapped))
+                return self._keep(state, r, mapped)
         for i, (p, h) in enumerate(mapped):
             try:
                 d.unmap(r.base + p * r.page_size, r.page_size)
@@ -373,9 +549,11 @@ class VmmBackend:
             state.spare.append(handle)  # still ours: trim() or the next fault takes it
 
     def _fence_before_drop(self, state: _DeviceState) -> None:
-        """Fresh mappings may still be paging in (WDDM) and a device-granular platform fences every
-        unmap: synchronize first in either case."""
-        if state.dirty or self.capabilities.fence_granularity == "device":
+        """The session already waited for the range's fence tokens. Synchronize the device only where fresh
+        mappings may still be paging in (``page_in_sync``, WDDM) and pages were mapped since the last
+        synchronize, or where a device-granular platform fences every unmap; elsewhere a free never stalls
+        the device's other streams."""
+        if (state.dirty and state.page_in_sync) or self.capabilities.fence_granularity == "device":
             self.driver.device_synchronize()
             state.dirty = False
 
@@ -417,8 +595,12 @@ class VmmBackend:
             dropped = self._drop(reservation, 0, reservation.pages)
             state = self._use(rng.index)
             window = (reservation.base, rng.window)
-            if self._keeps_window(state, rng.window):
+            if self._is_large(rng.window):
+                # kept for the next large reserve it holds: a free would spend one of the platform's large
+                # frees (rocm-systems #6191); trim gives it back while frees are left
                 state.windows.append(window)
+                state.large_alive -= 1
+                self._keep_within_bound(reservation.device, state)
             else:
                 try:
                     self._free_window(*window)
@@ -428,25 +610,27 @@ class VmmBackend:
             state.reserved -= rng.window
         return dropped
 
-    def _keeps_window(self, state: _DeviceState, size: int) -> bool:
-        """Under a reserve-churn limit a large window is kept for reuse instead of freed: the
-        platform fails large reserves once enough have been freed (rocm-systems #6191)."""
-        caps = self.capabilities
-        if caps.reserve_churn_limit is None or size < caps.reserve_churn_window:
-            return False
-        if len(state.windows) >= WINDOW_POOL_LIMIT:  # bounded: the smallest kept one goes back
+    def _keep_within_bound(self, device: Device, state: _DeviceState) -> None:
+        """More windows kept than the device's bound: free the smallest (the larger hold more models) while
+        the frees last; the bound check at reserve leaves enough of them. Never fails the release: a window
+        whose free fails stays kept (trim tries it again)."""
+        while len(state.windows) > state.window_bound and self._large_frees_left() > 0:
             smallest = min(state.windows, key=lambda w: w[1])
-            if smallest[1] >= size:
-                return False
-            self._free_window(*smallest)
+            try:
+                self._free_window(*smallest)
+            except DriverError as exc:
+                log.warning("membackend: %s: freeing a kept address window on %s failed (%s); it stays kept",
+                            self.name, device, exc)
+                return
             state.windows.remove(smallest)
-        return True
 
     @hookimpl
     def membackend_fence(self, device: Device, reservation: Reservation | None) -> None:
+        """The device fence synchronizes the device; a reservation's fence (its tokens already waited for by
+        the session) does only where fresh mappings may still be paging in (``page_in_sync``)."""
         with self._lock:
             state = self._use(self._device_index(device))
-            if reservation is None or state.dirty:
+            if reservation is None or (state.dirty and state.page_in_sync):
                 self.driver.device_synchronize()
                 state.dirty = False
 
@@ -472,8 +656,22 @@ class VmmBackend:
         return Budget.of(total, free, room, source, unified=unified)
 
     @hookimpl
+    def membackend_close(self) -> None:
+        """Release the primary contexts the driver wrapper retained (two GPUs: each one's)."""
+        close = getattr(self._driver, "close", None)
+        if close is not None:
+            close()
+
+    @hookimpl
     def membackend_trim(self, device: Device) -> int:
-        """Release the physical handles kept for reuse and free the kept windows on ``device``."""
+        """Release the physical handles kept for reuse and free the kept windows on ``device``.
+
+        Under a reserve-churn limit a kept window is freed (largest first: the
+        most commit given back per free) only while the platform allows: a
+        large free is left, and after it the frees left still cover every
+        device's kept windows past its bound. What stays is reported by
+        :meth:`kept_windows` (and ``held`` in :meth:`membackend_inspect`).
+        """
         index = self._device_index(device)
         with self._lock:
             state = self._devices.get(index)
@@ -485,35 +683,67 @@ class VmmBackend:
                 self.driver.release(state.spare[-1])
                 state.spare.pop()
                 released += state.page_size
-            while state.windows:
-                base, size = state.windows[-1]
-                if not self._may_free_window(size):
-                    report = log.debug if self._churn_warned else log.warning
-                    self._churn_warned = True  # once per backend: unload-everything cycles would repeat it
-                    report("membackend: keeping %d address window(s) on %s (%d bytes): the platform fails "
-                                "large reserves after %d large frees and %d are spent (rocm-systems #6191)",
-                                len(state.windows), device, state.pooled, self.capabilities.reserve_churn_limit,
-                                self._large_frees)
+            for window in sorted(state.windows, key=lambda w: w[1], reverse=True):
+                if not self._may_free_kept(state, window[1]):
+                    self._report_kept(device, state)
                     break
-                self._free_window(base, size)
-                state.windows.pop()
-                released += size
+                self._free_window(*window)
+                state.windows.remove(window)
+                released += window[1]
         return released
+
+    def _report_kept(self, device: Device, state: _DeviceState) -> None:
+        report = log.debug if self._churn_warned else log.warning
+        self._churn_warned = True  # once per backend: unload-everything cycles would repeat it
+        report("membackend: %s", self._kept(device, state).describe())
 
     def _is_large(self, size: int) -> bool:
         caps = self.capabilities
         return caps.reserve_churn_limit is not None and size >= caps.reserve_churn_window
 
-    def _may_free_window(self, size: int) -> bool:
-        """Under a reserve-churn limit a large window is freed only while the process's large frees stay
-        below the limit minus a margin: past it every later large reserve fails (rocm-systems #6191)."""
-        return not self._is_large(size) or \
-            self._large_frees < self.capabilities.reserve_churn_limit - CHURN_MARGIN
+    def _large_frees_allowed(self) -> int:
+        """Large frees this backend may spend: the platform's limit minus :data:`CHURN_MARGIN`."""
+        limit = self.capabilities.reserve_churn_limit
+        return 0 if limit is None else max(0, limit - CHURN_MARGIN)
+
+    def _large_frees_left(self) -> int:
+        return max(0, self._large_frees_allowed() - self._large_frees)
+
+    def _may_free_kept(self, state: _DeviceState, size: int) -> bool:
+        """A kept window may be freed when it is small, or when a large free is left and, after it, the frees
+        left still cover the kept windows past their bounds on every device (see :meth:`_check_window_bound`)."""
+        if not self._is_large(size):
+            return True
+        left = self._large_frees_left()
+        if left < 1:
+            return False
+        over = sum(s.over_bound() for s in self._devices.values())
+        return over - (1 if state.over_bound() else 0) <= left - 1
 
     def _free_window(self, base: int, size: int) -> None:
         self.driver.address_free(base, size)
         if self._is_large(size):
             self._large_frees += 1
+
+    def kept_windows(self, device: Device) -> KeptWindows | None:
+        """What stays reserved on ``device`` after its reservations were released (None: the platform has
+        no reserve-churn limit, so nothing is kept). Thread-safe; asks no driver."""
+        if self.capabilities.reserve_churn_limit is None:
+            return None
+        index = self._device_index(device)
+        with self._lock:
+            state = self._devices.get(index)
+            return self._kept(device, state)
+
+    def _kept(self, device: Device, state: _DeviceState | None) -> KeptWindows:
+        windows = state.windows if state is not None else []
+        may_free = state is not None and any(self._may_free_kept(state, size) for _, size in windows)
+        return KeptWindows(
+            device=device, windows=len(windows), bytes=sum(size for _, size in windows),
+            largest=max((size for _, size in windows), default=0),
+            bound=state.window_bound if state is not None else KEPT_WINDOWS_PER_DEVICE,
+            large_frees_spent=self._large_frees, large_frees_allowed=self._large_frees_allowed(),
+            churn_limit=self.capabilities.reserve_churn_limit or 0, can_give_back=may_free)
 
     def trim(self, device: Device) -> int:
         """Same as :meth:`membackend_trim` (kept for callers that hold the backend)."""
@@ -553,4 +783,6 @@ def capabilities_for(profile: Any) -> Capabilities:
         reserve_churn_limit=profile.churn_limit,
         reserve_churn_window=profile.churn_window,
         fence_granularity="device" if profile.wddm else "reservation",
+        # the profile's own OS, not this process's: its Windows platforms synchronize after fresh mappings
+        page_in_sync="always" if profile.os == "windows" else "never",
     )

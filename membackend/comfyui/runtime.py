@@ -399,12 +399,16 @@ class Runtime:
                                "idle": {"times": self.idles, "bytes": self.idle_bytes}}
         if self.session is None:
             return out
-        budgets = {}
+        budgets, held = {}, {}
         for d in self.devices:
             b = self.session.budget_query(d)
             budgets[str(d)] = {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
                                "source": b.source}
+            state = self.session.inspect(d)  # what the backend keeps for reuse (kept address windows included)
+            if state is not None:
+                held[str(d)] = {"held": state.held, "committed": state.committed, "source": state.source}
         out["budgets"] = budgets
+        out["kept"] = held
         out["reservations"] = [{"id": r.id, "device": str(r.device), "size": r.size}
                                for r in self.session.reservations()]
         out["models"] = self.residency.stats()

@@ -11,6 +11,12 @@ are shared and noisy; absolute times are printed only next to their ratio.
   backend against memset over already-resident memory (the zeroing limit). Target >= 0.35.
 * pages alive (:func:`bench_pages_alive`): one fault+free with 100k pages alive against 1k.
   Target <= 1.5.
+* free sync (:func:`bench_free_sync`): on each simulated GPU profile, freeing a freshly faulted
+  range while a kernel on another range is still running (its fence token recorded), with the
+  device-wide synchronize after fresh mappings (``page_in_sync="always"``) against without it
+  (``"never"``): wall time per free, the device time the free waited, whether the other kernel
+  was still running afterwards, and what the driver saw (on WDDM, without the sync, the free
+  races the page-in: a bugcheck). No target: the platforms' choice is the figure.
 * start-up: the ComfyUI adapter's start-up against ``import torch``, measured by
   ``membackend.comfyui.startup_cost.measure_startup`` (recorded as skipped when that cannot
   run, e.g. without torch). Target <= 0.15.
@@ -30,6 +36,7 @@ import math
 import mmap
 import os
 import platform
+import statistics
 import time
 from typing import Any, Callable
 
@@ -42,7 +49,8 @@ from ..machine import gather_machine
 from ..session import Session
 
 __all__ = ["run_bench", "format_bench", "bench_hot_path", "bench_fault_throughput", "bench_pages_alive",
-           "core_entries", "format_core", "side_by_side", "TARGETS"]
+           "bench_free_sync", "format_free_sync", "core_entries", "format_core", "side_by_side", "TARGETS",
+           "FREE_SYNC_PROFILES"]
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -179,6 +187,128 @@ def bench_pages_alive(small: int = 1_000, large: int = 100_000, n: int = 2_000) 
             "large_us": t_large * 1e6, "ratio": t_large / t_small, "target": _target("pages_alive")}
 
 
+#: the simulated GPU profiles :func:`bench_free_sync` runs on
+FREE_SYNC_PROFILES = ("h200", "gb10-128gb", "rocm-win-2gpu", "wddm-6gb")
+FREE_SYNC_SIDES = ("always", "never")  # page_in_sync: with the device sync, without it
+
+
+def _free_sync_side(profile: str, mode: str, kernel_seconds: float, pages: int) -> dict[str, Any]:
+    """One side of :func:`bench_free_sync`: a session on ``profile`` with ``page_in_sync=mode`` and a
+    ``step()`` that frees a fresh range while another range's kernel runs."""
+    import dataclasses
+
+    from ..backends.vmm import VmmBackend, capabilities_for
+    from ..drivers.open import machine_for, open_gpu_driver, resolve_vendor, simulated_failures
+    from ..platform import GENERIC
+    from ..settings import load_settings
+
+    settings = load_settings(sim_profile=profile)
+    driver = open_gpu_driver(resolve_vendor(None, settings), profile)
+    p = driver.sim.profile
+    # only the page-in sync differs between the sides: fence per reservation on both
+    caps = dataclasses.replace(capabilities_for(p), fence_granularity="reservation", page_in_sync=mode)
+    backend = VmmBackend(GENERIC, driver, capabilities=caps, page_size=p.granularity)
+    s = Session(backend, machine=machine_for(settings), ledger=Ledger())
+    sim = driver.sim
+    device = s.devices()[0]
+    size = pages * backend._use(device.index).page_size
+    freed, busy = s.reserve(device, size), s.reserve(device, size)
+    s.fault(busy, 0, size)
+    stream = driver.stream_create()
+    side = {"mode": mode, "wall": [], "stall": [], "still_running": 0, "steps": 0, "failure": None,
+            "session": s, "sim": sim, "platform_syncs": capabilities_for(p).page_in_sync == "always"}
+
+    def step() -> None:
+        s.fault(freed, 0, size)  # fresh mappings: where the platform asks for it, the next free syncs
+        sim.launch(int(stream), busy.base, size, kernel_seconds)  # a kernel the driver runs for that long
+        token = backend.fence_token(busy, stream)
+        s.record(busy, token)
+        clock, start = sim.clock, time.perf_counter()
+        s.free(freed)
+        side["wall"].append(time.perf_counter() - start)
+        side["stall"].append(sim.clock - clock)
+        side["still_running"] += not token.done()
+        side["steps"] += 1
+        s.fence(reservation=busy)  # the kernel finishes before the next step
+
+    side["step"] = step
+    side["fatal"] = simulated_failures()
+    return side
+
+
+def bench_free_sync(profiles: tuple[str, ...] = FREE_SYNC_PROFILES, n: int = 50, rounds: int = 5,
+                    kernel_seconds: float = 0.05, pages: int = 4) -> list[dict[str, Any]]:
+    """Free latency with an unfinished fence token on another range, with and without the device sync.
+
+    Per simulated profile (the generic VMM backend with the profile's knobs), the two sides run in
+    alternating rounds of ``n`` steps: fault range A afresh, launch a kernel of ``kernel_seconds``
+    reading range B and record its token on B, free A. One row per profile: ``{"bench", "profile",
+    "platform_syncs" (what the profile's platform chooses), "sync_us", "nosync_us" (best round's
+    mean wall time per free; None where a side could not run), "ratio" (sync / no sync),
+    "sync_stall_ms", "nosync_stall_ms" (median device time the free waited, from the simulated clock),
+    "sync_kernel_running", "nosync_kernel_running" (share of frees after which B's kernel was still
+    running: the sync stalls every stream), "nosync_failure" (what the driver did without the sync,
+    e.g. the WDDM bugcheck of ComfyUI #16246), "hazards" (the driver's count of frees racing work)}``.
+    """
+    rows = []
+    for profile in profiles:
+        sides = {mode: _free_sync_side(profile, mode, kernel_seconds, pages) for mode in FREE_SYNC_SIDES}
+        best = {mode: math.inf for mode in FREE_SYNC_SIDES}
+        for _ in range(rounds):
+            for mode, side in sides.items():
+                if side["failure"] is not None:
+                    continue
+                done = len(side["wall"])
+                try:
+                    for _ in range(n):
+                        side["step"]()
+                except side["fatal"] as exc:  # the simulated machine died: this side has no figures
+                    side["failure"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                best[mode] = min(best[mode], sum(side["wall"][done:]) / n)
+        row: dict[str, Any] = {"bench": f"free of a fresh range, a kernel running on another ({profile})",
+                               "profile": profile,
+                               "platform_syncs": sides["always"]["platform_syncs"]}
+        for mode, key in (("always", "sync"), ("never", "nosync")):
+            side = sides[mode]
+            ran = side["steps"] > 0 and side["failure"] is None
+            row[f"{key}_us"] = best[mode] * 1e6 if ran else None
+            row[f"{key}_stall_ms"] = statistics.median(side["stall"]) * 1e3 if side["stall"] else None
+            row[f"{key}_kernel_running"] = side["still_running"] / side["steps"] if side["steps"] else None
+            row[f"{key}_failure"] = side["failure"]
+            row[f"{key}_hazards"] = side["sim"].use_after_free + side["sim"].bugchecks
+            if side["failure"] is None:
+                side["session"].close()
+        row["ratio"] = row["sync_us"] / row["nosync_us"] if row["sync_us"] and row["nosync_us"] else None
+        rows.append(row)
+    return rows
+
+
+def format_free_sync(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`bench_free_sync`'s rows as table lines."""
+    def us(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f} us"
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f} ms"
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    lines = [f"{'free with a token unfinished on another range':<52} {'sync vs no sync (wall)':>34} {'ratio':>8}  "
+             "device time the free waited; other kernel still running after it; the platform's choice"]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        tail = (f"{ms(r['sync_stall_ms'])} vs {ms(r['nosync_stall_ms'])}; "
+                f"{share(r['sync_kernel_running'])} vs {share(r['nosync_kernel_running'])}; "
+                f"{'syncs' if r['platform_syncs'] else 'no sync'}")
+        if r["nosync_failure"]:
+            tail += f"; without the sync: {r['nosync_failure'].split(':')[0]} ({r['nosync_hazards']} hazard(s))"
+        lines.append(f"  {r['profile']:<50} {us(r['sync_us']):>12} vs {us(r['nosync_us']):>10} no sync"
+                     f"  {ratio:>7}  {tail}")
+    return lines
+
+
 def measure_startup(rounds: int) -> dict[str, Any]:
     """The adapter's start-up entry: ``{"torch_seconds", "adapter_seconds", "ratio", "target"}``,
     or ``{"skipped": reason}`` when the measurement cannot be imported or run (no torch, say)."""
@@ -239,7 +369,8 @@ def run_bench(*, quick: bool = False, startup_rounds: int = 3, seeds: int | None
 
     Keys: ``dispatch`` and ``dispatch_free`` (float ratios), ``hot_path`` (detail rows),
     ``host_fault`` ``{"gbps", "memset_gbps", "ratio", "target", ...}``, ``pages_alive``
-    ``{"ns_1k", "ns_100k", "ratio", "target", ...}``, ``startup`` (see :func:`measure_startup`),
+    ``{"ns_1k", "ns_100k", "ratio", "target", ...}``, ``free_sync`` (rows of :func:`bench_free_sync`, no
+    target), ``startup`` (see :func:`measure_startup`),
     ``scenarios`` ``{name: {"report", "profile", "backends", "figures", "violations",
     "stock_reproduces", ...}}``, ``targets_met`` ``{entry: bool}`` (skipped entries left out),
     ``guarantees_held`` (True when every scenario's plugin side ran and broke no guarantee) and
@@ -255,6 +386,8 @@ def run_bench(*, quick: bool = False, startup_rounds: int = 3, seeds: int | None
     say("pages alive")
     alive = bench_pages_alive(n=200 if quick else 2_000)
     result = core_entries(hot, thr, alive)
+    say("free sync")
+    result["free_sync"] = bench_free_sync(n=10 if quick else 50, rounds=3 if quick else 5)
     say("startup")
     result["startup"] = measure_startup(startup_rounds)
     result["scenarios"] = {}
@@ -316,7 +449,7 @@ def _headline(name: str, sc: dict[str, Any]) -> list[str]:
 def format_bench(result: dict[str, Any]) -> str:
     """:func:`run_bench`'s result as the printed table: one line per benchmark (measured sides,
     ratio, target), then each scenario's headline rows and whether the plugin held its guarantee."""
-    lines = [f"membackend bench on {result['machine']}"] + format_core(result)
+    lines = [f"membackend bench on {result['machine']}"] + format_core(result) + format_free_sync(result["free_sync"])
     st = result["startup"]
     label = f"{'adapter start-up vs import torch':<52}"
     if "skipped" in st:

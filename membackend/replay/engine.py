@@ -115,8 +115,11 @@ def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) 
     if driver.vendor != vendor and plugin.platform.vendor:
         raise ReplayError(f"backend {record.name!r} drives {vendor} devices; profile {profile!r} simulates "
                           f"{driver.vendor}")
-    built = VmmBackend(plugin.platform, driver)
-    return Session(built, machine=machine_for(settings), ledger=Ledger())
+    machine = machine_for(settings)
+    # the simulated machine's facts (its OS, each device's driver model) decide what the platform's knobs
+    # resolve to, e.g. page_in_sync="wddm" on a simulated Windows profile, not this process's OS
+    built = VmmBackend(plugin.platform, driver, machine=lambda: machine)
+    return Session(built, machine=machine, ledger=Ledger())
 
 
 def _stock_session(profile: str, changes: dict[str, Any]) -> Session:
