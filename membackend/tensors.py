@@ -14,11 +14,31 @@ fault the range first (pages that were freed get new memory, zero-filled on the
 host, and new generations, so the caller knows to copy again); a released
 reservation is refused with ``ReservationReleased``; :func:`check_resident`
 refuses a range the residency policy does not know to be resident with
-:class:`NotResident`. A tensor stays valid while its pages stay resident:
-:func:`model_tensor` pins them (the policy never evicts pinned pages) until the
-caller unpins; freeing or releasing the range under a live tensor is the
-caller's contract violation (on the host the pages become inaccessible, so a
-read faults instead of returning old data).
+:class:`NotResident`.
+
+**A tensor never outlives its pages.** Every tensor :func:`reservation_tensor`
+and :func:`model_tensor` make is registered with the session as a live *view*
+of its byte range (``Session.add_view``) before the range is faulted, and the
+view ends when torch frees the tensor's storage, that is when the tensor and
+every tensor sharing its memory (slices, ``.view()``, ``.numpy()``) are gone.
+While a view lives:
+
+* ``Session.free`` and ``Session.release_reservation`` of an overlapping range
+  raise :class:`~membackend.types.TensorAlive` (naming the reservation, the
+  range and how many tensors view it) and change nothing, so a full unload or a
+  ``close`` waits for the caller to drop its tensors (``del t``);
+* the residency policy's eviction skips the viewed pages as it skips pinned
+  ones (:func:`model_tensor` also pins them until ``manager.unpin``), so memory
+  pressure never takes pages from under a tensor;
+* hence the address range cannot be released and handed to another model while
+  a tensor over it exists: no read of freed or reused memory.
+
+:func:`tensor_at` is the unchecked lowest layer: an address and a size, no
+residency check, no view. The ComfyUI facade (``membackend.comfyui``) builds
+ComfyUI's own tensors with it (after :func:`check_resident`): there ComfyUI's
+pins (``vbar_fault`` … ``vbar_unpin``) govern the pages' lifetime, as they do
+with comfy-aimdo; ComfyUI uses such a tensor between the fault and the unpin,
+and the policy never frees a pinned page.
 
 torch is imported lazily: importing this module costs nothing when torch is
 absent, and every function raises :class:`TorchMissing` then.
@@ -27,18 +47,28 @@ absent, and every function raises :class:`TorchMissing` then.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .residency import Model, ResidencyManager
-from .types import Device, Fault, InvalidSize, MembackendError, Misaligned, Reservation, ReservationReleased
+from .types import (
+    Device,
+    Fault,
+    InvalidSize,
+    MembackendError,
+    Misaligned,
+    Reservation,
+    ReservationReleased,
+    TensorAlive,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from .session import Session
 
-__all__ = ["TorchMissing", "NotResident", "torch_device", "tensor_at", "reservation_tensor", "model_tensor",
-           "check_resident"]
+__all__ = ["TorchMissing", "NotResident", "TensorAlive", "torch_device", "tensor_at", "reservation_tensor",
+           "model_tensor", "check_resident"]
 
 
 class TorchMissing(MembackendError, ImportError):
@@ -86,9 +116,18 @@ def tensor_at(address: int, nbytes: int, device: Device | str, dtype: Any = None
               shape: Sequence[int] | None = None) -> "torch.Tensor":
     """A tensor over ``nbytes`` at ``address`` on ``device``: no copy, no check of residency.
 
-    The lowest layer: the caller guarantees the bytes are backed (the functions
-    below do). ``address`` must be aligned to ``dtype``'s element size.
+    The lowest layer: the caller guarantees the bytes are backed for the tensor's
+    whole life; nothing stops a free or release under it (the ComfyUI facade uses
+    it, with ComfyUI's pins governing the pages). :func:`reservation_tensor` and
+    :func:`model_tensor` add that guarantee. ``address`` must be aligned to
+    ``dtype``'s element size.
     """
+    return _tensor(address, nbytes, device, dtype, shape)[0]
+
+
+def _tensor(address: int, nbytes: int, device: Device | str, dtype: Any = None,
+            shape: Sequence[int] | None = None) -> tuple["torch.Tensor", Any]:
+    """:func:`tensor_at`, and the object torch keeps alive exactly as long as the tensor's storage."""
     torch = _torch()
     dtype, shape = _shape(nbytes, dtype if dtype is not None else torch.uint8, shape, torch)
     item = torch.empty((), dtype=dtype).element_size()
@@ -98,14 +137,35 @@ def tensor_at(address: int, nbytes: int, device: Device | str, dtype: Any = None
         raise InvalidSize(f"nbytes must be > 0, got {nbytes}")
     d = Device.parse(device)
     if d.kind == "cpu":
-        raw = (ctypes.c_uint8 * nbytes).from_address(address)
-        flat = torch.frombuffer(raw, dtype=torch.uint8)  # keeps ``raw`` alive; shares its memory
+        # the storage holds the buffer export of ``holder`` (a memoryview, which takes weak references)
+        # until it is freed; ``holder`` keeps ``raw`` alive; both share the reservation's memory
+        holder = memoryview((ctypes.c_uint8 * nbytes).from_address(address))
+        flat = torch.frombuffer(holder, dtype=torch.uint8)
     else:
-        holder = type("_CudaRange", (), {})()
-        holder.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                           "version": 3}
+        # torch parses the interface through numpy and keeps a reference to ``holder`` until the
+        # storage is freed (torch/csrc/utils/tensor_numpy.cpp, tensor_from_cuda_array_interface)
+        holder = _CudaRange({"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3})
         flat = torch.as_tensor(holder, device=torch_device(d))
-    return flat.view(dtype).view(shape)
+    return flat.view(dtype).view(shape), holder
+
+
+class _CudaRange:
+    __slots__ = ("__cuda_array_interface__", "__weakref__")
+
+    def __init__(self, interface: dict[str, Any]):
+        self.__cuda_array_interface__ = interface
+
+
+def _viewed(r: Reservation, offset: int, size: int, dtype: Any,
+            shape: Sequence[int] | None, drop: Any) -> "torch.Tensor":
+    """A tensor over the range whose storage ends the view ``drop`` (from ``Session.add_view``)."""
+    try:
+        t, holder = _tensor(r.base + offset, size, r.device, dtype, shape)
+        weakref.finalize(holder, drop)
+    except BaseException:
+        drop()
+        raise
+    return t
 
 
 def _range(reservation: Reservation, offset: int, size: int) -> None:
@@ -131,10 +191,20 @@ def reservation_tensor(session: "Session", reservation: Reservation, offset: int
     and the data must be copied again.
     """
     _range(reservation, offset, size)
-    f = session.fault(reservation, offset, size)
+    torch = _torch()
+    _shape(size, dtype if dtype is not None else torch.uint8, shape, torch)  # a bad shape changes nothing
+    # the view first: a free racing this call either comes before it (and the fault backs the pages
+    # again) or after it (and is refused while the tensor lives)
+    drop = session.add_view(reservation, offset, size)
+    try:
+        f = session.fault(reservation, offset, size)
+    except BaseException:
+        drop()
+        raise
     if not f.ok:
+        drop()
         return None, f
-    return tensor_at(reservation.base + offset, size, reservation.device, dtype, shape), f
+    return _viewed(reservation, offset, size, dtype, shape, drop), f
 
 
 def model_tensor(manager: ResidencyManager, model: Model, offset: int, size: int, device: Any = None,
@@ -143,15 +213,24 @@ def model_tensor(manager: ResidencyManager, model: Model, offset: int, size: int
 
     The pages stay pinned (never evicted) until ``manager.unpin(model, offset, size)``.
     A model fully unloaded before is reserved again transparently (new generations).
-    Returns ``(None, fault)`` when out of memory even after eviction.
+    Returns ``(None, fault)`` when out of memory even after eviction. After the
+    unpin the pages still stay while the tensor lives (see the module docstring).
     """
-    f = manager.fault(model, offset, size, device)
-    if not f.ok:
-        return None, f
-    r = model.reservation(device)
-    if r is None:  # unloaded by another thread between the fault and here: refuse rather than read it
-        raise NotResident(f"model {model.id!r} was unloaded while its tensor was being made; fault it again")
-    return tensor_at(r.base + offset, size, r.device, dtype, shape), f
+    torch = _torch()
+    _shape(size, dtype if dtype is not None else torch.uint8, shape, torch)
+    with manager._lock:  # the fault, the view and the tensor are one step for the policy: no unload between
+        f = manager.fault(model, offset, size, device)
+        if not f.ok:
+            return None, f
+        r = model.reservation(device)
+        if r is None:  # cannot happen under the lock; refuse rather than read an unbacked range
+            raise NotResident(f"model {model.id!r} was unloaded while its tensor was being made; fault it again")
+        try:
+            drop = manager.session.add_view(r, offset, size)
+            return _viewed(r, offset, size, dtype, shape, drop), f
+        except BaseException:
+            manager.unpin(model, offset, size, device)
+            raise
 
 
 def check_resident(manager: ResidencyManager, model: Model, offset: int, size: int, device: Any = None) -> Reservation:
