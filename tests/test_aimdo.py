@@ -301,12 +301,25 @@ def test_verbs_report_aimdos_own_reason_once_init_fails(fake_aimdo):
     assert [e for e in fake_aimdo.EVENTS if e[0] == "init"] == [("init", "cuda")]  # tried once
 
 
-def test_a_device_aimdo_refuses_is_a_typed_error_with_its_reason(fake_aimdo):
+def test_two_gpus_are_initialised_in_one_call_aimdo_accepts_once(fake_aimdo):
+    """comfy-aimdo 0.6.0 refuses a second init_devices: every device the probe saw goes in the first."""
+    b = AimdoBackend()
+    assert b.membackend_probe(machine=machine(CUDA0, Device("cuda", 1))).score == SCORE
+    r0 = b.membackend_reserve(device=CUDA0, size=PAGE)
+    r1 = b.membackend_reserve(device=Device("cuda", 1), size=PAGE)
+    assert [e for e in fake_aimdo.EVENTS if e[0] == "init_devices"] == [("init_devices", [0, 1])]
+    b.membackend_release_reservation(reservation=r0)
+    b.membackend_release_reservation(reservation=r1)
+
+
+def test_a_device_aimdo_was_not_initialised_for_is_a_typed_error_with_its_reason(fake_aimdo):
+    fake_aimdo.init()
+    fake_aimdo.init_devices([0])  # ComfyUI initialised aimdo for device 0 only
     b = AimdoBackend()
     r = b.membackend_reserve(device=CUDA0, size=PAGE)
     with pytest.raises(DriverError) as info:
         b.membackend_reserve(device=Device("cuda", 1), size=PAGE)
-    assert info.value.call == "comfy_aimdo.control.init_device" and "already initialized" in str(info.value)
+    assert info.value.call == "comfy_aimdo.control.init_devices" and "initialises its devices once" in str(info.value)
     b.membackend_release_reservation(reservation=r)
 
 

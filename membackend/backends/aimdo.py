@@ -103,6 +103,8 @@ class AimdoBackend:
         self._ready: dict[int, tuple[str, str] | None] = {}
         self._drivers: dict[str, Any] = {}  # device kind -> driver wrapper, for budgets without torch
         self._lock = threading.Lock()  # one initialisation at a time; verbs come from several threads
+        #: device kind -> the indices the machine has, from the probe: aimdo's devices are set in one call
+        self._indices: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def from_settings(cls, settings: Any) -> "AimdoBackend":
@@ -156,9 +158,18 @@ class AimdoBackend:
         try:
             # init() again after the host application's would reset its settings (nvml pressure)
             ok = control.lib is not None or control.init(_IMPLEMENTATION.get(kind, "cuda"))
-            if ok:
-                call = "comfy_aimdo.control.init_device"
-                ok = self._device_ready(control, index) or bool(control.init_device(index))
+            if ok and not self._device_ready(control, index):
+                call = "comfy_aimdo.control.init_devices"
+                if getattr(control, "devctxs", None):  # set already (by ComfyUI, or for another device set)
+                    capture.lines.append(f"comfy-aimdo's devices are initialised already and device {index} is "
+                                         "not one of them; comfy-aimdo 0.6 initialises its devices once")
+                    ok = False
+                else:  # every device of the machine in one call: 0.6.0 refuses a second init_devices
+                    wanted = sorted(set(self._indices.get(kind, ())) | {index})
+                    ok = bool(control.init_devices(wanted))
+                    if ok:
+                        for other in wanted:
+                            self._ready.setdefault(other, None)
             if ok:
                 call = "comfy_aimdo.model_vbar"
                 self._bound_model_vbar(control)
@@ -199,6 +210,9 @@ class AimdoBackend:
         if machine.os not in SUPPORTED_OS:
             return Candidate(self.name, 0, f"comfy-aimdo runs on {' and '.join(SUPPORTED_OS)}, not {machine.os}")
         gpus = [d for d in machine.gpus() if d.device.kind in self.device_kinds]
+        with self._lock:
+            for kind in self.device_kinds:
+                self._indices[kind] = tuple(sorted(d.device.index for d in gpus if d.device.kind == kind))
         if not gpus:
             return Candidate(self.name, 0, "no CUDA or HIP GPU was detected for comfy-aimdo to manage")
         lacking = [d for d in gpus if d.vmm_supported is False]  # aimdo's VBARs are cuMemCreate/hipMemCreate
