@@ -364,26 +364,40 @@ class ResidencyManager:
         models on the device -- least recently used first, never the current run's, never a pinned one --
         so their ranges can serve, and try again. Raises the backend's last refusal when none is left."""
         tried: set[str] = set()
+        mine = set()  # the model being reserved and the models that own it: never its own victims
+        m: Any = slot.model
+        while m is not None:
+            mine.add(m.id)
+            m = m.owner
         while True:
             try:
                 self._reserve(slot)
                 return
             except MemoryError:
-                victim = next((s for s in self._by_priority(slot.device) if s is not slot and s.model.id not in tried
-                               and s.model.id not in self._running and not any(s.pins)), None)
+                victim = self._idle_owner(slot.device, mine | tried)
                 if victim is None:
                     raise
-                tried.add(victim.model.id)
-                owner = self._models.get(victim.model.id)
-                while owner is not None and owner.owner is not None:
-                    owner = owner.owner
-                if owner is None or owner.id == slot.model.id:
-                    continue
+                tried.add(victim.id)
                 try:
-                    self.full_unload(owner)
+                    self.full_unload(victim)
                 except PartialFailure:
                     continue  # what could be unloaded was; the next idle model is tried
-                self._trace("evict_model", owner, device=str(slot.device), bytes=0, reason="address space")
+                self._trace("evict_model", victim, device=str(slot.device), bytes=0, reason="address space")
+
+    def _idle_owner(self, device: Device, skip: set[str]) -> Model | None:
+        """The least recently used model (an owner, with what it owns) with a live range on ``device`` that no
+        part of the current run uses and no page of which is pinned; None when there is none."""
+        for s in self._by_priority(device):
+            owner = self._models.get(s.model.id)
+            while owner is not None and owner.owner is not None:
+                owner = owner.owner
+            if owner is None or owner.id in skip or self._in_run(owner) or self._pinned(owner):
+                continue
+            return owner
+        return None
+
+    def _in_run(self, model: Model) -> bool:
+        return model.id in self._running or any(self._in_run(child) for child in model.owned)
 
     def _slot(self, model: Model, device: Any) -> _Slot:
         self._check_registered(model)
@@ -609,8 +623,10 @@ class ResidencyManager:
             while p >= 0 and evictable(p) and end - p <= limit:
                 p -= 1
             start = p + 1
-            freed += self._free_pages(slot, start, end)
-            lowest = start * ps
+            dropped = self._free_pages(slot, start, end)
+            freed += dropped
+            if dropped:  # a free refused under a live tensor drops nothing: no watermark over resident pages
+                lowest = start * ps
         if lowest is not None and not own:
             slot.watermark = lowest if slot.watermark is None else min(slot.watermark, lowest)
         return freed

@@ -136,8 +136,7 @@ def test_a_simulated_gpu_counts_as_served_even_under_cpu_with_forced_dynamic_vra
     assert rt is not None and rt.name == backend and control.init_devices == rt.init_devices
     line = _one_short_line(lines)
     assert f"using {backend} (" in line and f"simulated {profile}" in line and "MEMBACKEND_BACKEND=<name>" in line
-    assert comfy_args.disable_cuda_graphs
-    assert "--disable-comfy-compiler" in rt.patches.skipped  # named as the flag a user types
+    assert not comfy_args.disable_cuda_graphs  # armed only: nothing else changes until ComfyUI calls init_devices
     rt.stop()
     comfy_args.cpu = comfy_args.enable_dynamic_vram = False
     _untouched(originals, comfy_args)
@@ -158,9 +157,11 @@ def test_a_selected_backend_arms_the_hook_and_stop_undoes_every_patch(
     monkeypatch.setenv("MEMBACKEND_BACKEND", "host")
     rt = startup.prestartup()
     assert rt is startup.current() and control.init_devices == rt.init_devices
-    assert comfy_args.disable_cuda_graphs and not comfy_args.enable_dynamic_vram  # ComfyUI's own flag decides
+    assert not comfy_args.disable_cuda_graphs and not comfy_args.enable_dynamic_vram  # ComfyUI's own flag decides
     assert "using host (forced by MEMBACKEND_BACKEND)" in _one_short_line(lines)
     assert rt.init_devices((i, 0) for i in range(1)) is True
+    assert comfy_args.disable_cuda_graphs  # CUDA-graph capture would record aimdo's own allocations
+    assert "--disable-comfy-compiler" in rt.patches.skipped  # named as the flag a user types
     assert aimdo_vbar.ModelVBAR is vbar.ModelVBAR and startup.current() is rt and rt.running
     assert {"comfy.model_management.free_memory", "comfy.model_management.get_free_memory",
             "comfy.model_management.load_models_gpu"} <= set(rt.patches.skipped)

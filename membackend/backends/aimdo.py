@@ -166,10 +166,7 @@ class AimdoBackend:
                     ok = False
                 else:  # every device of the machine in one call: 0.6.0 refuses a second init_devices
                     wanted = sorted(set(self._indices.get(kind, ())) | {index})
-                    ok = bool(control.init_devices(wanted))
-                    if ok:
-                        for other in wanted:
-                            self._ready.setdefault(other, None)
+                    ok = bool(control.init_devices(wanted))  # the others find their context on first use
             if ok:
                 call = "comfy_aimdo.model_vbar"
                 self._bound_model_vbar(control)

@@ -157,12 +157,7 @@ class Runtime:
     # ------------------------------------------------------------------ arming (prestartup, before torch)
 
     def arm(self) -> None:
-        """Make ComfyUI's ``init_devices`` ours, and switch off what needs aimdo's own device contexts."""
-        args = self.comfy_args
-        if args is not None:
-            # aimdo's CUDA-graph capture and its compiler path record aimdo's own allocations
-            for attr in ("disable_cuda_graphs", "disable_comfy_compiler"):
-                self.patches.replace(args, attr, True, required=False, label="--" + attr.replace("_", "-"))
+        """Make ComfyUI's ``init_devices`` ours; nothing else changes until ComfyUI calls it."""
         control = importlib.import_module("comfy_aimdo.control")
         self._original_init = control.init_devices
         self.patches.replace(control, "init_devices", self.init_devices)
@@ -194,6 +189,12 @@ class Runtime:
         from ..residency import ResidencyManager
         from .streams import CopyFences
 
+        args = self.comfy_args
+        if args is not None:
+            # aimdo's CUDA-graph capture and its compiler path record aimdo's own allocations; ComfyUI reads
+            # these flags when it runs a model, after init_devices
+            for attr in ("disable_cuda_graphs", "disable_comfy_compiler"):
+                self.patches.replace(args, attr, True, required=False, label="--" + attr.replace("_", "-"))
         pairs = [i if isinstance(i, tuple) else (i, 0) for i in ids] or [(0, 0)]
         self.session = self.manager.session(self.machine, selection=self.selection)
         self.devices = list(dict.fromkeys(self.device_for(index) for index, _ in pairs))
@@ -362,7 +363,10 @@ class Runtime:
             self.pending.add(vbar)
 
     def cancel_put_off(self, vbar: Any) -> None:
-        """The VBAR is used again (or gone): its put-off unload is cancelled."""
+        """The VBAR is used again (or gone): its put-off unload is cancelled. Cheap when nothing waits
+        (every fault calls it): a racing ``put_off`` is decided by the pin check under the policy's lock."""
+        if not self.pending:
+            return
         with self._pending_lock:
             self.pending.discard(vbar)
 

@@ -266,10 +266,12 @@ class CudaDriver(GpuDriver):
         return self._query("cuEventQuery", event)
 
     def event_synchronize(self, event: Any) -> None:
-        self._on("cuEventSynchronize", event)
+        """With the event's context current (``EventToken`` makes its device current)."""
+        self.call("cuEventSynchronize", event)
 
     def event_destroy(self, event: Any) -> None:
-        self._on("cuEventDestroy", event)
+        """With the event's context current, as :meth:`event_synchronize`."""
+        self.call("cuEventDestroy", event)
 
     def stream_create(self) -> Any:
         return self._on("cuStreamCreate", 0)[0]

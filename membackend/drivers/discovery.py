@@ -189,8 +189,9 @@ class _Facts:
     def ask(self, name: str, what: str, fn: Callable[[], Any]) -> Any:
         try:
             value = fn()
-        except DriverError as exc:
-            self.failed.append(f"{name} ({exc})")
+        except Exception as exc:  # a driver error, or a binding without that name: this fact only
+            self.failed.append(f"{name} ({exc})" if isinstance(exc, DriverError) else
+                               f"{name} ({type(exc).__name__}: {exc})")
             return None
         self.values[name] = value
         self.sources[name] = f"{self.vendor}: {what}"

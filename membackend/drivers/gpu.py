@@ -214,6 +214,9 @@ class GpuDriver:
 class EventToken:
     """A fence token (``done()``/``wait()``) over an event recorded on a stream; destroys it once waited.
 
+    Queried, waited for and destroyed with the event's own device current (the server thread's ``/free``
+    and a copy thread wait on tokens of any device), and the caller's current again afterwards.
+
     Safe to share between threads: the event is queried, waited for and
     destroyed under the token's own lock, so it is destroyed exactly once.
     """
@@ -227,7 +230,7 @@ class EventToken:
     def done(self) -> bool:
         if self._done:
             return True
-        with self._lock:
+        with self._lock, self.driver.on_device(self.device):  # the event's device, whichever thread asks
             if not self._done and self.driver.event_query(self.event):
                 self._finish()
         return self._done
@@ -235,7 +238,7 @@ class EventToken:
     def wait(self) -> None:
         if self._done:
             return
-        with self._lock:
+        with self._lock, self.driver.on_device(self.device):
             if not self._done:
                 self.driver.event_synchronize(self.event)
                 self._finish()
