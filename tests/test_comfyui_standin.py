@@ -34,6 +34,9 @@ SCENARIOS = {  # name: (argv, environment); each is one process booting the stan
     "stock_uninstalled": (["stock"], {}),
     "stock_disabled": (["stock"], {**HOST, "MEMBACKEND_DISABLE": "1"}),
     "old_aimdo": (["old_aimdo"], HOST),
+    # ComfyUI's flags that exclude --cpu: the decision follows main.py's (the stand-in's main.py follows it)
+    **{f"flag_{f}": (["stock"], {**HOST, "STANDIN_ARGS": f"--{f}"}) for f in ("highvram", "gpu-only", "novram")},
+    "flag_lowvram": (["basic"], {**HOST, "STANDIN_ARGS": "--enable-dynamic-vram --lowvram"}),
     **{f"inject_{w}": (["inject", w], HOST) for w in ("budget", "fault", "unload")},
     **{f"race_{m}": (["race", m], HOST) for m in ("record", "norecord")},
     "idle": (["idle", "spy"], HOST),
@@ -244,3 +247,18 @@ def test_a_trace_recorded_inside_comfyui_replays_on_a_simulated_gpu(results, tmp
     plugin = c.results["plugin"][0]
     assert plugin.loaded > 0 and c.violations == [], c.table()
     assert "cpu:0 replayed on cuda:0" in c.table()
+
+
+@pytest.mark.parametrize("flag", ["highvram", "gpu-only", "novram"])
+def test_comfyuis_flags_that_switch_dynamic_vram_off_leave_it_stock_and_say_which(results, flag):
+    r = results[f"flag_{flag}"]
+    assert r["out"]["patcher"] == "ModelPatcher" and r["out"]["patched"] == [] and r["out"]["vbar_is_aimdo"]
+    assert r["out"]["correct"]
+    lines = [ln for ln in r["log"] if "membackend 0" in ln]
+    assert len(lines) == 1 and f"its dynamic VRAM is off (--{flag})" in lines[0]
+
+
+def test_lowvram_changes_nothing_under_dynamic_vram(results):
+    out = results["flag_lowvram"]["out"]
+    assert out["patcher"] == "ModelPatcherDynamic" and out["correct"] and out["second_copied"] == 0
+    assert any("using host" in ln for ln in results["flag_lowvram"]["log"])
