@@ -154,7 +154,9 @@ def membackend_trim(device: Device) -> int:
     reserve-churn limit: anything held that no live reservation uses. The
     session calls it on ``close()`` and after a full unload of everything, so
     the driver returns to its baseline (G1).
-    Post: returns the bytes given back; ``membackend_inspect`` then reports ``held == 0``.
+    Post: returns the bytes given back; ``membackend_inspect`` then reports ``held == 0``, except what the
+    platform does not let the backend give back (a reserve-churn limit whose frees are spent: those windows
+    stay, bounded, and ``inspect`` reports them as held).
     Errors: ``DriverError``; what could not be given back stays held (and is tried again next time).
     """
 
