@@ -169,10 +169,11 @@ class _Range:
 
 class _DeviceState:
     __slots__ = ("granularity", "page_size", "page_in_sync", "dirty", "reserved", "resident", "spare", "windows",
-                 "large_alive", "large_peak")
+                 "large_alive", "large_peak", "integrated")
 
-    def __init__(self, granularity: int, page_size: int, page_in_sync: bool):
+    def __init__(self, granularity: int, page_size: int, page_in_sync: bool, integrated: bool = False):
         self.granularity = granularity
+        self.integrated = integrated  # one pool with the host (a device fact: asked once, not per budget)
         self.page_size = page_size
         self.page_in_sync = page_in_sync  # fresh mappings may still be paging in: synchronize before unmapping
         self.dirty = False  # pages mapped since the last device synchronize
@@ -273,10 +274,17 @@ class VmmBackend:
             d.set_device(index)
             g = d.granularity(index)
             page = max(g, -(-self.requested_page_size // g) * g)
-            state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index))
+            state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index), self._integrated(index))
         else:
             d.set_device(index)
         return state
+
+    def _integrated(self, index: int) -> bool:
+        """Whether device ``index`` shares one pool with the host; a driver that cannot say: not known to."""
+        try:
+            return bool(self.driver.integrated(index))
+        except DriverError:
+            return False
 
     def _syncs_page_ins(self, index: int) -> bool:
         """Whether frees on device ``index`` synchronize it after fresh mappings (``page_in_sync``).
@@ -651,8 +659,7 @@ class VmmBackend:
                     state.spare.pop()
                     free += state.page_size
                 free += len(state.spare) * state.page_size
-            unified = self.capabilities.unified_pool or self.platform.budget_source == "unified" \
-                or self.driver.integrated(index)
+            unified = self.capabilities.unified_pool or self.platform.budget_source == "unified" or state.integrated
         return Budget.of(total, free, room, source, unified=unified)
 
     @hookimpl
