@@ -266,12 +266,13 @@ class CudaDriver(GpuDriver):
         return self._query("cuEventQuery", event)
 
     def event_synchronize(self, event: Any) -> None:
-        """With the event's context current (``EventToken`` makes its device current)."""
-        self.call("cuEventSynchronize", event)
+        """With a context current: the selected device's, or (none selected) the thread's own, which
+        ``EventToken`` makes the event's device."""
+        self._on("cuEventSynchronize", event)
 
     def event_destroy(self, event: Any) -> None:
-        """With the event's context current, as :meth:`event_synchronize`."""
-        self.call("cuEventDestroy", event)
+        """As :meth:`event_synchronize`."""
+        self._on("cuEventDestroy", event)
 
     def stream_create(self) -> Any:
         return self._on("cuStreamCreate", 0)[0]
