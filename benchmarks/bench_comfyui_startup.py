@@ -1,6 +1,6 @@
 """What the ComfyUI adapter adds to ComfyUI's start-up, as a ratio to ``python -c "import torch"``.
 
-A thin wrapper over :func:`membackend.comfyui.startup_cost.measure_startup`, whose docstring
+A thin wrapper over :func:`membackend._comfyui.startup_cost.measure_startup`, whose docstring
 says what each side measures; rounds alternate the sides and each keeps its best round.
 Target: ratio <= 0.15.
 Usage: ``python benchmarks/bench_comfyui_startup.py [--rounds N] [--json] [--no-bytecode-cache]``.
@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from membackend.comfyui.startup_cost import format_startup, measure_startup
+from membackend._comfyui.startup_cost import format_startup, measure_startup
 
 
 def main(argv: list[str] | None = None) -> int:

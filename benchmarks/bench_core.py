@@ -11,7 +11,7 @@
 3. One fault+free with 100k pages alive against 1k pages alive. Target <= 1.5.
 
 Timings interleave the two sides and keep the best of several rounds, since
-this machine is shared and noisy. The measuring lives in ``membackend.replay.bench``
+this machine is shared and noisy. The measuring lives in ``membackend._replay.bench``
 (``membackend bench`` runs these with the start-up benchmark and the replays).
 """
 
@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from membackend.replay.bench import (GiB, MiB, bench_fault_throughput, bench_hot_path, bench_pages_alive,
+from membackend._replay.bench import (GiB, MiB, bench_fault_throughput, bench_hot_path, bench_pages_alive,
                                      core_entries, format_core)
 
 

@@ -104,7 +104,7 @@ class Check:
     """Every part, over one driver wrapper (real cuda-python, or a simulated one in the unit test)."""
 
     def __init__(self, driver: Any, index: int, total: int, reps: int, torch: Any = None):
-        from membackend.machine import gather_machine
+        from membackend._machine import gather_machine
 
         self.d, self.index, self.total, self.reps, self.torch = driver, index, total, reps, torch
         self.device = f"cuda:{index}"
@@ -121,9 +121,9 @@ class Check:
             pass
 
     def session(self, page: int = 32 * MiB, **caps: Any) -> Any:
-        from membackend.backends.vmm import VmmBackend
+        from membackend._backends.vmm import VmmBackend
         from membackend.platform import GENERIC
-        from membackend.session import Session
+        from membackend._session import Session
 
         capabilities = _capabilities(GENERIC.capabilities, caps)
         return Session(VmmBackend(GENERIC, self.d, page_size=page, capabilities=capabilities), machine=self.machine)
@@ -289,7 +289,7 @@ class Check:
 
     def _g2_kernel(self, s: Any) -> dict[str, Any]:
         torch = self.torch
-        from membackend.tensors import tensor_at
+        from membackend._tensors import tensor_at
 
         size = 64 * MiB
         r = s.reserve(self.device, size)
@@ -459,8 +459,8 @@ def _aimdo(index: int, total: int, reps: int, command: list[str] | None) -> dict
 
 def aimdo_child(driver: Any, index: int, total: int, reps: int) -> dict[str, Any]:
     """The aimdo backend (comfy-aimdo's VBARs, 32 MiB pages) through the same measurements."""
-    from membackend.backends.aimdo import AimdoBackend
-    from membackend.session import Session
+    from membackend._backends.aimdo import AimdoBackend
+    from membackend._session import Session
 
     check = Check(driver, index, total, reps)
     out: dict[str, Any] = {}
@@ -470,7 +470,7 @@ def aimdo_child(driver: Any, index: int, total: int, reps: int) -> dict[str, Any
             out["fault_copy"] = {"32MiB": _part(lambda: check.fault_copy(s, 32 * MiB))}
 
             def token(r: Any) -> Any:  # aimdo has no event tokens of its own: an event on the copy stream
-                from membackend.drivers.gpu import EventToken
+                from membackend._drivers.gpu import EventToken
 
                 event = driver.event_create()
                 driver.event_record(event, check.stream)
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": f"--device {args.device}: the driver lists {count} device(s)"}))
         return 2
     try:
-        from membackend.drivers.cuda import CudaDriver
+        from membackend._drivers.cuda import CudaDriver
 
         driver = CudaDriver()
     except Exception as exc:  # cuda-python or membackend's own dependencies missing

@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import sys
 
-from membackend.backends.host import HostBackend
-from membackend.backends.vmm import VmmBackend, capabilities_for
+from membackend._backends.host import HostBackend
+from membackend._backends.vmm import VmmBackend, capabilities_for
 from membackend.platform import GENERIC
-from membackend.drivers.sim import PROFILES, sim_driver
-from membackend.ledger import Ledger
-from membackend.machine import gather_machine
-from membackend.residency import ResidencyManager, StockPolicy
-from membackend.session import Session
+from membackend._drivers.sim import PROFILES, sim_driver
+from membackend._ledger import Ledger
+from membackend._machine import gather_machine
+from membackend._residency import ResidencyManager, StockPolicy
+from membackend._session import Session
 from membackend.types import Device
 
 MiB = 1 << 20

@@ -37,14 +37,14 @@ import json
 import os
 import sys
 
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers.open import LazyDriver, machine_for
-from membackend.ledger import Ledger
-from membackend.manager import BackendManager
+from membackend._backends.vmm import VmmBackend
+from membackend._drivers.open import LazyDriver, machine_for
+from membackend._ledger import Ledger
+from membackend._manager import BackendManager
 from membackend.platform import GENERIC
-from membackend.residency import ResidencyManager, StockPolicy
-from membackend.session import Session
-from membackend.settings import load_settings
+from membackend._residency import ResidencyManager, StockPolicy
+from membackend._session import Session
+from membackend._settings import load_settings
 from membackend.types import Device
 from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 

@@ -21,7 +21,7 @@ from .types import __all__ as _types_all  # noqa: E402
 
 def create_session(**settings):
     """Discover backends, select one by the settings (kwargs win) and return a :class:`Session`."""
-    from .manager import create_session as _create
+    from ._manager import create_session as _create
 
     return _create(**settings)
 

@@ -23,7 +23,7 @@ platform plugins 50–99, a more specific fit higher. ``Candidate(...,
 opt_in=True)`` fits but is selected only when forced by name.
 
 Every verb except ``membackend_probe`` is called on the selected backend only,
-through a :class:`membackend.session.Session`. The session has already checked
+through a :class:`membackend._session.Session`. The session has already checked
 the arguments (device served, reservation alive and owned by this session,
 sizes positive, ranges inside the reservation, free ranges page aligned), so a
 backend only implements the mechanism. A session may be shared by several

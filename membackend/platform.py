@@ -5,7 +5,7 @@ serve one kind of machine well: its name (the backend's name), its vendor
 (which driver bindings), a probe that says when it fits, where its budget
 comes from, the :class:`~membackend.types.Capabilities` that tune the
 residency policy, and defaults (page size, headroom). The mechanism is the
-same for all of them: :class:`membackend.backends.vmm.VmmBackend` is *built
+same for all of them: :class:`membackend._backends.vmm.VmmBackend` is *built
 from* a Platform and a driver and names itself after the platform.
 
 A platform plugin is one module with one ``Platform`` and one entry point in
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .drivers.gpu import BUDGET_SOURCES
+from ._drivers.gpu import BUDGET_SOURCES
 from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
 
 __all__ = ["Platform", "GENERIC", "vmm_unsupported"]

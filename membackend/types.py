@@ -67,7 +67,7 @@ class ForeignReservation(ReservationError):
 
 
 class TensorAlive(ReservationError):
-    """A free or release of a range that a live tensor from ``membackend.tensors`` still views.
+    """A free or release of a range that a live tensor from ``membackend._tensors`` still views.
 
     Nothing was changed. ``reservation`` is the reservation, ``offset``/``size``
     the byte range asked for, ``views`` how many live tensors overlap it and
@@ -84,7 +84,7 @@ class TensorAlive(ReservationError):
         spans = ", ".join(f"[{a}, {b})" for a, b in self.held[:4]) + (", ..." if len(held) > 4 else "")
         super().__init__(
             f"{verb}: range [{offset}, {offset + size}) of reservation #{reservation.id} ({reservation.device}) is "
-            f"viewed by {self.views} live tensor(s) from membackend.tensors (bytes {spans}); nothing was changed. "
+            f"viewed by {self.views} live tensor(s) from membackend._tensors (bytes {spans}); nothing was changed. "
             f"Accepted: drop those tensors and every view of them (del t; gc.collect() for ones in a reference "
             f"cycle) first, then free or release")
 
@@ -419,7 +419,7 @@ class Capabilities:
       large address frees (process-wide); released windows of at least
       ``reserve_churn_window`` bytes are kept and reused instead of freed, and
       given back while the frees the limit allows last (see
-      :mod:`membackend.backends.vmm` for the bound on what stays).
+      :mod:`membackend._backends.vmm` for the bound on what stays).
     """
 
     release_on_full_unload: bool = True

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from membackend.backends.host import HostBackend
-from membackend.ledger import Ledger
-from membackend.machine import gather_machine
-from membackend.session import Session
+from membackend._backends.host import HostBackend
+from membackend._ledger import Ledger
+from membackend._machine import gather_machine
+from membackend._session import Session
 
 
 @pytest.fixture(autouse=True)

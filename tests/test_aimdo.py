@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from membackend.backends.aimdo import SCORE, VBAR_PAGE_SIZE, AimdoBackend
+from membackend._backends.aimdo import SCORE, VBAR_PAGE_SIZE, AimdoBackend
 from membackend.types import Device, DeviceInfo, DriverError, Machine, Score, WrongDevice
 
 PAGE = VBAR_PAGE_SIZE
@@ -393,7 +393,7 @@ class _Driver:
 
 
 def test_budget_without_torch_comes_from_the_device_driver(fake_aimdo, monkeypatch):
-    import membackend.backends.aimdo as aimdo
+    import membackend._backends.aimdo as aimdo
 
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     _Driver.opened = 0
@@ -407,7 +407,7 @@ def test_budget_without_torch_comes_from_the_device_driver(fake_aimdo, monkeypat
 
 
 def test_budget_without_the_vendor_bindings_is_a_typed_error(fake_aimdo, monkeypatch):
-    import membackend.backends.aimdo as aimdo
+    import membackend._backends.aimdo as aimdo
 
     def missing(kind):
         raise ImportError("No module named 'cuda'")

@@ -1,4 +1,4 @@
-"""``membackend.replay.bench``: every entry comes out with sane types, as JSON and as a table.
+"""``membackend._replay.bench``: every entry comes out with sane types, as JSON and as a table.
 
 No timing thresholds: the machines are shared and noisy, so only shapes and signs are checked.
 The start-up measurement is replaced by a fake module (it would spawn interpreters importing torch).
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from membackend.replay import bench, compare, scenarios
-from membackend.replay.scenarios import SCENARIOS
+from membackend._replay import bench, compare, scenarios
+from membackend._replay.scenarios import SCENARIOS
 
-STARTUP = "membackend.comfyui.startup_cost"
+STARTUP = "membackend._comfyui.startup_cost"
 BENCH_CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
 ENTRIES = ("dispatch", "dispatch_free", "host_fault", "pages_alive", "startup")
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from membackend import cli
+from membackend import _cli as cli
 
 
 def run(capsys, *argv):
@@ -69,7 +69,7 @@ def test_failed_self_test_exits_1(capsys, monkeypatch):
 
 
 def test_console_script_is_installed():
-    proc = subprocess.run([sys.executable, "-m", "membackend.cli", "backends"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "membackend._cli", "backends"], capture_output=True, text=True)
     assert proc.returncode == 0 and "host" in proc.stdout
 
 

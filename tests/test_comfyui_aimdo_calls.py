@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("comfy_aimdo")
 
-from membackend.comfyui import wiring  # noqa: E402
+from membackend._comfyui import wiring  # noqa: E402
 
 TREE = os.environ.get("MEMBACKEND_COMFYUI")
 needs_tree = pytest.mark.skipif(not TREE, reason="MEMBACKEND_COMFYUI (a ComfyUI tree) is not set")

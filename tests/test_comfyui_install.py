@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from membackend.cli import main
-from membackend.comfyui.install import (FILES, INIT, MARKER, CannotWrite, ForeignFolder, Outcome, UnsafeLayout,
+from membackend._cli import main
+from membackend._comfyui.install import (FILES, INIT, MARKER, CannotWrite, ForeignFolder, Outcome, UnsafeLayout,
                                         install, uninstall)
 from membackend.types import MembackendError
 

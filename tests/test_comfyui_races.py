@@ -24,14 +24,14 @@ RACE = textwrap.dedent('''
     import json, random, sys, threading, time
     from concurrent.futures import Future
     import torch
-    from membackend.comfyui import runtime as adapter, vbar as facade
-    from membackend.comfyui.runtime import Runtime
-    from membackend.drivers.host import resident_bytes
-    from membackend.drivers.open import machine_for
-    from membackend.fences import FutureToken
-    from membackend.manager import BackendManager
-    from membackend.residency import ResidencyManager
-    from membackend.settings import load_settings
+    from membackend._comfyui import runtime as adapter, vbar as facade
+    from membackend._comfyui.runtime import Runtime
+    from membackend._drivers.host import resident_bytes
+    from membackend._drivers.open import machine_for
+    from membackend._fences import FutureToken
+    from membackend._manager import BackendManager
+    from membackend._residency import ResidencyManager
+    from membackend._settings import load_settings
     from membackend.types import MembackendError, Device
 
     SECONDS = float(sys.argv[1])

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("comfy_aimdo")
 
-from membackend.cli import main as cli  # noqa: E402
+from membackend._cli import main as cli  # noqa: E402
 
 STANDIN = Path(__file__).parent / "fixtures" / "comfyui_standin"
 MiB = 1 << 20
@@ -184,7 +184,7 @@ def test_aimdos_cast_buffer_host_buffer_and_file_map_call_sites_run_on_membacken
     """get_aimdo_cast_buffer (VRAMBuffer), pinned_memory (HostBuffer + hostbuf_to_tensor) and the
     safetensors load (ModelMMAP) with aimdo holding no device: served by membackend, bytes exact."""
     out = results["host"]["parts"]["buffers"]
-    ours = "membackend.comfyui.buffers"
+    ours = "membackend._comfyui.buffers"
     assert out["cast_buffer"] == [ours, True] and out["host_buffer"] == [ours, True, 64]
     assert out["mmap"] == [ours, True] and out["read_file_slice"] is True
 
@@ -236,7 +236,7 @@ def test_an_exception_in_the_idle_patch_restores_everything_and_the_queue_carrie
 def test_a_trace_recorded_inside_comfyui_replays_on_a_simulated_gpu(results, tmp_path):
     """MEMBACKEND_TRACE inside ComfyUI records what a replay needs, copies with their durations
     included; the file replays on another (simulated) machine."""
-    from membackend.replay.compare import replay
+    from membackend._replay.compare import replay
 
     events = results["switch_tight"]["trace"]
     copies = [e for e in events if e["event"] == "copy"]

@@ -15,8 +15,8 @@ pytest.importorskip("comfy_aimdo")
 import comfy_aimdo.control as control  # noqa: E402
 import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 
-from membackend.comfyui import startup, vbar  # noqa: E402
-from membackend.comfyui.wiring import FACADE_NAMES  # noqa: E402
+from membackend._comfyui import startup, vbar  # noqa: E402
+from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
 
 
 FLAGS = dict(cpu=False, highvram=False, gpu_only=False, novram=False, lowvram=False, disable_dynamic_vram=False,
@@ -94,7 +94,7 @@ def test_where_membackend_cannot_serve_nothing_is_patched_and_one_short_line_say
     line = _one_short_line(lines)
     assert line.startswith("membackend ") and says in line, line
     assert "MEMBACKEND_DISABLE" in line
-    from membackend.comfyui import status
+    from membackend._comfyui import status
     got = status.status()
     assert got["running"] is False and got["state"] == state and got["line"] == line
 
@@ -198,7 +198,7 @@ def test_a_failing_start_restores_everything_and_answers_with_the_original(
     monkeypatch.setattr(control, "init_devices", original)
     monkeypatch.setenv("MEMBACKEND_BACKEND", "host")
     rt = startup.prestartup()
-    from membackend.comfyui import wiring
+    from membackend._comfyui import wiring
 
     def broken(rt):
         raise RuntimeError("injected into the wiring")
@@ -211,7 +211,7 @@ def test_a_failing_start_restores_everything_and_answers_with_the_original(
     assert rt.session is not None and rt.session.reservations() == []
     warn = [ln for ln in lines() if "switched off" in ln]
     assert len(warn) == 1 and "injected into the wiring" in warn[0] and "every original restored" in warn[0]
-    from membackend.comfyui import status
+    from membackend._comfyui import status
     assert status.status()["state"] == "switched-off"
     monkeypatch.setattr(control, "init_devices", originals[0])
     rt.stop()
@@ -265,8 +265,8 @@ def test_without_a_prompt_queue_the_idle_patch_is_skipped_and_reported(monkeypat
 
 @pytest.mark.parametrize("env, absent", [
     ({"MEMBACKEND_BACKEND": "host"}, ["pydantic", "pydantic_settings"]),
-    ({}, ["pydantic", "pydantic_settings", "membackend.residency", "membackend.comfyui.vbar"]),
-    ({"MEMBACKEND_DISABLE": "1"}, ["pydantic", "membackend.manager", "membackend.machine"]),
+    ({}, ["pydantic", "pydantic_settings", "membackend._residency", "membackend._comfyui.vbar"]),
+    ({"MEMBACKEND_DISABLE": "1"}, ["pydantic", "membackend._manager", "membackend._machine"]),
 ])
 def test_start_up_with_plain_settings_imports_no_pydantic_and_only_what_it_uses(tmp_path, env, absent):
     """What keeps the adapter's start-up cost down (benchmarks/bench_comfyui_startup.py measures it):
@@ -275,7 +275,7 @@ def test_start_up_with_plain_settings_imports_no_pydantic_and_only_what_it_uses(
     code = """if True:
         import json, sys, types
         sys.modules["comfy.model_management"] = types.ModuleType("comfy.model_management")
-        from membackend.comfyui import startup
+        from membackend._comfyui import startup
         startup.SERVE_CPU_DEVICES = True
         rt = startup.prestartup()
         if rt is not None:
@@ -292,15 +292,15 @@ def test_start_up_with_plain_settings_imports_no_pydantic_and_only_what_it_uses(
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     loaded = set(json.loads(p.stdout.strip().splitlines()[-1]))
-    assert "membackend.comfyui.startup" in loaded
+    assert "membackend._comfyui.startup" in loaded
     assert not loaded & set(absent), loaded & set(absent)
     if env.get("MEMBACKEND_BACKEND") == "host":
-        assert {"membackend.residency", "membackend.comfyui.vbar", "membackend.comfyui.wiring"} <= loaded
+        assert {"membackend._residency", "membackend._comfyui.vbar", "membackend._comfyui.wiring"} <= loaded
 
 
 # ---------------------------------------------------------------------------- the start-up measurement
 
-from membackend.comfyui import startup_cost  # noqa: E402
+from membackend._comfyui import startup_cost  # noqa: E402
 
 ROWS = {"torch", "adapter, auto", "adapter, started", "torch, after prestartup"}
 

@@ -13,15 +13,15 @@ torch = pytest.importorskip("torch")
 import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 import comfy_aimdo.torch as aimdo_torch  # noqa: E402
 
-from membackend.comfyui import vbar as facade  # noqa: E402
-from membackend.comfyui import runtime as adapter  # noqa: E402
-from membackend.comfyui.runtime import Runtime  # noqa: E402
-from membackend.comfyui.wiring import FACADE_NAMES  # noqa: E402
-from membackend.drivers.open import machine_for  # noqa: E402
-from membackend.manager import BackendManager  # noqa: E402
-from membackend.residency import ResidencyManager  # noqa: E402
-from membackend.settings import load_settings  # noqa: E402
-from membackend.tensors import NotResident  # noqa: E402
+from membackend._comfyui import vbar as facade  # noqa: E402
+from membackend._comfyui import runtime as adapter  # noqa: E402
+from membackend._comfyui.runtime import Runtime  # noqa: E402
+from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
+from membackend._drivers.open import machine_for  # noqa: E402
+from membackend._manager import BackendManager  # noqa: E402
+from membackend._residency import ResidencyManager  # noqa: E402
+from membackend._settings import load_settings  # noqa: E402
+from membackend._tensors import NotResident  # noqa: E402
 
 PS = 2 << 20
 METHODS = ["prioritize", "deprioritize", "alloc", "fault", "unpin", "loaded_size", "set_watermark_limit",
@@ -181,7 +181,7 @@ class _Stream:
 
 
 def test_each_unpin_fences_the_range_by_an_event_on_comfyuis_current_stream(rt, monkeypatch):
-    from membackend.comfyui.streams import CopyFences, StreamToken
+    from membackend._comfyui.streams import CopyFences, StreamToken
 
     stream = _Stream()
     monkeypatch.setattr(CopyFences, "stream_for", staticmethod(lambda dev: stream))
@@ -206,7 +206,7 @@ def test_each_unpin_fences_the_range_by_an_event_on_comfyuis_current_stream(rt, 
 
 
 def test_no_stream_means_nothing_is_recorded(rt):
-    from membackend.comfyui.streams import CopyFences
+    from membackend._comfyui.streams import CopyFences
 
     rt.fences = CopyFences(rt.residency)  # no comfy.model_management here, a cpu device: copies are synchronous
     v = facade.ModelVBAR(4 * PS, 0)
@@ -222,7 +222,7 @@ def test_no_stream_means_nothing_is_recorded(rt):
 def test_every_buffer_class_has_aimdos_methods_and_parameters(module, name):
     import importlib
 
-    from membackend.comfyui import buffers
+    from membackend._comfyui import buffers
 
     theirs, ours = getattr(importlib.import_module(module), name), getattr(buffers, name)
     for attr in [n for n in vars(theirs) if not n.startswith("_") or n == "__init__"]:
@@ -230,7 +230,7 @@ def test_every_buffer_class_has_aimdos_methods_and_parameters(module, name):
 
 
 def test_the_cast_buffer_refuses_a_range_past_its_size_as_aimdo_does(rt):
-    from membackend.comfyui.buffers import VRAMBuffer
+    from membackend._comfyui.buffers import VRAMBuffer
 
     buf = VRAMBuffer(1 << 20, 0)
     t = facade.aimdo_to_tensor(buf.get(1000, 512), "cpu")
@@ -250,7 +250,7 @@ def _loaded(rt, pages=2):
 def test_what_the_status_keeps_of_unloads_is_bounded(rt):
     import json
 
-    from membackend.comfyui.runtime import UNLOADS_KEPT
+    from membackend._comfyui.runtime import UNLOADS_KEPT
     v, a = _loaded(rt)
     for _ in range(2000):
         assert facade.vbar_fault(a) is not None
@@ -264,7 +264,7 @@ def test_what_the_status_keeps_of_unloads_is_bounded(rt):
 def test_a_failed_copy_never_keeps_its_model_from_a_full_unload(rt):
     from concurrent.futures import Future
 
-    from membackend.fences import FutureToken
+    from membackend._fences import FutureToken
     v, a = _loaded(rt)
     failed = Future()
     failed.set_exception(OSError("copy failed"))

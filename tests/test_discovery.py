@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers import discovery as disc
-from membackend.drivers import hip_ctypes
-from membackend.drivers.hip import HipDriver
-from membackend.drivers.open import bindings_missing, machine_for
-from membackend.drivers.sim import FaultPlan, SimCudaDriver, SimHipDriver, SimHost, get_profile, sim_driver
-from membackend.manager import BackendManager
+from membackend._backends.vmm import VmmBackend
+from membackend._drivers import discovery as disc
+from membackend._drivers import hip_ctypes
+from membackend._drivers.hip import HipDriver
+from membackend._drivers.open import bindings_missing, machine_for
+from membackend._drivers.sim import FaultPlan, SimCudaDriver, SimHipDriver, SimHost, get_profile, sim_driver
+from membackend._manager import BackendManager
 from membackend.platform import GENERIC
-from membackend.settings import load_settings
+from membackend._settings import load_settings
 from membackend.types import Device, DriverError
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -233,7 +233,7 @@ def _called(path: Path, prefix: str) -> set[str]:
 
 
 def test_every_cuda_call_exists_in_the_bindings_and_the_simulation():
-    import membackend.drivers.cuda as cuda_mod
+    import membackend._drivers.cuda as cuda_mod
 
     names = _called(Path(cuda_mod.__file__), "cu")
     assert {"cuInit", "cuDeviceGetAttribute", "cuDeviceGetLuid", "cuCtxGetCurrent", "cuCtxSetCurrent",
@@ -246,7 +246,7 @@ def test_every_cuda_call_exists_in_the_bindings_and_the_simulation():
 
 
 def test_every_hip_call_exists_in_hip_python_the_ctypes_binding_and_the_simulation():
-    import membackend.drivers.hip as hip_mod
+    import membackend._drivers.hip as hip_mod
 
     names = _called(Path(hip_mod.__file__), "hip")
     runtime = hip_ctypes.HipRuntime(object())

@@ -9,7 +9,7 @@ from membackend.types import DriverError
 
 def test_cuda_python_without_a_driver_is_a_driver_error():
     pytest.importorskip("cuda.bindings.driver")
-    from membackend.drivers.cuda import CudaDriver
+    from membackend._drivers.cuda import CudaDriver
 
     d = CudaDriver()
     try:
@@ -22,7 +22,7 @@ def test_cuda_python_without_a_driver_is_a_driver_error():
 
 def test_hip_python_without_a_runtime_is_a_driver_error():
     pytest.importorskip("hip")
-    from membackend.drivers.hip import HipDriver
+    from membackend._drivers.hip import HipDriver
 
     d = HipDriver()
     with pytest.raises(DriverError) as info:
@@ -32,8 +32,8 @@ def test_hip_python_without_a_runtime_is_a_driver_error():
 
 def test_aimdo_probe_without_a_gpu_says_so_without_initialising():
     pytest.importorskip("comfy_aimdo")
-    from membackend.backends.aimdo import AimdoBackend
-    from membackend.machine import gather_machine
+    from membackend._backends.aimdo import AimdoBackend
+    from membackend._machine import gather_machine
 
     machine = gather_machine()
     if machine.gpus():
@@ -44,7 +44,7 @@ def test_aimdo_probe_without_a_gpu_says_so_without_initialising():
 
 def test_aimdo_backend_refuses_verbs_with_the_reason():
     pytest.importorskip("comfy_aimdo")
-    from membackend.backends.aimdo import AimdoBackend
+    from membackend._backends.aimdo import AimdoBackend
     from membackend.types import Device
 
     b = AimdoBackend()
@@ -55,7 +55,7 @@ def test_aimdo_backend_refuses_verbs_with_the_reason():
 
 
 def test_real_discovery_without_a_gpu_lists_nothing_and_says_why():
-    from membackend.machine import gather_machine
+    from membackend._machine import gather_machine
 
     machine = gather_machine()
     if machine.gpus():
@@ -65,8 +65,8 @@ def test_real_discovery_without_a_gpu_lists_nothing_and_says_why():
 
 
 def test_the_real_hip_opener_falls_back_to_the_ctypes_binding_and_fails_typed():
-    from membackend.drivers import hip_ctypes
-    from membackend.drivers.open import open_gpu_driver
+    from membackend._drivers import hip_ctypes
+    from membackend._drivers.open import open_gpu_driver
 
     try:
         hip_ctypes.load()
@@ -82,7 +82,7 @@ def test_the_real_hip_opener_falls_back_to_the_ctypes_binding_and_fails_typed():
 def test_the_cuda_wrapper_restores_a_null_context_even_when_the_call_fails():
     """Without a driver every call fails typed, and nothing is left current."""
     pytest.importorskip("cuda.bindings.driver")
-    from membackend.drivers.cuda import CudaDriver
+    from membackend._drivers.cuda import CudaDriver
 
     d = CudaDriver()
     try:

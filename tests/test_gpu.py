@@ -11,7 +11,7 @@ MiB = 1 << 20
 
 def _cuda_devices() -> int:
     try:
-        from membackend.drivers.cuda import CudaDriver
+        from membackend._drivers.cuda import CudaDriver
 
         d = CudaDriver()
         d.init()
@@ -25,11 +25,11 @@ requires_cuda = pytest.mark.skipif(_cuda_devices() == 0, reason="no CUDA device"
 
 @requires_cuda
 def test_real_round_trip_with_an_event_fence():
-    from membackend.backends.vmm import VmmBackend
+    from membackend._backends.vmm import VmmBackend
     from membackend.platform import GENERIC
-    from membackend.drivers.cuda import CudaDriver
-    from membackend.machine import gather_machine
-    from membackend.session import Session
+    from membackend._drivers.cuda import CudaDriver
+    from membackend._machine import gather_machine
+    from membackend._session import Session
 
     driver = CudaDriver()
     s = Session(VmmBackend(GENERIC, driver), machine=gather_machine())
@@ -48,8 +48,8 @@ def test_real_round_trip_with_an_event_fence():
 
 @requires_cuda
 def test_the_doctor_selects_vmm_on_a_cuda_machine():
-    from membackend.manager import BackendManager
-    from membackend.settings import load_settings
+    from membackend._manager import BackendManager
+    from membackend._settings import load_settings
 
     sel = BackendManager(load_settings()).select()
     assert sel.record.name in ("vmm", "aimdo") or sel.candidates["vmm"].score > 0

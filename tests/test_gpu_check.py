@@ -65,7 +65,7 @@ def test_the_script_installs_and_downloads_nothing_and_states_its_time():
 @pytest.fixture
 def report():
     pytest.importorskip("cuda.bindings.driver")  # the simulated driver uses cuda-python's types
-    from membackend.drivers.open import open_gpu_driver
+    from membackend._drivers.open import open_gpu_driver
 
     check = _load()
     return check.run(open_gpu_driver("cuda", "h200"), total=64 * MiB, reps=1, use_torch=False, aimdo=False)

@@ -12,8 +12,8 @@ import pluggy
 import pytest
 
 from membackend import hookspec
-from membackend.backends.host import HostBackend
-from membackend.drivers.host import MADV_POPULATE_WRITE, PosixHostDriver, resident_bytes
+from membackend._backends.host import HostBackend
+from membackend._drivers.host import MADV_POPULATE_WRITE, PosixHostDriver, resident_bytes
 from membackend.types import ConfigError, Device, DriverError, WrongDevice
 
 MiB = 1 << 20

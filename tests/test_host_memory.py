@@ -7,7 +7,7 @@ import sys
 import psutil
 import pytest
 
-from membackend.drivers.host import (
+from membackend._drivers.host import (
     MEM_COMMIT,
     MEM_DECOMMIT,
     MEM_RELEASE,

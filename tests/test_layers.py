@@ -20,22 +20,22 @@ ROOT = Path(membackend.__file__).parent
 LAYERS = [
     ["membackend.types", "membackend._version"],
     ["membackend.hookspec"],
-    ["membackend.settings"],
-    ["membackend.hostmem"],
-    ["membackend.drivers"],
-    ["membackend.machine"],  # facts come from the drivers' discovery (docs/discovery.md)
+    ["membackend._settings"],
+    ["membackend._hostmem"],
+    ["membackend._drivers"],
+    ["membackend._machine"],  # facts come from the drivers' discovery (docs/discovery.md)
     ["membackend.platform"],
-    ["membackend.backends"],
-    ["membackend.ledger", "membackend.fences", "membackend.trace"],
-    ["membackend.session"],
-    ["membackend.manager"],
-    ["membackend.residency"],
-    ["membackend.tensors"],
-    ["membackend.comfyui", "membackend.replay", "membackend.testing", "membackend.cli"],
+    ["membackend._backends"],
+    ["membackend._ledger", "membackend._fences", "membackend._trace"],
+    ["membackend._session"],
+    ["membackend._manager"],
+    ["membackend._residency"],
+    ["membackend._tensors"],
+    ["membackend._comfyui", "membackend._replay", "membackend.testing", "membackend._cli"],
     ["membackend"],  # the package facade: nothing inside may import it
 ]
-SIM = "membackend.drivers.sim"
-SIM_IMPORTERS = ("membackend.drivers.open", SIM)
+SIM = "membackend._drivers.sim"
+SIM_IMPORTERS = ("membackend._drivers.open", SIM)
 
 
 def layer_of(module: str) -> int:
@@ -110,8 +110,8 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     fake = ROOT / "backends" / "_layers_probe.py"
     fake.write_text("def f():\n    from ..manager import BackendManager\n")
     try:
-        assert "membackend.manager" in imports_of(fake)
-        assert layer_of("membackend.manager") > layer_of(module_name(fake))
+        assert "membackend._manager" in imports_of(fake)
+        assert layer_of("membackend._manager") > layer_of(module_name(fake))
     finally:
         fake.unlink()
 
@@ -133,7 +133,7 @@ def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
 
 def test_no_import_circle_inside_the_comfyui_adapter():
     """Lazy imports count: one module importing another inside a function is still an arrow."""
-    pkg = "membackend.comfyui"
+    pkg = "membackend._comfyui"
     graph = {mod: sorted({i for i in imps if i.startswith(pkg + ".") and i != mod})
              for mod, imps in all_imports().items() if mod.startswith(pkg + ".")}
     assert _cycles(graph) == []

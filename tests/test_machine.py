@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from membackend.hostmem import cgroup_memory, host_memory
-from membackend.machine import gather_machine, torch_build
-from membackend.settings import load_settings
+from membackend._hostmem import cgroup_memory, host_memory
+from membackend._machine import gather_machine, torch_build
+from membackend._settings import load_settings
 from membackend.types import Device
 
 
@@ -18,7 +18,7 @@ def test_detects_this_machine_without_importing_torch():
     # in a fresh process: other tests of this run may have imported torch already
     import subprocess
 
-    code = "import sys; from membackend.machine import gather_machine; gather_machine(); print('torch' in sys.modules)"
+    code = "import sys; from membackend._machine import gather_machine; gather_machine(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -78,13 +78,13 @@ def test_host_memory_is_capped_by_the_cgroup(tmp_path):
 
 
 def test_no_backend_imports_machine():
-    """Backends read host memory from membackend.hostmem; machine facts stay above them."""
+    """Backends read host memory from membackend._hostmem; machine facts stay above them."""
     import ast
     import pathlib
 
-    import membackend.backends
+    import membackend._backends
 
-    for path in pathlib.Path(membackend.backends.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(membackend._backends.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
@@ -126,12 +126,12 @@ def test_overridden_facts_are_sourced_as_the_users():
 
 
 def test_ram_is_read_at_every_call_while_discovery_runs_once(monkeypatch):
-    import membackend.drivers.open as opener
-    from membackend.hostmem import HostMemory
+    import membackend._drivers.open as opener
+    from membackend._hostmem import HostMemory
 
     gather_machine()
     calls = []
     monkeypatch.setattr(opener, "discover", lambda b: calls.append(b))  # a second discovery would be recorded
-    monkeypatch.setattr("membackend.drivers.discovery.host_memory",
+    monkeypatch.setattr("membackend._drivers.discovery.host_memory",
                         lambda: HostMemory(8 << 30, 3 << 30, "test", 8 << 30, 3 << 30, None))
     assert gather_machine().ram_available == 3 << 30 and calls == []

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers import dxgi
-from membackend.drivers.open import LazyDriver, check_sim_profile, machine_for, open_gpu_driver, resolve_vendor
+from membackend._backends.vmm import VmmBackend
+from membackend._drivers import dxgi
+from membackend._drivers.open import LazyDriver, check_sim_profile, machine_for, open_gpu_driver, resolve_vendor
 from membackend.platform import GENERIC, Platform
-from membackend.settings import load_settings
+from membackend._settings import load_settings
 from membackend.types import Candidate, ConfigError, Device, DriverError, Score
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -73,7 +73,7 @@ def test_the_device_budget_source_is_mem_get_info():
 
 
 def test_the_real_unified_source_reads_the_host_pool():
-    from membackend.hostmem import host_memory
+    from membackend._hostmem import host_memory
 
     d = open_gpu_driver("cuda")  # the real wrapper: the unified source needs no GPU
     total, free, source = d.budget("unified", 0)
@@ -165,7 +165,7 @@ def test_vmm_support_is_required_and_unknown_support_is_not_taken_for_support():
 
 def test_the_sim_hip_driver_needs_no_hip_package():
     """hip-python has no Windows wheel: the simulated HIP driver takes its types from the ctypes binding."""
-    from membackend.drivers.open import bindings_missing
+    from membackend._drivers.open import bindings_missing
 
     assert bindings_missing("hip", simulated=True) is None
     assert LazyDriver("hip", "rocm-win-2gpu").missing() is None

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from membackend import cli
-from membackend.replay import scenarios
-from membackend.replay.compare import replay
-from membackend.replay.traceformat import TraceError, parse_lines, read_trace
-from membackend.residency import ResidencyManager
-from membackend.settings import load_settings
-from membackend.manager import BackendManager
+from membackend import _cli as cli
+from membackend._replay import scenarios
+from membackend._replay.compare import replay
+from membackend._replay.traceformat import TraceError, parse_lines, read_trace
+from membackend._residency import ResidencyManager
+from membackend._settings import load_settings
+from membackend._manager import BackendManager
 
 GiB = 1 << 30
 
@@ -123,7 +123,7 @@ def test_devices_the_profile_lacks_are_mapped_and_said(tmp_path):
     events = [{"event": "register", "model": "m", "bytes": GiB, "devices": ["cuda:3"]},
               {"event": "fault", "model": "m", "device": "cuda:3", "offset": 0, "bytes": GiB},
               {"event": "unload_all"}]
-    from membackend.replay.traceformat import write_trace
+    from membackend._replay.traceformat import write_trace
 
     path = write_trace(tmp_path / "t.jsonl", events)
     c = replay(str(path), profile="h200")
@@ -202,7 +202,7 @@ def test_cli_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monke
 
 
 def _trace_file(tmp_path, events, name="t.jsonl", **header):
-    from membackend.replay.traceformat import write_trace
+    from membackend._replay.traceformat import write_trace
 
     return str(write_trace(tmp_path / name, events, **header))
 
@@ -275,7 +275,7 @@ def test_a_side_that_cannot_go_on_is_shown_and_breaks_the_guarantee(tmp_path, ca
 
 def test_bad_replay_arguments_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
     ran = []
-    import membackend.replay.compare as compare
+    import membackend._replay.compare as compare
 
     monkeypatch.setattr(compare, "run_side", lambda *a, **k: ran.append(a))
     assert cli.main(["replay", "hook-unload", "--plot", str(tmp_path / "t.txt")]) == 2

@@ -1,4 +1,4 @@
-"""``membackend.replay.plot.write_plot``: every format, the escaping, the typed errors, the atomic write."""
+"""``membackend._replay.plot.write_plot``: every format, the escaping, the typed errors, the atomic write."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from membackend.replay import plot
-from membackend.replay.plot import ACCEPTED_SUFFIXES, PlotFormatError, PlotUnavailable, write_plot
-from membackend.replay.timeline import Marker, Sample, Timeline
+from membackend._replay import plot
+from membackend._replay.plot import ACCEPTED_SUFFIXES, PlotFormatError, PlotUnavailable, write_plot
+from membackend._replay.timeline import Marker, Sample, Timeline
 from membackend.types import MembackendError
 
 GiB = 1 << 30
@@ -117,8 +117,8 @@ def test_matplotlib_is_imported_only_when_drawing_and_never_pyplot(tmp_path):
     pytest.importorskip("matplotlib")
     script = (
         "import sys\n"
-        "from membackend.replay.plot import write_plot\n"
-        "from membackend.replay.timeline import Sample, Timeline\n"
+        "from membackend._replay.plot import write_plot\n"
+        "from membackend._replay.timeline import Sample, Timeline\n"
         "assert 'matplotlib' not in sys.modules, 'imported at module load'\n"
         f"write_plot({str(tmp_path / 'x.png')!r}, {{'stock': Timeline('stock', [Sample(0, 'cpu', 1, 1)])}}, title='t')\n"
         "assert 'matplotlib' in sys.modules\n"

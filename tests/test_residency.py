@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from membackend.backends.host import HostBackend
-from membackend.backends.vmm import VmmBackend, capabilities_for
+from membackend._backends.host import HostBackend
+from membackend._backends.vmm import VmmBackend, capabilities_for
 from membackend.platform import GENERIC
-from membackend.drivers.sim import get_profile, sim_driver
-from membackend.ledger import Ledger
-from membackend.machine import gather_machine
-from membackend.residency import ModelKind, ResidencyManager, StockPolicy
-from membackend.session import Session
-from membackend.trace import TraceObserver
+from membackend._drivers.sim import get_profile, sim_driver
+from membackend._ledger import Ledger
+from membackend._machine import gather_machine
+from membackend._residency import ModelKind, ResidencyManager, StockPolicy
+from membackend._session import Session
+from membackend._trace import TraceObserver
 from membackend.types import Device
 
 MiB = 1 << 20
@@ -279,7 +279,7 @@ def test_policy_decisions_and_verbs_go_to_the_trace(tmp_path, env):
 def test_recorded_copies_are_fenced_by_full_unload_and_refused_after_it():
     from concurrent.futures import Future
 
-    from membackend.fences import FutureToken
+    from membackend._fences import FutureToken
     from membackend.types import MembackendError
 
     env = Env("wddm-6gb")

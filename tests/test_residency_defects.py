@@ -17,14 +17,14 @@ import types
 import pytest
 from test_residency import TARGETS, Env, load, sim_of
 
-from membackend import residency
-from membackend.backends.vmm import AddressWindowsExhausted, VmmBackend, capabilities_for
+from membackend import _residency as residency
+from membackend._backends.vmm import AddressWindowsExhausted, VmmBackend, capabilities_for
 from membackend.platform import GENERIC
-from membackend.drivers.sim import get_profile, sim_driver
-from membackend.ledger import Ledger
-from membackend.machine import gather_machine
-from membackend.residency import ModelKind, ResidencyManager, StockPolicy
-from membackend.session import Session
+from membackend._drivers.sim import get_profile, sim_driver
+from membackend._ledger import Ledger
+from membackend._machine import gather_machine
+from membackend._residency import ModelKind, ResidencyManager, StockPolicy
+from membackend._session import Session
 from membackend.types import (
     Device,
     DriverError,
@@ -409,9 +409,9 @@ def test_each_full_unload_traces_the_commit_before_and_after(tmp_path):
     """rocm-win-2gpu charges reservations to private commit: the trace shows it go back on unload."""
     import json
 
-    from membackend.manager import BackendManager
-    from membackend.residency import ResidencyManager
-    from membackend.settings import load_settings
+    from membackend._manager import BackendManager
+    from membackend._residency import ResidencyManager
+    from membackend._settings import load_settings
 
     trace = tmp_path / "t.jsonl"
     s = BackendManager(load_settings(backend="vmm", sim_profile="rocm-win-2gpu", trace=trace)).session()
@@ -426,9 +426,9 @@ def test_each_full_unload_traces_the_commit_before_and_after(tmp_path):
 
 
 def test_on_idle_gives_back_kept_windows_and_handles_but_keeps_models_resident():
-    from membackend.manager import BackendManager
-    from membackend.residency import ResidencyManager
-    from membackend.settings import load_settings
+    from membackend._manager import BackendManager
+    from membackend._residency import ResidencyManager
+    from membackend._settings import load_settings
     from membackend.types import Device
 
     s = BackendManager(load_settings(backend="vmm", sim_profile="h200")).session()

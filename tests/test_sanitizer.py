@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from membackend.ledger import Ledger
+from membackend._ledger import Ledger
 from membackend.types import Device, Reservation, SanitizerError
 
 MiB = 1 << 20

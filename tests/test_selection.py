@@ -7,9 +7,9 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from membackend.machine import gather_machine
-from membackend.manager import BackendManager
-from membackend.settings import load_settings
+from membackend._machine import gather_machine
+from membackend._manager import BackendManager
+from membackend._settings import load_settings
 from membackend.types import BackendDisabled, BackendNotFound, ConfigError, PluginError
 
 GROUP = "membackend.backends"
@@ -135,7 +135,7 @@ def test_duplicate_names_keep_the_first():
 
 
 def test_a_plugin_cannot_take_the_host_name():
-    from membackend.backends.host import HostBackend
+    from membackend._backends.host import HostBackend
 
     class Impostor(HostBackend):
         pass
@@ -232,7 +232,7 @@ def test_a_hanging_probe_is_bounded_by_the_probe_timeout():
 
 def test_each_probe_runs_once_per_machine_even_for_the_doctor(monkeypatch, capsys):
     from fakeplugins import backends as fake
-    from membackend import cli
+    from membackend import _cli as cli
 
     fake.PROBES["count"] = 0
     real = BackendManager.__init__
@@ -247,7 +247,7 @@ def test_each_probe_runs_once_per_machine_even_for_the_doctor(monkeypatch, capsy
 
 def test_a_platform_entry_point_becomes_a_vmm_backend_named_after_it():
     mgr = manager([ep("smallcard", "fakeplugins.platforms:PLATFORM")], sim_profile="wddm-6gb")
-    from membackend.drivers.open import machine_for
+    from membackend._drivers.open import machine_for
 
     sel = mgr.select(machine_for(mgr.settings))
     rec = mgr.records["smallcard"]

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from membackend import hookimpl
-from membackend.backends.host import HostBackend
-from membackend.machine import gather_machine
-from membackend.manager import BackendManager
-from membackend.session import Session
-from membackend.settings import load_settings
-from membackend.trace import TraceObserver
+from membackend._backends.host import HostBackend
+from membackend._machine import gather_machine
+from membackend._manager import BackendManager
+from membackend._session import Session
+from membackend._settings import load_settings
+from membackend._trace import TraceObserver
 from membackend.types import Device, DriverError, DriverState, Fault, PartialFailure, PluginError, Reservation
 
 MiB = 1 << 20

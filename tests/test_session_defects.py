@@ -8,13 +8,13 @@ from concurrent.futures import Future
 import pytest
 
 from membackend import hookimpl
-from membackend.backends.host import HostBackend
-from membackend.drivers.host import host_driver, is_mapped, resident_bytes
-from membackend.fences import FutureToken
-from membackend.ledger import Ledger
-from membackend.machine import gather_machine
-from membackend.session import MAX_RESERVATION, Session
-from membackend.settings import load_settings
+from membackend._backends.host import HostBackend
+from membackend._drivers.host import host_driver, is_mapped, resident_bytes
+from membackend._fences import FutureToken
+from membackend._ledger import Ledger
+from membackend._machine import gather_machine
+from membackend._session import MAX_RESERVATION, Session
+from membackend._settings import load_settings
 from membackend.types import (
     Device,
     DriverError,
@@ -197,7 +197,7 @@ def test_a_size_no_address_space_holds_is_refused_before_the_backend_sees_it(siz
 
 
 def test_a_huge_size_on_a_simulated_gpu_reserves_nothing():
-    from membackend.manager import BackendManager
+    from membackend._manager import BackendManager
 
     s = BackendManager(load_settings(backend="vmm", sim_profile="h200")).session()
     with pytest.raises(InvalidSize):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from membackend.settings import load_settings, parse_bytes
+from membackend._settings import load_settings, parse_bytes
 from membackend.types import ConfigError
 
 GiB = 1 << 30

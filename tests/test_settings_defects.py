@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from membackend.settings import SIZE_ACCEPTED, load_settings, parse_bytes
+from membackend._settings import SIZE_ACCEPTED, load_settings, parse_bytes
 from membackend.types import ConfigError
 
 MEMBACKEND = Path(sys.executable).with_name("membackend")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from membackend import settings as S
-from membackend.settings import QuickSettings, load_settings, quick_settings
+from membackend import _settings as S
+from membackend._settings import QuickSettings, load_settings, quick_settings
 from membackend.types import ConfigError
 
 PLAIN, FULL = True, False
@@ -130,7 +130,7 @@ def test_the_cases_cover_plain_values_other_spellings_and_errors():
 def test_plain_settings_are_read_without_importing_pydantic(tmp_path):
     (tmp_path / "membackend.toml").write_text('block = ["aimdo"]\nheadroom = 4096\n')
     (tmp_path / "pyproject.toml").write_text('[tool.membackend]\nsanitize = true\n')
-    code = ("import json, sys; from membackend.settings import quick_settings; s = quick_settings(); "
+    code = ("import json, sys; from membackend._settings import quick_settings; s = quick_settings(); "
             "print(json.dumps([type(s).__name__, s.backend, s.block, s.headroom, s.sanitize, s.probe_timeout, "
             "sorted(m for m in sys.modules if m.startswith('pydantic'))]))")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}

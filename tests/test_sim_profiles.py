@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from membackend.drivers.sim import FaultPlan, SimulatedBugcheck, SimulatedCrash, sim_driver
+from membackend._drivers.sim import FaultPlan, SimulatedBugcheck, SimulatedCrash, sim_driver
 from membackend.types import DriverError
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -321,7 +321,7 @@ def test_the_luid_exists_on_windows_only():
 
 
 def test_every_profile_answers_discovery():
-    from membackend.drivers.open import profile_names
+    from membackend._drivers.open import profile_names
 
     for name in profile_names():
         d = sim_driver(name)

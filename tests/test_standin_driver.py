@@ -367,7 +367,7 @@ def hip_binding(request, standin):
     if request.param == "hip-python":
         pytest.importorskip("hip")
     else:
-        pytest.importorskip("membackend.drivers.hip_ctypes")
+        pytest.importorskip("membackend._drivers.hip_ctypes")
     return {"PROBE_HIP": request.param}
 
 
@@ -452,7 +452,7 @@ def test_plain_ctypes_loads_libamdhip64(standin):
 
 def _membackend(standin: Path, profile: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     child = standin_build.child_env(standin, profile, PYTHONPATH=str(ROOT), **env)
-    return subprocess.run([sys.executable, "-m", "membackend.cli", *args], env=child, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "membackend._cli", *args], env=child, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""membackend.tensors on CPU: tensors over host-backend reservations, with numerical checks, and
+"""membackend._tensors on CPU: tensors over host-backend reservations, with numerical checks, and
 never a read of stale or unbacked memory (freed ranges are re-faulted with new generations, released
 ones refused, ranges the policy does not know resident refused)."""
 
@@ -8,12 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from membackend.backends.host import HostBackend  # noqa: E402
-from membackend.ledger import Ledger  # noqa: E402
-from membackend.machine import gather_machine  # noqa: E402
-from membackend.residency import ResidencyManager  # noqa: E402
-from membackend.session import Session  # noqa: E402
-from membackend.tensors import (  # noqa: E402
+from membackend._backends.host import HostBackend  # noqa: E402
+from membackend._ledger import Ledger  # noqa: E402
+from membackend._machine import gather_machine  # noqa: E402
+from membackend._residency import ResidencyManager  # noqa: E402
+from membackend._session import Session  # noqa: E402
+from membackend._tensors import (  # noqa: E402
     NotResident,
     check_resident,
     model_tensor,
@@ -294,11 +294,11 @@ def test_released_addresses_are_reused_only_once_no_tensor_views_them(session):
 THREADED = r'''
 import json, sys, threading, random
 import torch
-from membackend.backends.host import HostBackend
-from membackend.machine import gather_machine
-from membackend.residency import ResidencyManager
-from membackend.session import Session
-from membackend.tensors import model_tensor, reservation_tensor
+from membackend._backends.host import HostBackend
+from membackend._machine import gather_machine
+from membackend._residency import ResidencyManager
+from membackend._session import Session
+from membackend._tensors import model_tensor, reservation_tensor
 from membackend.types import MembackendError, PartialFailure, ReservationReleased, TensorAlive
 
 PS = 2 << 20

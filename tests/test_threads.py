@@ -19,14 +19,14 @@ from concurrent.futures import Future
 import pytest
 
 from membackend import hookimpl
-from membackend.backends.host import HostBackend
-from membackend.drivers.host import is_mapped, resident_bytes
-from membackend.fences import FutureToken
-from membackend.ledger import Ledger
-from membackend.machine import gather_machine
-from membackend.manager import BackendManager
-from membackend.session import Session
-from membackend.settings import load_settings
+from membackend._backends.host import HostBackend
+from membackend._drivers.host import is_mapped, resident_bytes
+from membackend._fences import FutureToken
+from membackend._ledger import Ledger
+from membackend._machine import gather_machine
+from membackend._manager import BackendManager
+from membackend._session import Session
+from membackend._settings import load_settings
 from membackend.types import Device, MembackendError, ReservationReleased
 
 MiB = 1 << 20

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from membackend.backends.vmm import AddressSpaceExhausted, VmmBackend, capabilities_for
+from membackend._backends.vmm import AddressSpaceExhausted, VmmBackend, capabilities_for
 
 from membackend.platform import GENERIC
-from membackend.drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
-from membackend.drivers.open import machine_for
-from membackend.ledger import Ledger
-from membackend.machine import gather_machine
-from membackend.session import Session
-from membackend.settings import load_settings
+from membackend._drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
+from membackend._drivers.open import machine_for
+from membackend._ledger import Ledger
+from membackend._machine import gather_machine
+from membackend._session import Session
+from membackend._settings import load_settings
 from membackend.types import Capabilities, Device, DriverError
 
 MiB, GiB = 1 << 20, 1 << 30

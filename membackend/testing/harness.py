@@ -37,13 +37,13 @@ from typing import Any, Iterator
 import pluggy
 
 from .. import hookspec
-from ..drivers.host import os_page_size, resident_bytes
-from ..drivers.open import profile_names
-from ..fences import FutureToken
+from .._drivers.host import os_page_size, resident_bytes
+from .._drivers.open import profile_names
+from .._fences import FutureToken
 from ..hookspec import hookimpl
-from ..manager import ENTRY_POINT_GROUP, BackendManager
-from ..session import Session
-from ..settings import load_settings
+from .._manager import ENTRY_POINT_GROUP, BackendManager
+from .._session import Session
+from .._settings import load_settings
 from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
 
 __all__ = ["Target", "parse_target", "build_session", "checker_for", "Checker", "KernelWatch", "driver_view",

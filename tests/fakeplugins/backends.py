@@ -1,7 +1,7 @@
 """Fake third-party backends for the selection tests (loaded through faked entry points)."""
 
 from membackend import hookimpl
-from membackend.backends.host import HostBackend
+from membackend._backends.host import HostBackend
 from membackend.types import Candidate
 
 

@@ -215,7 +215,7 @@ def _real_comfyui_probe():
         info["aimdo_error"] = "%s: %s" % (type(exc).__name__, exc)
     info["aimdo_files"] = sorted(str(getattr(m, "__file__", None)) for n, m in list(_sys.modules.items())
                                  if m is not None and (n == "comfy_aimdo" or n.startswith("comfy_aimdo.")))
-    st = _sys.modules.get("membackend.comfyui.startup")
+    st = _sys.modules.get("membackend._comfyui.startup")
     mb = {"imported": st is not None}
     try:
         rt = st.current() if st is not None else None
@@ -640,7 +640,7 @@ class Trees:
         run_child([python.path, "-m", "compileall", "-q", "-j", "0", "-x", r"[/\\]tests", str(base)], check=False)
         stock = copy_tree(base, work / "stock")
         node = copy_tree(base, work / "node")
-        run_child([python.path, "-m", "membackend.cli", "comfyui", "install", str(node)])
+        run_child([python.path, "-m", "membackend._cli", "comfyui", "install", str(node)])
         if not (node / "custom_nodes" / "membackend" / "prestartup_script.py").is_file():
             raise HarnessError(f"`membackend comfyui install {node}` wrote no prestartup_script.py")
         shutil.rmtree(base)
@@ -887,7 +887,7 @@ COST_SIDES = {
 
 MEASURE_CHILD = """if True:
     import json
-    from membackend.comfyui.startup_cost import measure_startup
+    from membackend._comfyui.startup_cost import measure_startup
     print(json.dumps(measure_startup(rounds=3)))
 """
 
@@ -896,7 +896,7 @@ def measure_cost(tree: Path, *, python: ComfyPython, rounds: int = 5) -> dict[st
     """``import torch`` against the installed prestartup script under the real tree's ``sys.path``, each in a
     fresh interpreter, sides alternating, ``rounds`` rounds after one warm-up (which also fills a private
     bytecode cache all sides read); medians and ratios. Also
-    :func:`membackend.comfyui.startup_cost.measure_startup` run in the ComfyUI Python (it adds the
+    :func:`membackend._comfyui.startup_cost.measure_startup` run in the ComfyUI Python (it adds the
     ``init_devices`` start over stand-ins)."""
     script = tree / "custom_nodes" / "membackend" / "prestartup_script.py"
     seen: dict[str, list[float]] = {k: [] for k in COST_SIDES}
@@ -905,7 +905,7 @@ def measure_cost(tree: Path, *, python: ComfyPython, rounds: int = 5) -> dict[st
         for i in range(rounds + 1):
             for side, (mode, flags, env) in COST_SIDES.items():
                 # every side reads compiled bytecode from one private cache, filled by the warm-up round (as
-                # membackend.comfyui.startup_cost does): an editable checkout has none of its own
+                # membackend._comfyui.startup_cost does): an editable checkout has none of its own
                 env = child_env({**env, "PYTHONPYCACHEPREFIX": pycache})
                 env.pop("PYTHONDONTWRITEBYTECODE", None)
                 p = run_child([python.path, "-c", COST_CHILD, mode, str(tree), str(script), *flags], cwd=tree,
@@ -952,7 +952,7 @@ DYNAMIC_CHILD = """if True:
     import comfy.cli_args as cli
     out = {"cases": []}
     try:
-        from membackend.comfyui.startup import comfy_dynamic_vram
+        from membackend._comfyui.startup import comfy_dynamic_vram
     except Exception as exc:
         comfy_dynamic_vram = None
         out["import_error"] = f"{type(exc).__name__}: {exc}"
@@ -1049,7 +1049,7 @@ class Report:
                 out.append(f"| {side} | {row['median_seconds']:.4f} | {row['ratio_to_import_torch']:.3f} |")
             ms = cost.get("measure_startup")
             if ms:
-                out += ["", f"`membackend.comfyui.startup_cost.measure_startup` in the ComfyUI Python: adapter "
+                out += ["", f"`membackend._comfyui.startup_cost.measure_startup` in the ComfyUI Python: adapter "
                         f"{ms['adapter_seconds']:.3f} s = {ms['ratio']:.3f} of `import torch` "
                         f"({ms['torch_seconds']:.3f} s; target {ms['target']})"]
             elif cost.get("measure_startup_error"):

@@ -1,4 +1,4 @@
-"""``membackend.comfyui.startup.comfy_dynamic_vram`` answers ComfyUI's own ``enables_dynamic_vram()``.
+"""``membackend._comfyui.startup.comfy_dynamic_vram`` answers ComfyUI's own ``enables_dynamic_vram()``.
 
 One child process of the ComfyUI Python, with the real tree on ``sys.path``, parses each argument
 list with ComfyUI's own parser and compares the two answers; the reason names the deciding flag as

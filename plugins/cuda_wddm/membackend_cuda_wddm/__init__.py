@@ -50,7 +50,7 @@ import math
 import os
 
 from membackend.platform import Platform, vmm_unsupported
-from membackend.settings import SIZE_ACCEPTED, parse_bytes
+from membackend._settings import SIZE_ACCEPTED, parse_bytes
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
 __all__ = ["PLATFORM", "NAME", "HEADROOM_ENV", "DEFAULT_HEADROOM", "headroom", "probe", "score_for"]

@@ -15,7 +15,7 @@ finds no memory is streamed instead (ComfyUI's fallback), as is one that
 raises a typed driver error. At the end everything is unloaded.
 
 **Stock** (:func:`stock_session`): membackend's own model of stock ComfyUI +
-comfy-aimdo 0.5.x (``membackend.replay.stock``, shared with ``membackend
+comfy-aimdo 0.5.x (``membackend._replay.stock``, shared with ``membackend
 replay``): :class:`AimdoStockVmm` (the VMM mechanism doing what aimdo does on
 this path) under :class:`AimdoLoadPolicy` (evictions made by a fault skip the
 device sync, as aimdo's ``vbars_free`` does while the prefetch's malloc graph
@@ -38,14 +38,14 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers.open import machine_for
-from membackend.drivers.sim import SimulatedBugcheck, get_profile, sim_driver
-from membackend.ledger import Ledger
-from membackend.replay.stock import AimdoLoadPolicy, AimdoStockVmm
-from membackend.residency import ResidencyManager
-from membackend.session import Session
-from membackend.settings import load_settings
+from membackend._backends.vmm import VmmBackend
+from membackend._drivers.open import machine_for
+from membackend._drivers.sim import SimulatedBugcheck, get_profile, sim_driver
+from membackend._ledger import Ledger
+from membackend._replay.stock import AimdoLoadPolicy, AimdoStockVmm
+from membackend._residency import ResidencyManager
+from membackend._session import Session
+from membackend._settings import load_settings
 from membackend.types import Device, MembackendError
 
 from . import PLATFORM

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import membackend_cuda_wddm as wddm
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers.sim import sim_driver
-from membackend.manager import BackendManager
-from membackend.settings import load_settings
+from membackend._backends.vmm import VmmBackend
+from membackend._drivers.sim import sim_driver
+from membackend._manager import BackendManager
+from membackend._settings import load_settings
 from membackend.types import ConfigError, Device, DeviceInfo, Machine, Score
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -141,8 +141,8 @@ def test_the_record_asks_for_recycling_event_fences_and_release_on_unload():
 
 def test_a_freed_handle_is_mapped_again_and_trim_gives_every_one_back():
     backend = VmmBackend(wddm.PLATFORM, sim_driver("wddm-6gb"))
-    from membackend.ledger import Ledger
-    from membackend.session import Session
+    from membackend._ledger import Ledger
+    from membackend._session import Session
 
     s = Session(backend, machine=machine("windows", gpu()), ledger=Ledger())
     sim = backend.driver.sim
@@ -161,8 +161,8 @@ def test_a_freed_handle_is_mapped_again_and_trim_gives_every_one_back():
 
 def test_a_free_waits_for_the_copy_event_before_unmapping():
     backend = VmmBackend(wddm.PLATFORM, sim_driver("wddm-6gb"))
-    from membackend.ledger import Ledger
-    from membackend.session import Session
+    from membackend._ledger import Ledger
+    from membackend._session import Session
 
     s = Session(backend, machine=machine("windows", gpu()), ledger=Ledger())
     d, sim = backend.driver, backend.driver.sim

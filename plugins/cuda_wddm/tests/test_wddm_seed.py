@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from membackend.drivers.sim import SimulatedBugcheck
+from membackend._drivers.sim import SimulatedBugcheck
 from membackend_cuda_wddm.comparison import MODELS, run_seed, timing_for
 
 SEEDS = range(24)

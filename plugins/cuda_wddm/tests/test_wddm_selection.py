@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from membackend import cli
-from membackend.manager import BackendManager
-from membackend.settings import load_settings
+from membackend import _cli as cli
+from membackend._manager import BackendManager
+from membackend._settings import load_settings
 
 OTHERS = ("rocm-win-2gpu", "gb10-128gb", "h200")
 

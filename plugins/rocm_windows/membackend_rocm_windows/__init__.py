@@ -70,9 +70,9 @@ import os
 import re
 from typing import Any, Mapping
 
-from membackend.backends.vmm import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
+from membackend._backends.vmm import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
 from membackend.platform import Platform, vmm_unsupported
-from membackend.settings import SIZE_ACCEPTED, parse_bytes
+from membackend._settings import SIZE_ACCEPTED, parse_bytes
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
 __all__ = ["PLATFORM", "build_platform", "address_quota", "probe", "NAME", "QUOTA_ENV", "SVM_ENV"]

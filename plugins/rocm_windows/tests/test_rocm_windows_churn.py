@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from membackend.backends.vmm import KEPT_WINDOWS_PER_DEVICE, AddressSpaceExhausted, AddressWindowsExhausted
-from membackend.manager import BackendManager
-from membackend.residency import ResidencyManager
-from membackend.settings import load_settings
+from membackend._backends.vmm import KEPT_WINDOWS_PER_DEVICE, AddressSpaceExhausted, AddressWindowsExhausted
+from membackend._manager import BackendManager
+from membackend._residency import ResidencyManager
+from membackend._settings import load_settings
 from membackend.types import DriverError
 from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 

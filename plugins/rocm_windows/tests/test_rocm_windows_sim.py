@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from membackend.backends.vmm import AddressSpaceExhausted
-from membackend.manager import BackendManager
-from membackend.residency import ResidencyManager, StockPolicy
-from membackend.settings import load_settings
+from membackend._backends.vmm import AddressSpaceExhausted
+from membackend._manager import BackendManager
+from membackend._residency import ResidencyManager, StockPolicy
+from membackend._settings import load_settings
 from membackend.types import Device
 from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
@@ -222,7 +222,7 @@ def test_forced_by_name_even_where_its_probe_says_no():
 
 
 def test_the_doctor_explains_auto_and_forced_selection(monkeypatch, capsys):
-    from membackend.cli import main
+    from membackend._cli import main
 
     monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", PROFILE)
     assert main(["doctor"]) == 0

@@ -4,7 +4,7 @@ On a GB10 (DGX Spark), a Jetson or any other integrated NVIDIA part there is
 no VRAM of its own: device pages, pinned host buffers, staging copies and the
 rest of the system all draw from one pool of system memory. This record tells
 membackend's generic virtual-memory backend so (it subclasses nothing; the
-mechanism is :class:`membackend.backends.vmm.VmmBackend`):
+mechanism is :class:`membackend._backends.vmm.VmmBackend`):
 
 * **When it fits** (:func:`probe`): every CUDA device of the machine reports
   the *integrated* attribute and supports virtual memory management, as
@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 
 from membackend.platform import Platform, vmm_unsupported
-from membackend.settings import SIZE_ACCEPTED, parse_bytes
+from membackend._settings import SIZE_ACCEPTED, parse_bytes
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
 __all__ = ["PLATFORM", "probe", "headroom", "HEADROOM_ENV", "HEADROOM_FRACTION", "HEADROOM_MIN", "HEADROOM_MAX",

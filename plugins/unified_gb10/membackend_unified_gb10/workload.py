@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers.open import machine_for, open_gpu_driver
-from membackend.ledger import Ledger
-from membackend.manager import BackendManager
+from membackend._backends.vmm import VmmBackend
+from membackend._drivers.open import machine_for, open_gpu_driver
+from membackend._ledger import Ledger
+from membackend._manager import BackendManager
 from membackend.platform import GENERIC
-from membackend.residency import ResidencyManager
-from membackend.session import Session
-from membackend.settings import load_settings
+from membackend._residency import ResidencyManager
+from membackend._session import Session
+from membackend._settings import load_settings
 from membackend.types import Device
 from . import PAGE_SIZE
 

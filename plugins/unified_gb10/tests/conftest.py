@@ -12,7 +12,7 @@ import os
 import pytest
 
 from membackend_unified_gb10.workload import Workload, gb10_session, stock_session
-from membackend.residency import ResidencyManager, StockPolicy
+from membackend._residency import ResidencyManager, StockPolicy
 
 
 @pytest.fixture(autouse=True)

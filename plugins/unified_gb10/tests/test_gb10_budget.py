@@ -9,13 +9,13 @@ from collections import namedtuple
 import pytest
 
 from membackend_unified_gb10.workload import CUDA0, GB, GIB, gb10_session, stock_session
-from membackend import hostmem
-from membackend.backends.vmm import VmmBackend
-from membackend.drivers.gpu import GpuDriver
-from membackend.drivers.open import machine_for, open_gpu_driver
-from membackend.ledger import Ledger
-from membackend.session import Session
-from membackend.settings import load_settings
+from membackend import _hostmem as hostmem
+from membackend._backends.vmm import VmmBackend
+from membackend._drivers.gpu import GpuDriver
+from membackend._drivers.open import machine_for, open_gpu_driver
+from membackend._ledger import Ledger
+from membackend._session import Session
+from membackend._settings import load_settings
 from membackend.types import ConfigError
 from membackend_unified_gb10 import HEADROOM_ENV, PLATFORM
 

@@ -7,9 +7,9 @@ import importlib.metadata
 
 import pytest
 
-from membackend.cli import main
-from membackend.manager import BackendManager
-from membackend.settings import load_settings
+from membackend._cli import main
+from membackend._manager import BackendManager
+from membackend._settings import load_settings
 from membackend.types import BackendNotFound
 from membackend_unified_gb10 import HEADROOM_ENV, PLATFORM, SCORE
 

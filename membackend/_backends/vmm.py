@@ -1,0 +1,795 @@
+"""The virtual-memory backend, built from a :class:`~membackend.platform.Platform` and a driver.
+
+``VmmBackend(platform, driver)`` serves every platform with one mechanism and
+names itself after the platform: the built-in generic platform gives the
+``vmm`` backend; a platform plugin contributes only its ``Platform`` record.
+Mechanism only, per device:
+
+* reserve: an address range rounded up to whole pages (a page is a multiple of
+  the allocation granularity); refused with ``AddressSpaceExhausted`` before
+  a known per-process address quota is reached, instead of letting the driver
+  crash (rocm-systems #9823);
+* fault: for each missing page, create physical memory, map it, set access;
+  if a step fails, the pages this call mapped are rolled back; each page gets
+  a new generation whenever it gets new physical memory;
+* free: the session has already waited for the fence tokens recorded on the
+  range; the device is synchronized only where the platform's
+  ``page_in_sync`` says the driver pages fresh mappings in behind the
+  process's back (WDDM: ComfyUI #16246), and then only if pages were mapped
+  since the last synchronize, or before every unmap when the platform's
+  fence granularity is ``device``; then unmap and release each page, or keep
+  the physical handle (bounded) for the next fault when ``recycle_handles``;
+* release: free every page, then return the address range; under a
+  reserve-churn limit a large window is kept for the next reserve that fits
+  instead (see below);
+* trim: give back kept handles and windows (the session calls it on close,
+  the residency manager after a full unload of everything and at idle);
+* fence: recorded work arrives as :class:`~membackend._drivers.gpu.EventToken`
+  from :meth:`VmmBackend.fence_token` (the session waits for those); a
+  device-wide fence synchronizes the device;
+* budget: the platform's budget source (``device``, ``wddm``, ``unified``)
+  minus headroom;
+* inspect / inject_failures: the driver's own tables and random driver
+  failures, where the driver offers them (the simulated drivers do).
+
+**Under a reserve-churn limit** (Windows ROCm: large reserves fail once the
+process has freed enough large windows, rocm-systems #6191) a released window
+of at least ``reserve_churn_window`` bytes is kept on its device and reused by
+the next large reserve it holds. Frees of large windows are counted; the
+backend spends at most the limit minus :data:`CHURN_MARGIN` of them, on
+trim (given back whenever one is left) and on keeping a device's kept windows
+within its bound: :data:`KEPT_WINDOWS_PER_DEVICE`, or more where the device
+had more large reservations alive at once. That bound is what stays reserved
+once no free is left, and it is kept by construction: a fresh large reserve
+that could never be brought back within it is refused with
+:class:`AddressWindowsExhausted` (a ``MemoryError``, so an out-of-memory, never
+a ``DriverError``), as is one the driver itself refuses for want of memory
+(frees this backend did not see, e.g. another library in the process, may
+have spent the limit). :meth:`VmmBackend.kept_windows` reports the windows,
+the frees spent and the bound (``membackend doctor`` prints it).
+
+The right device is made current before every call that touches one. Calls
+on different reservations may arrive from several threads (the session
+serialises calls on one reservation): one lock guards the per-device state
+and the churn accounting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+from array import array
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .._version import __version__
+from .._drivers.gpu import EventToken, GpuDriver
+from .._drivers.open import LazyDriver, machine_for, resolve_vendor
+from ..hookspec import hookimpl
+from ..platform import GENERIC, Platform
+from ..types import (
+    Budget,
+    Candidate,
+    Capabilities,
+    Device,
+    DriverError,
+    DriverState,
+    Fault,
+    Machine,
+    MembackendError,
+    Reservation,
+    Score,
+    WrongDevice,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VmmBackend", "AddressSpaceExhausted", "AddressWindowsExhausted", "KeptWindows",
+           "KEPT_WINDOWS_PER_DEVICE", "CHURN_MARGIN"]
+
+MiB, GiB = 1 << 20, 1 << 30
+NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
+#: kept address windows per device under a reserve-churn limit, at least this bound (more where the device
+#: had more large reservations alive at once): what stays reserved once the platform allows no more frees
+KEPT_WINDOWS_PER_DEVICE = 4
+#: large frees left unspent under a reserve-churn limit (the limit is one reproducer's count, rocm-systems #6191)
+CHURN_MARGIN = 2
+
+
+class AddressSpaceExhausted(MembackendError, MemoryError):
+    """A reservation would pass the platform's per-process GPU address quota."""
+
+
+class AddressWindowsExhausted(AddressSpaceExhausted):
+    """A large reservation under a reserve-churn limit that no kept window holds and no new window may serve:
+    the platform allows no more large frees, so a new window could never be given back within the bound,
+    or the driver refused the new window (its error is the cause). Out of memory, nothing changed:
+    unloading a model puts its window back for reuse."""
+
+
+@dataclass(frozen=True)
+class KeptWindows:
+    """What a backend under a reserve-churn limit keeps reserved on one device after release.
+
+    ``windows``/``bytes``: released address windows kept for reuse (charged to
+    the process's commit on Windows ROCm); ``bound``: the most that stay kept
+    on the device once no large free is left (:data:`KEPT_WINDOWS_PER_DEVICE`,
+    or the most large reservations the device had alive at once);
+    ``large_frees_spent`` of ``large_frees_allowed`` (the platform's
+    ``churn_limit`` minus :data:`CHURN_MARGIN`), process-wide for this backend
+    (frees made by other code in the process are not seen);
+    ``can_give_back``: a trim would free windows.
+    """
+
+    device: Device
+    windows: int
+    bytes: int
+    largest: int
+    bound: int
+    large_frees_spent: int
+    large_frees_allowed: int
+    churn_limit: int
+    can_give_back: bool
+
+    def describe(self) -> str:
+        """One line for the doctor and logs."""
+        if not self.windows:
+            kept = "no address window kept"
+        else:
+            if self.can_give_back:
+                why = "given back on the next trim: idle, unload of everything, close"
+            else:
+                why = "they stay: the platform allows no more large frees"
+            kept = f"{self.windows} address window(s) kept, {self.bytes / GiB:,.2f} GiB ({why})"
+        return (f"{self.device}: {kept}; at most {self.bound} stay once no large free is left; large frees "
+                f"{self.large_frees_spent} of {self.large_frees_allowed} spent (large reserves fail after "
+                f"{self.churn_limit}, rocm-systems #6191)")
+
+
+class _Range:
+    """Per-reservation page table.
+
+    ``handles[p]`` is the physical handle mapped at page p (None: nothing
+    mapped, the page is not resident); ``ready[p]`` is 1 once access is set
+    too. A page can be mapped but not ready when a failed fault could not be
+    rolled back: it counts as resident, and the next fault finishes it.
+    """
+
+    __slots__ = ("index", "window", "handles", "ready", "generations")
+
+    def __init__(self, index: int, pages: int, window: int):
+        self.index = index
+        self.window = window  # bytes of address space behind it (a reused window may be larger)
+        self.handles: list[Any] = [None] * pages
+        self.ready = bytearray(pages)
+        self.generations = array("Q", bytes(8 * pages))
+
+
+class _DeviceState:
+    __slots__ = ("granularity", "page_size", "page_in_sync", "dirty", "reserved", "resident", "spare", "windows",
+                 "large_alive", "large_peak", "integrated")
+
+    def __init__(self, granularity: int, page_size: int, page_in_sync: bool, integrated: bool = False):
+        self.granularity = granularity
+        self.integrated = integrated  # one pool with the host (a device fact: asked once, not per budget)
+        self.page_size = page_size
+        self.page_in_sync = page_in_sync  # fresh mappings may still be paging in: synchronize before unmapping
+        self.dirty = False  # pages mapped since the last device synchronize
+        self.reserved = 0  # address space of live reservations (whole windows)
+        self.resident = 0
+        self.spare: list[Any] = []  # unmapped physical handles kept for reuse
+        self.windows: list[tuple[int, int]] = []  # (base, size) of released large windows kept for reuse
+        self.large_alive = 0  # live reservations on large windows (under a reserve-churn limit)
+        self.large_peak = 0  # the most of those alive at once
+
+    @property
+    def pooled(self) -> int:
+        return sum(size for _, size in self.windows)
+
+    @property
+    def window_bound(self) -> int:
+        """The most kept windows this device holds once no large free is left."""
+        return max(KEPT_WINDOWS_PER_DEVICE, self.large_peak)
+
+    def over_bound(self, more_alive: int = 0) -> int:
+        """Large windows (alive and kept) past the bound, with ``more_alive`` more reservations alive."""
+        alive = self.large_alive + more_alive
+        return max(0, alive + len(self.windows) - max(KEPT_WINDOWS_PER_DEVICE, self.large_peak, alive))
+
+
+class VmmBackend:
+    """See the module docstring. ``driver`` is a :class:`GpuDriver` (initialised on first use), or
+    None with ``driver_factory`` to open one lazily; ``capabilities``, ``headroom`` and ``page_size``
+    replace the platform's own (for tests and comparisons). ``machine`` (a function returning the
+    :class:`~membackend.types.Machine`, asked once, on first use of a device) says which devices run under
+    WDDM where ``page_in_sync`` is ``wddm``; without it this process's OS and the driver's answer decide."""
+
+    def __init__(self, platform: Platform = GENERIC, driver: GpuDriver | None = None, *,
+                 capabilities: Capabilities | None = None, headroom: int | None = None,
+                 page_size: int | None = None, driver_factory: LazyDriver | None = None,
+                 machine: Callable[[], Machine] | None = None):
+        self.platform = platform
+        self.name = platform.name
+        self.version = platform.version or __version__
+        self.capabilities = capabilities or platform.capabilities
+        self._headroom = headroom  # None: the platform's own, per device
+        self.requested_page_size = page_size or platform.page_size
+        self._driver = driver
+        self._driver_factory = driver_factory
+        self._devices: dict[int, _DeviceState] = {}
+        self._generation = itertools.count(1)
+        self._initialised = False
+        self._lock = threading.RLock()
+        self._machine = machine
+        self._machine_facts: Machine | None = None
+        self._large_frees = 0  # frees of windows >= reserve_churn_window, process-wide (what #6191 counts)
+        self._churn_warned = False
+        vendor = driver.vendor if driver is not None else getattr(driver_factory, "vendor", None)
+        if vendor is None:
+            raise ValueError("VmmBackend needs a driver or a driver_factory")
+        self.device_kinds = (vendor,)
+
+    def headroom_for(self, total: int) -> int:
+        """Bytes kept free on a device of ``total`` bytes: the override, else the platform's."""
+        return self._headroom if self._headroom is not None else self.platform.headroom_for(total)
+
+    @property
+    def headroom(self) -> int | Any:
+        """The fixed headroom, or the platform's rule (a function of the device total)."""
+        return self._headroom if self._headroom is not None else self.platform.headroom
+
+    @classmethod
+    def from_settings(cls, settings: Any, platform: Platform = GENERIC) -> "VmmBackend":
+        """Over the driver the settings pick (a simulated profile's twin, or the real bindings), opened
+        on first use; the generic platform takes the vendor of the torch build or the profile."""
+        vendor = resolve_vendor(platform.vendor, settings)
+        # the headroom setting replaces the platform's here too, so the up-front refusal of a unified
+        # pool keeps the same headroom as the budget the session reports
+        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile), headroom=settings.headroom,
+                   machine=lambda: machine_for(settings))
+
+    # ------------------------------------------------------------------ driver access
+
+    @property
+    def driver(self) -> GpuDriver:
+        if self._driver is None or not self._initialised:
+            with self._lock:
+                if self._driver is None:
+                    self._driver = self._driver_factory()
+                if not self._initialised:
+                    self._driver.init()
+                    self._initialised = True
+        return self._driver
+
+    def _use(self, index: int) -> _DeviceState:
+        """Make device ``index`` current and return its state (created on first use)."""
+        d = self.driver
+        state = self._devices.get(index)
+        if state is None:
+            if not 0 <= index < d.device_count():
+                raise WrongDevice(f"{self.device_kinds[0]}:{index} does not exist; "
+                                  f"this machine has {d.device_count()} device(s)")
+            d.set_device(index)
+            g = d.granularity(index)
+            page = max(g, -(-self.requested_page_size // g) * g)
+            state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index), self._integrated(index))
+        else:
+            d.set_device(index)
+        return state
+
+    def _integrated(self, index: int) -> bool:
+        """Whether device ``index`` shares one pool with the host; a driver that cannot say: not known to."""
+        try:
+            return bool(self.driver.integrated(index))
+        except DriverError:
+            return False
+
+    def _syncs_page_ins(self, index: int) -> bool:
+        """Whether frees on device ``index`` synchronize it after fresh mappings (``page_in_sync``).
+
+        ``wddm``: yes where the device runs under WDDM, whose video memory
+        manager pages memory in asynchronously: on Windows, unless the driver
+        model is TCC (every other Windows driver model, WDDM and MCDM, is served
+        by VidMm). The facts come from the machine where one was given (a
+        simulated profile's too), else from this process's OS and the driver.
+        """
+        mode = self.capabilities.page_in_sync
+        if mode != "wddm":
+            return mode == "always"
+        os_name, model = self._os_and_driver_model(index)
+        return os_name == "windows" and model != "tcc"
+
+    def _os_and_driver_model(self, index: int) -> tuple[str, str | None]:
+        if self._machine is not None and self._machine_facts is None:
+            try:
+                self._machine_facts = self._machine()
+            except Exception as exc:  # the facts are advice here: the process's own OS decides instead
+                log.warning("membackend: %s: machine facts unavailable (%s: %s); deciding page-in syncs from "
+                            "this process's OS", self.name, type(exc).__name__, exc)
+                self._machine = None
+        if self._machine_facts is not None:
+            m = self._machine_facts
+            info = next((i for i in m.devices if i.device == Device(self.device_kinds[0], index)), None)
+            if info is not None and info.driver_model is not None:
+                return m.os, info.driver_model
+            os_name = m.os
+        else:
+            os_name = "windows" if sys.platform == "win32" else sys.platform
+        if os_name != "windows":
+            return os_name, None
+        try:
+            return os_name, self.driver.driver_model(index, os_name)
+        except (DriverError, NotImplementedError, TypeError):  # unknown: WDDM is what Windows runs
+            return os_name, None
+
+    def _device_index(self, device: Device) -> int:
+        if device.kind not in self.device_kinds:
+            raise WrongDevice(f"backend {self.name!r} serves {self.device_kinds[0]} devices, not {device}")
+        return device.index
+
+    def fence_token(self, reservation: Reservation, stream: Any) -> EventToken:
+        """An event recorded on ``stream`` after work that touches ``reservation``; give it to
+        ``Session.record`` so frees and releases wait for that work (G2)."""
+        index = reservation.handle.index
+        with self._lock:
+            self._use(index)
+            event = self.driver.event_create()
+            self.driver.event_record(event, stream)
+        return EventToken(self.driver, event, index)
+
+    # ------------------------------------------------------------------ contract
+
+    @hookimpl
+    def membackend_probe(self, machine: Machine) -> Candidate:
+        c = self.platform.probe(machine)
+        if not isinstance(c, Candidate):
+            raise TypeError(f"platform {self.name!r} probe returned {c!r}, not a Candidate")
+        if c.score > Score.NONE and self._driver is None:
+            missing = self._driver_factory.missing()
+            if missing:
+                return Candidate(self.name, Score.NONE, missing)
+        if getattr(self._driver_factory, "simulated", False) or hasattr(self._driver, "sim"):
+            c = Candidate(c.name, c.score, f"{c.reason} [simulated driver]", c.opt_in)
+        return Candidate(self.name, c.score, c.reason, c.opt_in)
+
+    @hookimpl
+    def membackend_reserve(self, device: Device, size: int) -> Reservation:
+        index = self._device_index(device)
+        with self._lock:
+            state = self._use(index)
+            ps = state.page_size
+            rounded = -(-size // ps) * ps
+            large = self._is_large(rounded)
+            window = self._pooled_window(state, rounded) if large else None
+            if window is None:
+                self._check_quota(device, rounded)
+                if large:
+                    self._check_window_bound(device, state, rounded)
+                window = (self._reserve_window(device, rounded, ps, large), rounded)
+            base, span = window
+            state.reserved += span
+            if self._is_large(span):
+                state.large_alive += 1
+                state.large_peak = max(state.large_peak, state.large_alive)
+        return Reservation(device, base, rounded, ps, self.name, handle=_Range(index, rounded // ps, span),
+                           requested=size)
+
+    def _reserve_window(self, device: Device, size: int, alignment: int, large: bool) -> int:
+        """A fresh address window. Under a reserve-churn limit a large one the driver refuses for want of
+        memory (the platform's limit reached by frees this backend did not see, or the system's commit
+        limit: reservations are charged to commit) is out of memory, typed, with the driver's error as its
+        cause; nothing is changed, so trim still gives kept windows back (G1)."""
+        try:
+            return self.driver.address_reserve(size, alignment)
+        except DriverError as exc:
+            if not (large and self.driver.is_oom(exc)):
+                raise
+            log.warning("membackend: %s: the driver refused a %d byte address window on %s (%s); answered as "
+                        "out of memory", self.name, size, device, exc)
+            raise self._refused(device, self._devices[device.index], size,
+                                f"the driver refused a large address window ({exc}), as the platform does once "
+                                f"the process has spent its large frees") from exc
+
+    def _check_window_bound(self, device: Device, state: _DeviceState, size: int) -> None:
+        """Refuse a fresh large window that could never be given back within the devices' bounds: the
+        frees left must cover every device's kept windows past its bound (this one with the new window)."""
+        over = sum(s.over_bound(1 if s is state else 0) for s in self._devices.values())
+        if over > self._large_frees_left():
+            raise self._refused(device, state, size, "a new large address window could never be given back: "
+                                                     "the platform allows no more large frees")
+
+    def _refused(self, device: Device, state: _DeviceState, size: int, why: str) -> AddressWindowsExhausted:
+        largest = max((w for _, w in state.windows), default=0)
+        if state.large_alive:
+            hint = f"unload a model on {device} and its window can be reused"
+        else:
+            hint = "every kept window is smaller; a larger one needs a new process"
+        return AddressWindowsExhausted(
+            f"reserving {size} bytes on {device}: {why} (large reserves fail after "
+            f"{self.capabilities.reserve_churn_limit} large frees, rocm-systems #6191; {self._large_frees} of "
+            f"{self._large_frees_allowed()} allowed are spent) and no kept window holds it ({len(state.windows)} "
+            f"kept, largest {largest} bytes; {state.large_alive} large reservation(s) alive; at most "
+            f"{state.window_bound} stay kept); out of memory: {hint}")
+
+    def _check_quota(self, device: Device, rounded: int) -> None:
+        quota = self.capabilities.address_quota
+        if quota is None:
+            return
+        in_use = sum(s.reserved + s.resident + s.pooled for s in self._devices.values())
+        if in_use + 2 * rounded > quota:  # the range and, at worst, its mappings
+            raise AddressSpaceExhausted(
+                f"reserving {rounded} bytes on {device} would pass the {quota} byte GPU address quota "
+                f"({in_use} in use); unload a model first")
+
+    def _pooled_window(self, state: _DeviceState, size: int) -> tuple[int, int] | None:
+        """The smallest kept window that holds ``size`` bytes, taken out of the pool (large reserves only:
+        a small one is reserved and freed at no cost to the churn limit)."""
+        fits = [w for w in state.windows if w[1] >= size]
+        if not fits:
+            return None
+        best = min(fits, key=lambda w: w[1])
+        state.windows.remove(best)
+        return best
+
+    @hookimpl
+    def membackend_fault(self, reservation: Reservation, offset: int, size: int) -> Fault:
+        rng: _Range = reservation.handle
+        ps = reservation.page_size
+        first, last = offset // ps, (offset + size - 1) // ps + 1
+        if rng.ready.find(0, first, last) == -1:  # hot path: all resident, no driver call
+            return Fault(True, tuple(rng.generations[first:last]), first, 0)
+        with self._lock:
+            return self._fault(reservation, rng, first, last)
+
+    def _fault(self, reservation: Reservation, rng: _Range, first: int, last: int) -> Fault:
+        ps = reservation.page_size
+        state = self._use(rng.index)
+        d = self.driver
+        handles, ready, gens = rng.handles, rng.ready, rng.generations
+        if self._unified and not self._pool_has_room(rng, first, last, state):
+            return Fault(False, (), first, 0)
+        mapped: list[tuple[int, Any]] = []
+        finished: list[int] = []  # pages left mapped by an earlier failure, now given access
+        for p in range(first, last):
+            if ready[p]:
+                continue
+            va, h, is_mapped = reservation.base + p * ps, handles[p], handles[p] is not None
+            try:
+                if not is_mapped:
+                    h = state.spare.pop() if state.spare else d.create(ps, rng.index)
+                    self._not_ready_retried(state, d.map, va, ps, h)
+                    is_mapped = True
+                    mapped.append((p, h))
+                self._not_ready_retried(state, d.set_access, va, ps, rng.index)
+            except DriverError as exc:
+                state.dirty = True
+                if not is_mapped and h is not None:
+                    state.spare.append(h)  # created but never mapped: reuse it later
+                kept = self._unwind(state, reservation, mapped)
+                if d.is_oom(exc) and not kept:
+                    return Fault(False, (), first, 0)
+                exc.mapped = kept  # pages the rollback could not unmap stay resident and accounted
+                raise
+            if handles[p] is not None:
+                finished.append(p)
+        state.dirty = True
+        for p, h in mapped:
+            handles[p] = h
+        for p in [p for p, _ in mapped] + finished:
+            ready[p] = 1
+            gens[p] = next(self._generation)
+        state.resident += len(mapped) * ps
+        return Fault(True, tuple(gens[first:last]), first, len(mapped) * ps)
+
+    @property
+    def _unified(self) -> bool:
+        return self.capabilities.unified_pool or self.platform.budget_source == "unified"
+
+    def _pool_has_room(self, rng: _Range, first: int, last: int, state: _DeviceState) -> bool:
+        """One pool shared with the host: a fault that would cross it is out of memory before the
+        driver is asked (a GB10 driver refusing late ends in NV_ERR_NO_MEMORY and aborts, ComfyUI #15285)."""
+        need = sum(1 for p in range(first, last) if rng.handles[p] is None) - len(state.spare)
+        if need <= 0:
+            return True
+        _total, free, _source = self.driver.budget(self.platform.budget_source if self.platform.budget_source
+                                                   == "unified" else "device", rng.index)
+        return need * state.page_size <= free - self.headroom_for(_total)
+
+    def _not_ready_retried(self, state: _DeviceState, call: Any, *args: Any) -> None:
+        """Run a map or set-access; a "not ready" answer (the driver still evicting, as WDDM can after
+        an eviction) is retried after a device fence a bounded number of times, then raised typed."""
+        for attempt in range(NOT_READY_RETRIES + 1):
+            try:
+                call(*args)
+                return
+            except DriverError as exc:
+                if exc.code != self.driver.NOT_READY or attempt == NOT_READY_RETRIES:
+                    raise
+                log.info("membackend: %s answered not ready; fencing the device and retrying", exc.call)
+                self.driver.device_synchronize()
+                state.dirty = False
+
+    def _unwind(self, state: _DeviceState, r: Reservation, mapped: list[tuple[int, Any]]) -> int:
+        """Roll back a failed fault; returns the bytes that had to stay mapped.
+
+        Where the platform pages fresh mappings in asynchronously
+        (``page_in_sync``), the device is synchronized first (aimdo's
+        ``three_stooges`` unwinds without one); elsewhere nothing touched the
+        fresh pages yet. A page whose unmap fails stays resident with a new
+        generation, so nothing leaks.
+        """
+        d = self.driver
+        if state.page_in_sync:
+            try:
+                d.device_synchronize()
+                state.dirty = False
+            except DriverError:
+                log.warning("membackend: cannot synchronize to roll back a fault; %d page(s) stay mapped",
+                            len(mapped))
+                return self._keep(state, r, mapped)
+        for i, (p, h) in enumerate(mapped):
+            try:
+                d.unmap(r.base + p * r.page_size, r.page_size)
+            except DriverError:
+                return self._keep(state, r, mapped[i:])
+            self._release_or_keep(state, h)
+        return 0
+
+    def _keep(self, state: _DeviceState, r: Reservation, pages: list[tuple[int, Any]]) -> int:
+        rng: _Range = r.handle
+        for p, h in pages:
+            rng.handles[p] = h  # mapped, not ready: counted as resident, finished by the next fault
+            rng.ready[p] = 0
+        state.resident += len(pages) * r.page_size
+        return len(pages) * r.page_size
+
+    def _release_or_keep(self, state: _DeviceState, handle: Any) -> None:
+        """Release an unmapped handle, or keep it for reuse (recycling, or when release fails)."""
+        limit = self.capabilities.recycle_limit
+        if self.capabilities.recycle_handles and (limit is None or len(state.spare) < limit):
+            state.spare.append(handle)
+            return
+        try:
+            self.driver.release(handle)
+        except DriverError:
+            state.spare.append(handle)  # still ours: trim() or the next fault takes it
+
+    def _fence_before_drop(self, state: _DeviceState) -> None:
+        """The session already waited for the range's fence tokens. Synchronize the device only where fresh
+        mappings may still be paging in (``page_in_sync``, WDDM) and pages were mapped since the last
+        synchronize, or where a device-granular platform fences every unmap; elsewhere a free never stalls
+        the device's other streams."""
+        if (state.dirty and state.page_in_sync) or self.capabilities.fence_granularity == "device":
+            self.driver.device_synchronize()
+            state.dirty = False
+
+    def _unmap(self, ptr: int, size: int) -> None:
+        self.driver.unmap(ptr, size)
+
+    def _drop(self, r: Reservation, first: int, last: int) -> int:
+        """Unmap every resident page in ``[first, last)`` and release (or keep) its memory; returns bytes dropped."""
+        rng: _Range = r.handle
+        pages = [p for p in range(first, last) if rng.handles[p] is not None]
+        if not pages:
+            return 0
+        state = self._use(rng.index)
+        self._fence_before_drop(state)
+        ps, dropped = r.page_size, 0
+        for p in pages:
+            try:
+                self._unmap(r.base + p * ps, ps)
+            except DriverError as exc:
+                exc.dropped = dropped  # the session accounts what did go
+                raise
+            self._release_or_keep(state, rng.handles[p])
+            rng.handles[p] = None
+            rng.ready[p] = 0
+            dropped += ps
+            state.resident -= ps
+        return dropped
+
+    @hookimpl
+    def membackend_free(self, reservation: Reservation, offset: int, size: int) -> int:
+        ps = reservation.page_size
+        with self._lock:
+            return self._drop(reservation, offset // ps, (offset + size - 1) // ps + 1)
+
+    @hookimpl
+    def membackend_release_reservation(self, reservation: Reservation) -> int:
+        rng: _Range = reservation.handle
+        with self._lock:
+            dropped = self._drop(reservation, 0, reservation.pages)
+            state = self._use(rng.index)
+            window = (reservation.base, rng.window)
+            if self._is_large(rng.window):
+                # kept for the next large reserve it holds: a free would spend one of the platform's large
+                # frees (rocm-systems #6191); trim gives it back while frees are left
+                state.windows.append(window)
+                state.large_alive -= 1
+                self._keep_within_bound(reservation.device, state)
+            else:
+                try:
+                    self._free_window(*window)
+                except DriverError as exc:
+                    exc.dropped = dropped
+                    raise
+            state.reserved -= rng.window
+        return dropped
+
+    def _keep_within_bound(self, device: Device, state: _DeviceState) -> None:
+        """More windows kept than the device's bound: free the smallest (the larger hold more models) while
+        the frees last; the bound check at reserve leaves enough of them. Never fails the release: a window
+        whose free fails stays kept (trim tries it again)."""
+        while len(state.windows) > state.window_bound and self._large_frees_left() > 0:
+            smallest = min(state.windows, key=lambda w: w[1])
+            try:
+                self._free_window(*smallest)
+            except DriverError as exc:
+                log.warning("membackend: %s: freeing a kept address window on %s failed (%s); it stays kept",
+                            self.name, device, exc)
+                return
+            state.windows.remove(smallest)
+
+    @hookimpl
+    def membackend_fence(self, device: Device, reservation: Reservation | None) -> None:
+        """The device fence synchronizes the device; a reservation's fence (its tokens already waited for by
+        the session) does only where fresh mappings may still be paging in (``page_in_sync``)."""
+        with self._lock:
+            state = self._use(self._device_index(device))
+            if reservation is None or (state.dirty and state.page_in_sync):
+                self.driver.device_synchronize()
+                state.dirty = False
+
+    @hookimpl
+    def membackend_budget_query(self, device: Device) -> Budget:
+        index = self._device_index(device)
+        with self._lock:
+            state = self._use(index)
+            total, free, source = self.driver.budget(self.platform.budget_source, index)
+            room = self.headroom_for(total)
+            if self.capabilities.recycle_handles:
+                # kept handles are usage to the driver, but the next fault maps them without asking it: free
+                # to the policy. When the driver's own free falls below the headroom they go back first
+                # (quiet: every free fenced them before they were unmapped), so the pool shrinks as the
+                # budget needs the memory and can never push a WDDM device into sysmem fallback
+                while state.spare and free < room:
+                    self.driver.release(state.spare[-1])
+                    state.spare.pop()
+                    free += state.page_size
+                free += len(state.spare) * state.page_size
+            unified = self.capabilities.unified_pool or self.platform.budget_source == "unified" or state.integrated
+        return Budget.of(total, free, room, source, unified=unified)
+
+    @hookimpl
+    def membackend_close(self) -> None:
+        """Release the primary contexts the driver wrapper retained (two GPUs: each one's)."""
+        close = getattr(self._driver, "close", None)
+        if close is not None:
+            close()
+
+    @hookimpl
+    def membackend_trim(self, device: Device) -> int:
+        """Release the physical handles kept for reuse and free the kept windows on ``device``.
+
+        Under a reserve-churn limit a kept window is freed (largest first: the
+        most commit given back per free) only while the platform allows: a
+        large free is left, and after it the frees left still cover every
+        device's kept windows past its bound. What stays is reported by
+        :meth:`kept_windows` (and ``held`` in :meth:`membackend_inspect`).
+        """
+        index = self._device_index(device)
+        with self._lock:
+            state = self._devices.get(index)
+            if state is None or not (state.spare or state.windows):
+                return 0
+            self._use(index)
+            released = 0
+            while state.spare:
+                self.driver.release(state.spare[-1])
+                state.spare.pop()
+                released += state.page_size
+            for window in sorted(state.windows, key=lambda w: w[1], reverse=True):
+                if not self._may_free_kept(state, window[1]):
+                    self._report_kept(device, state)
+                    break
+                self._free_window(*window)
+                state.windows.remove(window)
+                released += window[1]
+        return released
+
+    def _report_kept(self, device: Device, state: _DeviceState) -> None:
+        report = log.debug if self._churn_warned else log.warning
+        self._churn_warned = True  # once per backend: unload-everything cycles would repeat it
+        report("membackend: %s", self._kept(device, state).describe())
+
+    def _is_large(self, size: int) -> bool:
+        caps = self.capabilities
+        return caps.reserve_churn_limit is not None and size >= caps.reserve_churn_window
+
+    def _large_frees_allowed(self) -> int:
+        """Large frees this backend may spend: the platform's limit minus :data:`CHURN_MARGIN`."""
+        limit = self.capabilities.reserve_churn_limit
+        return 0 if limit is None else max(0, limit - CHURN_MARGIN)
+
+    def _large_frees_left(self) -> int:
+        return max(0, self._large_frees_allowed() - self._large_frees)
+
+    def _may_free_kept(self, state: _DeviceState, size: int) -> bool:
+        """A kept window may be freed when it is small, or when a large free is left and, after it, the frees
+        left still cover the kept windows past their bounds on every device (see :meth:`_check_window_bound`)."""
+        if not self._is_large(size):
+            return True
+        left = self._large_frees_left()
+        if left < 1:
+            return False
+        over = sum(s.over_bound() for s in self._devices.values())
+        return over - (1 if state.over_bound() else 0) <= left - 1
+
+    def _free_window(self, base: int, size: int) -> None:
+        self.driver.address_free(base, size)
+        if self._is_large(size):
+            self._large_frees += 1
+
+    def kept_windows(self, device: Device) -> KeptWindows | None:
+        """What stays reserved on ``device`` after its reservations were released (None: the platform has
+        no reserve-churn limit, so nothing is kept). Thread-safe; asks no driver."""
+        if self.capabilities.reserve_churn_limit is None:
+            return None
+        index = self._device_index(device)
+        with self._lock:
+            state = self._devices.get(index)
+            return self._kept(device, state)
+
+    def _kept(self, device: Device, state: _DeviceState | None) -> KeptWindows:
+        windows = state.windows if state is not None else []
+        may_free = state is not None and any(self._may_free_kept(state, size) for _, size in windows)
+        return KeptWindows(
+            device=device, windows=len(windows), bytes=sum(size for _, size in windows),
+            largest=max((size for _, size in windows), default=0),
+            bound=state.window_bound if state is not None else KEPT_WINDOWS_PER_DEVICE,
+            large_frees_spent=self._large_frees, large_frees_allowed=self._large_frees_allowed(),
+            churn_limit=self.capabilities.reserve_churn_limit or 0, can_give_back=may_free)
+
+    def trim(self, device: Device) -> int:
+        """Same as :meth:`membackend_trim` (kept for callers that hold the backend)."""
+        return self.membackend_trim(device)
+
+    @hookimpl
+    def membackend_inspect(self, device: Device) -> DriverState | None:
+        """The driver's tables for ``device`` (the simulated drivers have them; real drivers: None).
+
+        Kept windows are reserved in the driver but belong to no reservation:
+        they and the unmapped physical handles are reported as ``held``.
+        """
+        index = self._device_index(device)
+        with self._lock:
+            raw = self.driver.inspect(index)
+            if raw is None:
+                return None
+            state = self._devices.get(index)
+            pooled = state.pooled if state is not None else 0
+        return DriverState(reserved=raw["reserved"] - pooled, resident=raw["mapped"],
+                           held=pooled + raw["physical"] - raw["mapped"], source=f"driver tables ({self.driver.label})",
+                           committed=raw.get("committed"), hazards=raw.get("hazards", 0))
+
+    @hookimpl
+    def membackend_inject_failures(self, probability: float, seed: int) -> Any:
+        """Random failures of the driver's VMM calls, where the driver can inject them (simulations)."""
+        return self.driver.inject_failures(probability, seed)
+
+
+def capabilities_for(profile: Any) -> Capabilities:
+    """What a simulated profile's platform would tell the policy, for tests and benchmarks that run
+    the generic backend with a platform's knobs (the platform plugins carry their own)."""
+    quota = profile.address_quota
+    return Capabilities(
+        unified_pool=profile.unified,
+        address_quota=quota - quota // 16 if quota else None,  # keep a margin below the crash point
+        reserve_churn_limit=profile.churn_limit,
+        reserve_churn_window=profile.churn_window,
+        fence_granularity="device" if profile.wddm else "reservation",
+        # the profile's own OS, not this process's: its Windows platforms synchronize after fresh mappings
+        page_in_sync="always" if profile.os == "windows" else "never",
+    )

@@ -1,0 +1,411 @@
+"""``membackend doctor | backends | budget`` — what membackend sees and whether it works.
+
+``membackend comfyui install|uninstall <ComfyUI folder>`` adds or removes the
+custom node that starts membackend inside ComfyUI (see ``docs/comfyui.md``).
+
+``membackend replay SCENARIO|TRACE_FILE`` runs a seed report's workload (or a recorded
+trace) stock and plugin side by side; ``membackend bench`` runs the benchmark suite.
+
+Exit codes: 0 ok; 1 the self-test failed, or a replay's plugin side broke a
+guarantee; 2 a configuration error (its message is printed), including a forced
+backend that is not available, a folder that is not a ComfyUI checkout, and a
+trace that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Any
+
+import psutil
+
+from ._version import __version__
+from ._drivers.open import machine_for
+from ._manager import BackendManager, Selection
+from ._session import Session
+from ._settings import load_settings
+from .types import BackendDisabled, Budget, Machine, MembackendError
+
+MiB = 1 << 20
+SELFTEST_RESERVE = 256 * MiB
+SELFTEST_FAULT = 128 * MiB
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MiB:,.0f} MiB"
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def machine_report(m: Machine) -> dict[str, Any]:
+    """The machine facts as JSON: every field, ``sources`` per field (machine and device), and the
+    ``discovery`` lines (what each driver binding answered)."""
+    d = dataclasses.asdict(m)
+    d["sources"], d["discovery"] = dict(m.sources), list(m.discovery)
+    d["devices"] = [{**dataclasses.asdict(i), "device": str(i.device), "sources": dict(i.sources)}
+                    for i in m.devices]
+    return d
+
+
+def backends_report(mgr: BackendManager, sel: Selection) -> list[dict[str, Any]]:
+    rows = []
+    for name, rec in sorted(mgr.records.items()):
+        c = sel.candidates.get(name)
+        rows.append({
+            "name": name, "version": rec.version, "origin": rec.origin,
+            "score": c.score if c else None,
+            "reason": c.reason if c else sel.broken.get(name, "not probed (membackend is disabled)"),
+            "blocked": name in sel.blocked, "selected": sel.record is rec,
+        })
+    for name, why in sorted(sel.broken.items()):
+        if name not in mgr.records:
+            rows.append({"name": name, "version": None, "origin": None, "score": None, "reason": why,
+                         "blocked": False, "selected": False, "broken": True})
+        elif name not in sel.candidates:
+            next(r for r in rows if r["name"] == name)["broken"] = True
+    return rows
+
+
+def budgets_report(session: Session) -> list[dict[str, Any]]:
+    rows = []
+    for dev in session.devices():
+        try:
+            b = session.budget_query(dev)
+            rows.append({"device": str(dev), **dataclasses.asdict(b)})
+        except MembackendError as exc:
+            rows.append({"device": str(dev), "error": str(exc)})
+    return rows
+
+
+def self_test(session: Session) -> dict[str, Any]:
+    """Reserve, fault, free and release on the selected backend, watching RSS and the ledger."""
+    devices = session.devices()
+    if not devices:
+        return {"ok": False, "backend": session.name, "device": None, "steps": [{
+            "step": "error", "ok": False, "rss": _rss(), "ledger_resident": 0, "ledger_reserved": 0,
+            "detail": f"no {'/'.join(session.device_kinds)} device that {session.name!r} serves was found here"}]}
+    dev = devices[0]
+    steps: list[dict[str, Any]] = []
+    ok = True
+    try:
+        budget: Budget = session.budget_query(dev)
+    except MembackendError as exc:
+        return {"ok": False, "backend": session.name, "device": str(dev), "steps": [{
+            "step": "error", "ok": False, "rss": _rss(), "ledger_resident": 0, "ledger_reserved": 0,
+            "detail": f"budget query failed: {type(exc).__name__}: {exc}"}]}
+    fault_size = max(min(SELFTEST_FAULT, budget.usable // 4), 1)
+
+    def step(name: str, passed: bool, detail: str) -> None:
+        nonlocal ok
+        ok = ok and passed
+        acct = session.ledger.account(dev)
+        steps.append({"step": name, "ok": passed, "detail": detail, "rss": _rss(),
+                      "ledger_resident": acct.resident, "ledger_reserved": acct.reserved})
+
+    before_rss, before = _rss(), session.ledger.account(dev)
+    steps.append({"step": "baseline", "ok": True, "detail": "", "rss": before_rss,
+                  "ledger_resident": before.resident, "ledger_reserved": before.reserved})
+    r = None
+    try:
+        r = session.reserve(dev, SELFTEST_RESERVE)
+        step("reserve", session.ledger.account(dev).reserved == before.reserved + r.size,
+             f"{_mib(r.size)} of address space at {r.base:#x}")
+        f = session.fault(r, 0, fault_size)
+        grew = _rss() - before_rss
+        passed = f.ok and session.ledger.resident(r) >= fault_size
+        if dev.kind == "cpu":  # host memory must really be there
+            passed = passed and grew >= fault_size * 3 // 4
+        step("fault", passed, f"{_mib(fault_size)} backed, ok={f.ok}, RSS +{_mib(grew)}")
+        dropped = session.free(r)
+        passed = dropped >= fault_size and session.ledger.resident(r) == 0
+        if dev.kind == "cpu":
+            passed = passed and _rss() - before_rss <= 32 * MiB
+        step("free", passed, f"{_mib(dropped)} dropped, RSS {_rss() - before_rss:+,} bytes vs baseline")
+        session.release_reservation(r)
+        after = session.ledger.account(dev)
+        step("release", after.reserved == before.reserved and after.reservations_alive == before.reservations_alive,
+             "address range returned")
+    except MembackendError as exc:
+        step("error", False, f"{type(exc).__name__}: {exc}")
+        if r is not None and not r.released:
+            session.release_reservation(r)
+    return {"ok": ok, "backend": session.name, "device": str(dev), "steps": steps}
+
+
+def kept_windows_report(session: Session) -> list[dict[str, Any]]:
+    """Per device, the address windows a backend under a reserve-churn limit keeps reserved after release,
+    the large frees it spent and the bound on what stays (``VmmBackend.kept_windows``); empty elsewhere."""
+    kept = getattr(session.backend, "kept_windows", None)
+    rows = []
+    for dev in session.devices() if kept is not None else ():
+        try:
+            k = kept(dev)
+        except MembackendError as exc:
+            rows.append({"device": str(dev), "line": f"{dev}: {type(exc).__name__}: {exc}"})
+            continue
+        if k is not None:
+            rows.append({**dataclasses.asdict(k), "device": str(dev), "line": k.describe()})
+    return rows
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _yes(value: bool | None) -> str:
+    return "unknown" if value is None else ("yes" if value else "no")
+
+
+#: the device facts the doctor prints, with how each value is shown
+_DEVICE_FACTS = (("name", "name", lambda v: v or "?"), ("total_memory", "total memory", _mib),
+                 ("arch", "arch", lambda v: v or "?"), ("integrated", "integrated", _yes),
+                 ("unified", "one pool with the host", _yes), ("vmm_supported", "virtual memory management", _yes),
+                 ("driver_model", "driver model", lambda v: v or "-"), ("luid", "LUID", lambda v: v or "-"))
+
+
+def _print_machine(m: Machine) -> None:
+    """Every fact with its source in brackets (``[?]``: nothing answered for it), then what each
+    driver binding answered (the discovery lines)."""
+    def src(name: str) -> str:
+        return m.source_of(name) or "?"
+
+    print("machine:")
+    print(f"  OS: {m.os}  [{src('os')}]")
+    print(f"  CPUs: {m.cpus}  [{src('cpus')}]")
+    print(f"  RAM: {_mib(m.ram_total)} ({_mib(m.ram_available)} available)  [{src('ram_total')}]")
+    print(f"  cgroup limit: {_mib(m.cgroup_limit) if m.cgroup_limit else 'none'}  [{src('cgroup_limit')}]")
+    print(f"  torch: {m.torch_version or 'not installed'} ({m.torch_vendor or '-'} build)  [{src('torch_version')}]")
+    if not m.devices:
+        print("  GPUs: none found")
+    for d in m.devices:
+        print(f"  {d.device}: {d.name or '?'}  (listed by {d.source or '?'})")
+        for name, label, show in _DEVICE_FACTS:
+            value, where = getattr(d, name), d.source_of(name)
+            if where is None and name in ("driver_model", "luid") and value is None:
+                continue  # not asked off Windows
+            print(f"    {label}: {show(value)}  [{where or '?'}]")
+    if m.discovery:
+        print("  discovery:")
+        for line in m.discovery:
+            print(f"    {line}")
+    if m.overridden:
+        print(f"  overridden by settings: {', '.join(m.overridden)}")
+
+
+def _print_backends(rows: list[dict[str, Any]], sel: Selection) -> None:
+    print("backends:")
+    for r in rows:
+        mark = "*" if r["selected"] else " "
+        state = "BROKEN" if r.get("broken") else ("blocked" if r["blocked"] else f"score {r['score']}")
+        print(f" {mark} {r['name']:<16} {r['version'] or '':<10} {state:<10} {r['reason']}")
+        if r["origin"]:
+            print(f"   {'':16} from {r['origin']}")
+    if sel.tied:
+        print(f"  tie at the top: {', '.join(sel.tied)} (the first by name was chosen; "
+              f"force one with MEMBACKEND_BACKEND)")
+    if sel.record is None:
+        print(f"selected: none ({sel.how}): {sel.reason}")
+    else:
+        print(f"selected: {sel.record.name} ({sel.how}): {sel.reason}")
+        others = [r["name"] for r in rows if r["name"] != sel.record.name and not r.get("broken")]
+        if others:
+            print(f"  to force another: MEMBACKEND_BACKEND={others[0]} (or backend = \"{others[0]}\" in membackend.toml); "
+                  f"choices: {', '.join(others)}")
+
+
+def _print_budgets(rows: list[dict[str, Any]]) -> None:
+    print("budgets:")
+    for b in rows:
+        if "error" in b:
+            print(f"  {b['device']}: error: {b['error']}")
+        else:
+            print(f"  {b['device']}: total {_mib(b['total'])}, free {_mib(b['free'])}, headroom {_mib(b['headroom'])}, "
+                  f"usable {_mib(b['usable'])}{' (unified pool)' if b['unified'] else ''} from {b['source']}")
+
+
+def _print_selftest(t: dict[str, Any]) -> None:
+    print(f"self-test on {t['backend']} ({t['device'] or 'no device'}):")
+    base = t["steps"][0]["rss"]
+    for s in t["steps"]:
+        print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_mib(s['rss']):>10} ({(s['rss'] - base) / MiB:+8.1f} MiB)"
+              f"  ledger resident {_mib(s['ledger_resident'])}  {s['detail']}")
+    print("self-test: " + ("passed" if t["ok"] else "FAILED"))
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _setup() -> tuple[BackendManager, Machine, Selection]:
+    settings = load_settings()
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    return mgr, machine, mgr.select(machine)
+
+
+def run(command: str, as_json: bool) -> int:
+    mgr, machine, sel = _setup()
+    out: dict[str, Any] = {"version": __version__}
+    rows = backends_report(mgr, sel)
+    if command == "backends":
+        out.update(backends=rows, selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason,
+                   tied=sel.tied)
+        print(json.dumps(out, indent=2)) if as_json else _print_backends(rows, sel)
+        return 0
+    session = None
+    if sel.record is not None:
+        session = mgr.session(machine, selection=sel)
+    if command == "budget":
+        out["budgets"] = budgets_report(session) if session else []
+        if as_json:
+            print(json.dumps(out, indent=2))
+        else:
+            _print_budgets(out["budgets"]) if session else print(f"membackend is disabled: {sel.reason}")
+        return 0
+    # doctor
+    out.update(machine=machine_report(machine), backends=rows,
+               selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason, tied=sel.tied)
+    if session is not None:
+        out["budgets"] = budgets_report(session)
+        out["selftest"] = self_test(session)
+        out["kept_windows"] = kept_windows_report(session)
+    if as_json:
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(f"membackend {__version__}")
+        _print_machine(machine)
+        _print_backends(rows, sel)
+        if session is not None:
+            _print_budgets(out["budgets"])
+            _print_selftest(out["selftest"])
+            for row in out["kept_windows"]:
+                print(f"kept address windows: {row['line']}")
+    return 0 if session is None or out["selftest"]["ok"] else 1
+
+
+def _comfyui(action: str, folder: str) -> int:
+    from ._comfyui.install import install, uninstall
+
+    try:
+        done = (install if action == "install" else uninstall)(folder)
+    except MembackendError as exc:
+        print(f"membackend: {exc}", file=sys.stderr)
+        return 2
+    if action == "install":
+        print(f"membackend: {'installed' if done.changed else 'already installed'}: {done.node}")
+        print(f"  into this Python: {sys.executable} (it must be the one that runs ComfyUI)")
+    else:
+        print(f"membackend: {'removed' if done.changed else 'not installed'}: {done.node}")
+        if done.left:
+            print(f"  left {len(done.left)} file(s) membackend did not write in {done.node}: {', '.join(done.left)}")
+    return 0
+
+
+def _replay(a: argparse.Namespace) -> int:
+    from ._replay.compare import replay
+
+    try:
+        if a.plot:  # before the replay runs: a wrong suffix or a missing extra must not cost the run
+            from ._replay.plot import check_plot_target
+
+            check_plot_target(a.plot)
+        comparison = replay(a.source, backend=a.backend, profile=a.profile, policy=a.policy, seeds=a.seeds,
+                            record=a.record, run=a.run)
+    except (MembackendError, OSError) as exc:
+        print(f"membackend: {exc}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(comparison.to_json(), indent=2, default=str))
+    else:
+        print(comparison.table())
+    if a.plot:
+        from ._replay.plot import write_plot
+
+        sc = comparison.scenario
+        reported = f"reported in {sc.report}: " + next(iter(sc.reported.values())) if sc and sc.reported else None
+        title = f"{sc.name} ({sc.report}) on {comparison.profile}" if sc else f"{a.source} on {comparison.profile}"
+        try:
+            path = write_plot(a.plot, comparison.timelines(), title=title, reported=reported)
+        except (MembackendError, OSError) as exc:
+            print(f"membackend: --plot: {exc}", file=sys.stderr)
+            return 2
+        print(f"timeline written to {path}", file=sys.stderr if a.json else sys.stdout)
+    return 1 if comparison.violations else 0
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from ._replay.bench import format_bench, run_bench
+
+    result = run_bench(quick=a.quick, seeds=a.seeds,
+                       progress=None if a.json else (lambda step: print(f"  ... {step}", file=sys.stderr)))
+    print(json.dumps(result, indent=2, default=str) if a.json else format_bench(result))
+    return 0 if result["guarantees_held"] else 1
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1 is accepted, got {text!r}")
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="membackend", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"membackend {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("doctor", "machine facts, backends, budgets, then a self-test"),
+                            ("backends", "every backend found, its probe result and the selection"),
+                            ("budget", "each device's budget and its source")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    comfy = sub.add_parser("comfyui", help="add or remove the ComfyUI custom node that starts membackend")
+    comfy.add_argument("action", choices=("install", "uninstall"))
+    comfy.add_argument("folder", help="the ComfyUI checkout (the folder holding main.py)")
+    rp = sub.add_parser("replay", help="a seed report's workload (or a recorded trace), stock and plugin side by side")
+    rp.add_argument("source", help="a built-in scenario (full-unload-rocm, hook-unload, churn-wddm, "
+                                   "mixed-warmup-gb10) or a trace file written with MEMBACKEND_TRACE")
+    rp.add_argument("--backend", help="the plugin side's backend (default: the scenario's plugin, else the selection)")
+    rp.add_argument("--profile", help="simulated profile (default: the scenario's, or the trace's)")
+    rp.add_argument("--policy", choices=("stock", "plugin", "both"), default="both")
+    rp.add_argument("--seeds", type=_positive, help="seeds to run (a scenario's default otherwise)")
+    rp.add_argument("--json", action="store_true", help="print the figures as JSON")
+    rp.add_argument("--plot", metavar="FILE", help="timeline picture: .png/.svg/.pdf (needs membackend[plot]) "
+                                                   "or .html (interactive, no extra needed)")
+    rp.add_argument("--record", metavar="FILE", help="write seed 0's plugin run as a trace file (it replays to the "
+                                                     "table of --seeds 1)")
+    rp.add_argument("--run", type=_positive, help="which run of a trace file several processes appended to "
+                                                  "(default: the last)")
+    bp = sub.add_parser("bench", help="the benchmark suite: ratios measured side by side, and the four replays")
+    bp.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bp.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (a smoke run)")
+    bp.add_argument("--seeds", type=_positive, help="seeds per replay (each scenario's default otherwise)")
+    args = parser.parse_args(argv)
+    if args.command == "comfyui":
+        return _comfyui(args.action, args.folder)
+    if args.command == "replay":
+        return _replay(args)
+    if args.command == "bench":
+        return _bench(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args.command, args.json)
+    except BackendDisabled as exc:
+        print(f"membackend is disabled: {exc}")
+        return 0
+    except (MembackendError, ValueError) as exc:
+        print(f"membackend: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Drop-ins for comfy-aimdo's ``VRAMBuffer``, ``HostBuffer`` and ``ModelMMAP`` when another backend runs.
+
+With a backend other than aimdo selected, comfy-aimdo never initialised a
+device: its ``VRAMBuffer`` raises (no device context), its ``HostBuffer``
+registers host memory with a driver that has no context (that crashes the
+process), and its ``ModelMMAP`` needs aimdo's library state. ComfyUI calls them
+from ``model_management.get_aimdo_cast_buffer``, ``pinned_memory`` and
+``ModelPatcherDynamic.load``, and ``utils.load_safetensors``. The adapter
+replaces the three classes (where they exist) with these, same constructor
+parameters and methods:
+
+* :class:`VRAMBuffer` -- the cast buffer: ``get(size, offset=0)`` answers
+  ``(self, address, size)`` over device memory torch allocates (one block per
+  offset, kept until the buffer is dropped, which ComfyUI does after every
+  node); ``aimdo_to_tensor`` of such a tuple is a view of that block. A range
+  past ``max_size`` raises ``RuntimeError`` as aimdo's grow failure does.
+* :class:`HostBuffer` -- growable host memory at a fixed address (an anonymous
+  mapping of ``max(size, max_grow_size)`` bytes). ``register``/``unregister``
+  do nothing: page-locking needs aimdo's device; copies from it are then
+  ordinary, synchronous host copies. ``read_file_slice`` reads the file into
+  the buffer and, with a ``device_ptr``, copies the bytes to the device.
+* :class:`ModelMMAP` -- a private, copy-on-write memory map of the file
+  (Python's ``mmap``); ``get()`` its address, ``bounce()`` drops its pages.
+* :func:`read_file_to_device` -- comfy-aimdo's staged file reader (``comfy.memory_management``
+  loads a weight's bytes from its file straight to device memory with it): here a
+  plain read into host memory, then a copy to the device range. :func:`cleanup_file_reader`
+  has no staging ring to give back.
+
+Exceptions are aimdo's (``RuntimeError`` with aimdo's messages), so ComfyUI's
+own handling of them applies unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Any
+
+from .runtime import current
+
+__all__ = ["VRAMBuffer", "HostBuffer", "ModelMMAP", "read_file_to_device", "cleanup_file_reader", "tensor_of"]
+
+
+def _address(buf: Any) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class VRAMBuffer:
+    """comfy-aimdo's ``VRAMBuffer(max_size, device)`` over torch-allocated device memory."""
+
+    def __init__(self, max_size, device):
+        rt = current()
+        if rt is None or rt.session is None:
+            raise RuntimeError(f"device {device} is not initialized (membackend has not started)")
+        from .._tensors import torch_device
+
+        self.device = device
+        self.max_size = int(max_size)
+        self._torch_device = torch_device(rt.device_for(device))
+        self._blocks: dict[int, Any] = {}  # offset -> uint8 tensor
+        self._allocated = 0
+        self.base_addr = 0
+
+    def size(self):
+        return self._allocated
+
+    def get(self, size, offset=0):
+        offset, size = int(offset), int(size)
+        if offset < 0 or size < 0 or offset + size > self.max_size:
+            raise RuntimeError(f"VRAM grow failed: {offset + size} bytes")
+        block = self._blocks.get(offset)
+        if block is None or block.numel() < size:
+            import torch
+
+            block = self._blocks[offset] = torch.empty(max(size, 1), dtype=torch.uint8, device=self._torch_device)
+        self._allocated = max(self._allocated, offset + size)
+        return (self, int(block.data_ptr()), size)
+
+    def tensor(self, ptr: int, size: int) -> Any:
+        for block in self._blocks.values():
+            start = int(block.data_ptr())
+            if start <= ptr and ptr + size <= start + block.numel():
+                return block[ptr - start:ptr - start + size]
+        raise RuntimeError(f"address {ptr:#x} ({size} bytes) is not inside this cast buffer")
+
+
+def tensor_of(alloc: Any) -> Any:
+    """``aimdo_to_tensor`` for a :class:`VRAMBuffer` tuple."""
+    buf, ptr, size = alloc
+    return buf.tensor(int(ptr), int(size))
+
+
+class HostBuffer:
+    """comfy-aimdo's ``HostBuffer``: growable host memory at a fixed address, never page-locked."""
+
+    def __init__(self, size, prewarm=0, max_grow_size=0, mark_cold=True):
+        size = int(size)
+        self.size = 0
+        self.prewarm = max(0, int(prewarm))
+        self._capacity = max(size, int(max_grow_size), 1)
+        try:
+            self._map = mmap.mmap(-1, self._capacity)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"HostBuffer allocation failed ({exc})") from None
+        self._base = _address(self._map)
+        if size:
+            self.extend(size)
+
+    def get_raw_address(self):
+        return self._base
+
+    def extend(self, size, reallocate=False, register=True):
+        size = int(size)
+        if size < 0 or self.size + size > self._capacity:
+            raise RuntimeError("HostBuffer.extend failed")
+        start = self._base + self.size
+        self.size += size
+        return start if size else 0
+
+    def read_file_slice(self, file_obj, file_offset, size, offset=0, stream=0, device_ptr=0, device=-1):
+        size, offset, file_offset = int(size), int(offset), int(file_offset)
+        if offset < 0 or size < 0 or offset + size > self._capacity:
+            raise RuntimeError("HostBuffer.read_file_slice failed")
+        _read_into(file_obj, memoryview(self._map)[offset:offset + size], file_offset, "HostBuffer.read_file_slice")
+        if device_ptr:
+            _to_device(self._base + offset, size, device_ptr, device)
+        self.size = max(self.size, offset + size)
+
+    def register(self, offset, size):
+        """Page-locking needs aimdo's device: nothing to do."""
+
+    def unregister(self, offset):
+        """See :meth:`register`."""
+
+    def truncate(self, size, do_unregister=True):
+        size = int(size)
+        if size < 0 or size > self._capacity:
+            raise RuntimeError("HostBuffer.truncate failed")
+        self.size = size
+
+
+def _read_into(file_obj: Any, view: memoryview, file_offset: int, what: str) -> None:
+    """Fill ``view`` with the file's bytes from ``file_offset``; aimdo's ``RuntimeError`` when it cannot."""
+    try:
+        fd = file_obj if isinstance(file_obj, int) else file_obj.fileno()
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], file_offset + got)
+            if n <= 0:
+                raise OSError(f"end of file at byte {file_offset + got}")
+            got += n
+    except (OSError, ValueError, AttributeError) as exc:
+        raise RuntimeError(f"{what} failed ({exc})") from None
+
+
+def _to_device(host_address: int, size: int, device_ptr: int, device: Any) -> None:
+    """Copy ``size`` bytes at ``host_address`` to ``device_ptr`` on ComfyUI's device index ``device``."""
+    from .._tensors import tensor_at
+
+    rt = current()
+    dev = rt.device_for(device) if rt is not None else "cpu:0"
+    tensor_at(int(device_ptr), size, dev).copy_(tensor_at(host_address, size, "cpu:0"))
+
+
+def read_file_to_device(file_obj, file_offset, size, stream, device_ptr, device, mark_cold=True):
+    """comfy-aimdo's ``host_buffer.read_file_to_device``: ``size`` bytes of the file at ``file_offset`` into
+    device memory at ``device_ptr``. Synchronous (``stream`` is accepted; the copy is done on return);
+    ``mark_cold`` (aimdo's page-cache hint) has no meaning here."""
+    size = int(size)
+    if size < 0 or int(file_offset) < 0:
+        raise RuntimeError("hostbuf_file_reader_read failed")
+    if size == 0:
+        return
+    bounce = mmap.mmap(-1, size)
+    try:
+        _read_into(file_obj, memoryview(bounce), int(file_offset), "hostbuf_file_reader_read")
+        _to_device(_address(bounce), size, device_ptr, device)
+    finally:
+        try:
+            bounce.close()
+        except BufferError:  # a view still exported: the map goes with the last reference
+            pass
+
+
+def cleanup_file_reader():
+    """comfy-aimdo's ``host_buffer.cleanup_file_reader``: nothing is staged, nothing to give back."""
+
+
+class ModelMMAP:
+    """comfy-aimdo's ``ModelMMAP(filepath)``: a private memory map of the file."""
+
+    def __init__(self, filepath):
+        try:
+            with open(os.fspath(filepath), "rb") as f:
+                self._fd = os.dup(f.fileno())
+                self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"ModelMMAP allocation failed for {filepath} ({exc})") from None
+        self._addr = _address(self._map)
+
+    def get(self):
+        return self._addr
+
+    def get_file_handle(self):
+        return self._fd
+
+    def bounce(self):
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, OSError):
+            return False
+        return True
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            self._fd = None

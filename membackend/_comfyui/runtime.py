@@ -1,0 +1,434 @@
+"""The running adapter: the one :class:`Runtime` of this process, its G6 guard and the ``init_devices`` seam.
+
+:func:`current` is the only place the adapter is held. :mod:`.startup` creates the
+runtime before torch and arms it (:meth:`Runtime.arm`: ComfyUI's
+``comfy_aimdo.control.init_devices`` becomes :meth:`Runtime.init_devices`); when
+ComfyUI calls it, the runtime opens the session and the residency manager and
+calls the ``wire`` function it was given (:func:`membackend._comfyui.wiring.wire`:
+the facade, the buffers, the ``comfy.model_management`` patches). The facade and
+the wiring find the runtime through :func:`current`; nothing here imports them.
+
+**Never in the way (G6).** Any exception in any step -- or later, inside any
+guarded replacement (:meth:`Runtime.guard`) -- restores every original
+(:meth:`Runtime.abort`), logs one line with the cause, and ComfyUI carries on
+stock. After ``init_devices`` said yes, ComfyUI has swapped in its dynamic
+patcher and comfy-aimdo has no device, so aimdo's own VBAR functions could not
+serve the patchers already made: an abort then keeps the facade names (patches
+made with ``surface=True``) for those, restores everything else, and puts
+ComfyUI's legacy patcher back for new models.
+
+**What the status says.** :func:`outcome` is the start-up decision of this
+process (the state and the words of the start-up line) even when no runtime was
+made, so the status route can tell "off", "stock because ..." and "switched
+itself off" apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import itertools
+import logging
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from .._version import __version__
+from ..types import Device, PartialFailure
+from .keepwarm import KeepWarm
+from .patches import Patches
+
+if TYPE_CHECKING:
+    from .._manager import BackendManager, Selection
+    from .._residency import ResidencyManager
+    from .streams import CopyFences
+
+log = logging.getLogger("membackend")
+
+__all__ = ["Runtime", "Outcome", "current", "outcome", "say", "HOW_TO", "UNLOADS_KEPT"]
+
+HOW_TO = "MEMBACKEND_BACKEND=<name> forces another, MEMBACKEND_DISABLE=1 turns membackend off"
+UNLOADS_KEPT = 100  # the status shows the most recent full unloads; the count of all is kept too
+#: comfy-aimdo's log-level functions; ComfyUI calls one after init_devices said yes (they need aimdo's library)
+AIMDO_LOG_LEVELS = ("none", "critical", "error", "warning", "info", "debug", "verbose", "vverbose")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The start-up decision: ``state`` is one of ``disabled``, ``stock``, ``armed``, ``not-started``;
+    ``reason`` says why in a few words; ``line`` is the start-up line as logged."""
+
+    state: str
+    reason: str
+    line: str
+
+
+_current: "Runtime | None" = None
+_outcome: Outcome | None = None
+_state_lock = threading.Lock()
+
+
+def current() -> "Runtime | None":
+    """The adapter made in this process (armed, running or switched off); None: ComfyUI runs stock."""
+    return _current
+
+
+def outcome() -> Outcome | None:
+    """The start-up decision of this process; None when the prestartup script never ran."""
+    return _outcome
+
+
+def decided(state: str, reason: str, line: str, runtime: "Runtime | None" = None) -> None:
+    """Record the start-up decision (and the runtime, when one was armed)."""
+    global _current, _outcome
+    with _state_lock:
+        _outcome = Outcome(state, reason, line)
+        _current = runtime
+
+
+def _forget(runtime: "Runtime") -> None:
+    global _current
+    with _state_lock:
+        if _current is runtime:
+            _current = None
+
+
+def say(text: str, level: int = logging.INFO) -> str:
+    """Log one membackend line (``membackend <version>: text``); returns it."""
+    line = f"membackend {__version__}: {text}"
+    log.log(level, "%s", line)
+    return line
+
+
+class _ComfyRaised(Exception):
+    """Carries an exception ComfyUI's own function raised through a guarded replacement."""
+
+    def __init__(self, exc: Exception):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def aimdo_log_noop(*_args: Any, **_kwargs: Any) -> None:
+    """Stands in for comfy-aimdo's ``set_log_<level>()`` while membackend serves: aimdo's native library,
+    which those functions configure, is not in use (and may never have been loaded). ComfyUI's console
+    level already governs membackend's own logger."""
+
+
+class Runtime:
+    """The adapter in one process: selection, session, policy, the patches and what the status shows.
+
+    ``wire(runtime)`` installs the facade and the ComfyUI patches once the session is open; it is
+    given by the caller so that this module imports neither (arrows point down).
+    """
+
+    def __init__(self, manager: "BackendManager", machine: Any, selection: "Selection",
+                 wire: Callable[["Runtime"], None], comfy_args: Any = None):
+        self.manager = manager
+        self.machine = machine
+        self.selection = selection
+        self.name = selection.record.name
+        self.comfy_args = comfy_args
+        self.patches = Patches()
+        self.keep = KeepWarm()
+        self.session: Any = None
+        self.residency: "ResidencyManager | None" = None
+        self.fences: "CopyFences | None" = None  # tokens for the cast path's queued copies (G2)
+        self.devices: list[Device] = []
+        self.vbars: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: VBARs whose full unload is put off until no page is pinned; changed through put_off/cancel_put_off
+        #: (a WeakSet must not change while another thread copies it)
+        self.pending: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._pending_lock = threading.Lock()
+        self.started: bool | None = None  # None: init_devices not called yet
+        self.aborted: str | None = None
+        self.unloads: collections.deque[dict[str, Any]] = collections.deque(maxlen=UNLOADS_KEPT)
+        self.unload_count = 0
+        self.idles = 0  # times the prompt queue emptied
+        self.idle_bytes = 0  # what on_idle gave back, in all
+        self._wire = wire
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._original_init: Callable[..., Any] | None = None
+        kinds = tuple(getattr(selection.record.plugin, "device_kinds", ("cpu",)))
+        self.kind = next((k for k in ("cuda", "hip") if k in kinds), "cpu")
+
+    # ------------------------------------------------------------------ arming (prestartup, before torch)
+
+    def arm(self) -> None:
+        """Make ComfyUI's ``init_devices`` ours; nothing else changes until ComfyUI calls it."""
+        control = importlib.import_module("comfy_aimdo.control")
+        self._original_init = control.init_devices
+        self.patches.replace(control, "init_devices", self.init_devices)
+
+    # ------------------------------------------------------------------ start (init_devices)
+
+    def init_devices(self, device_ids: Any) -> bool:
+        """Replaces ``comfy_aimdo.control.init_devices``: start membackend; on any failure, stock.
+
+        ``device_ids`` is what ComfyUI passes: ``(torch device index, extra VRAM headroom bytes)`` pairs
+        (``--vram-headroom``), or plain indices (its retry for comfy-aimdo 0.4.9's protocol). A second
+        call answers the first answer."""
+        ids = list(device_ids)
+        with self._lock:
+            if self.started is not None:
+                return self.started
+            try:
+                self.start(ids)
+                self.started = True
+                return True
+            except Exception as exc:
+                self.started = False
+                original = self._original_init
+                self.abort(exc, "starting")
+                self._close_quietly()  # nothing reached ComfyUI yet: give back what start opened
+                return original(ids) if original is not None else False
+
+    def start(self, ids: list[Any]) -> None:
+        from .._residency import ResidencyManager
+        from .streams import CopyFences
+
+        args = self.comfy_args
+        if args is not None:
+            # aimdo's CUDA-graph capture and its compiler path record aimdo's own allocations; ComfyUI reads
+            # these flags when it runs a model, after init_devices
+            for attr in ("disable_cuda_graphs", "disable_comfy_compiler"):
+                self.patches.replace(args, attr, True, required=False, label="--" + attr.replace("_", "-"))
+        pairs = [i if isinstance(i, tuple) else (i, 0) for i in ids] or [(0, 0)]
+        self.session = self.manager.session(self.machine, selection=self.selection)
+        self.devices = list(dict.fromkeys(self.device_for(index) for index, _ in pairs))
+        self._apply_headroom({self.device_for(index): int(extra) for index, extra in pairs})
+        self.residency = ResidencyManager(self.session)
+        self.fences = CopyFences(self.residency)
+        control = importlib.import_module("comfy_aimdo.control")
+        for level in AIMDO_LOG_LEVELS:  # main.py calls one right after we answer True
+            self.patches.replace(control, f"set_log_{level}", aimdo_log_noop, required=False)
+        self._wire(self)
+        skipped = f"; not in this ComfyUI: {', '.join(self.patches.skipped)}" if self.patches.skipped else ""
+        say(f"started {self.name} on {', '.join(map(str, self.devices))}; {len(self.patches.applied)} patch "
+            f"point(s){skipped}")
+
+    def _apply_headroom(self, extra: dict[Device, int]) -> None:
+        """ComfyUI's memory flags reach the budget: ``--reserve-vram`` GB is kept free at least (the larger
+        of it and the backend's own headroom, as comfy-aimdo's simple headroom), ``--vram-headroom`` GB
+        (passed to ``init_devices``) is kept free on top."""
+        reserve_gb = getattr(self.comfy_args, "reserve_vram", None)
+        reserve = int(float(reserve_gb) * 1024 ** 3) if reserve_gb else 0
+        for dev in self.devices:
+            more = max(0, extra.get(dev, 0))
+            if not (reserve or more):
+                continue
+            own = self.session.budget_query(dev).headroom
+            self.session.set_headroom(dev, max(own, reserve) + more)
+
+    # ------------------------------------------------------------------ G6
+
+    def guard(self, what: str, original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
+        """``replacement`` with the same call; any exception in it aborts the adapter and calls ``original``.
+
+        An exception raised by ComfyUI's own function called through :meth:`comfy` is ComfyUI's, not the
+        adapter's: it propagates unchanged and nothing is switched off or called twice."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.aborted is not None:
+                return original(*args, **kwargs)
+            try:
+                return replacement(*args, **kwargs)
+            except _ComfyRaised as raised:
+                raise raised.exc.with_traceback(raised.exc.__traceback__) from None
+            except Exception as exc:
+                self.abort(exc, what)
+                return original(*args, **kwargs)
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        call.__name__ = getattr(original, "__name__", what)
+        call.__doc__ = getattr(original, "__doc__", None)
+        call._membackend = what  # type: ignore[attr-defined]
+        return call
+
+    @staticmethod
+    def comfy(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ComfyUI's own ``fn`` from inside a guarded replacement (see :meth:`guard`)."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise _ComfyRaised(exc) from None
+
+    def abort(self, exc: BaseException, where: str) -> None:
+        """Restore every original and say so in one line; ComfyUI carries on stock."""
+        with self._lock:
+            if self.aborted is not None:
+                return
+            self.aborted = f"{where}: {type(exc).__name__}: {exc}"
+            # the facade stays for the patchers ComfyUI made on our word (its fault answers "out of memory"
+            # once it fails, so ComfyUI casts from its own copy); everything else goes back
+            failed = self.patches.restore(keep_surface=bool(self.started))
+            self.keep.clear()  # stock ComfyUI holds nothing warm
+            if self.started:
+                failed += self._legacy_patcher()
+            note = f"; could not restore {', '.join(failed)}" if failed else ""
+            what = "new models load with ComfyUI's legacy patcher" if self.started else "every original restored"
+            say(f"switched off while {where} ({type(exc).__name__}: {exc}); {what}{note}; ComfyUI carries on "
+                "stock", logging.WARNING)
+
+    @staticmethod
+    def _legacy_patcher() -> list[str]:
+        """ComfyUI swapped in its dynamic patcher because init_devices said yes: new models go legacy again
+        (what ComfyUI itself does when init_devices fails). Models already loaded keep their facade VBARs."""
+        mp = sys.modules.get("comfy.model_patcher")
+        try:
+            if mp is not None and getattr(mp, "CoreModelPatcher", None) is getattr(mp, "ModelPatcherDynamic", ()):
+                mp.CoreModelPatcher = mp.ModelPatcher
+        except Exception as exc:
+            return [f"comfy.model_patcher.CoreModelPatcher: {exc}"]
+        return []
+
+    @property
+    def running(self) -> bool:
+        return bool(self.started) and self.aborted is None
+
+    # ------------------------------------------------------------------ used by the facade and the wiring
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def device_for(self, index: Any) -> Device:
+        """The membackend device for a torch device index (or a torch.device); cpu-only backends: cpu:0."""
+        idx = getattr(index, "index", index)
+        idx = 0 if idx is None else int(idx)
+        return Device("cpu", 0) if self.kind == "cpu" else Device(self.kind, idx)
+
+    def serves(self, torch_device: Any) -> bool:
+        """Whether budgets for this torch device (or index; None: ComfyUI's own device) come from us."""
+        if torch_device is None or isinstance(torch_device, int):
+            return True
+        kind = getattr(torch_device, "type", None) or str(torch_device).split(":")[0]
+        return kind == ("cpu" if self.kind == "cpu" else "cuda")  # torch calls HIP devices cuda
+
+    def page_size(self, device: Device) -> int:
+        return int(getattr(self.selection.record.plugin, "page_size", 2 << 20))
+
+    def unload_vbar(self, vbar: Any, reason: str, earlier: int = 0) -> None:
+        """Full unload of a VBAR's model (G1), now when nothing is pinned, else at the next quiescent point.
+
+        The pin check and the unload are one decision under the policy's lock
+        (``ResidencyManager.full_unload_unless_pinned``), so a layer another thread pins meanwhile is never
+        released under its pin. A unload that fails (a copy's fence failed, a driver error) is reported in
+        one line and retried at the next quiescent point. ``earlier``: bytes ComfyUI's own detach already
+        freed from it (for the log line)."""
+        model = vbar._model
+        try:
+            dropped = self.residency.full_unload_unless_pinned(model)
+        except PartialFailure as exc:
+            self.put_off(vbar)
+            say(f"full unload of {model.id} failed, retried at the next node ({exc})", logging.WARNING)
+            return
+        if dropped is None:
+            self.put_off(vbar)  # destroying pinned pages is what aborts aimdo (#14396): wait
+            return
+        self.cancel_put_off(vbar)
+        if not dropped.alive:
+            return  # unloaded already
+        entry = {"model": model.id, "device": str(vbar._dev), "bytes": dropped.bytes + earlier,
+                 "reservations": dropped.released, "reserved_bytes": dropped.reserved_bytes, "reason": reason}
+        with self._lock:
+            self.unloads.append(entry)
+            self.unload_count += 1
+        say(f"full unload of {model.id} on {vbar._dev}: {entry['bytes']} bytes freed, {entry['reservations']} "
+            f"reservation(s) of {entry['reserved_bytes']} bytes returned ({reason})")
+
+    def quiescent(self) -> None:
+        """Between nodes: run the full unloads that waited for pins to go; give back held models under
+        RAM pressure (G4)."""
+        with self._pending_lock:
+            waiting = list(self.pending)
+        for vbar in waiting:
+            self.unload_vbar(vbar, "put off until no page was pinned")
+        self.keep.relieve()
+
+    def idle(self) -> int:
+        """ComfyUI's prompt queue emptied: the backend gives back what it keeps for reuse
+        (``ResidencyManager.on_idle``); resident models stay resident (G4). Returns the bytes given back."""
+        if self.residency is None or self.aborted is not None:
+            return 0
+        given = self.residency.on_idle()
+        self.idles += 1
+        self.idle_bytes += given
+        if given:
+            say(f"prompt queue empty: gave back {given} bytes the backend kept for reuse")
+        return given
+
+    def put_off(self, vbar: Any) -> None:
+        """Run this VBAR's full unload at the next quiescent point."""
+        with self._pending_lock:
+            self.pending.add(vbar)
+
+    def cancel_put_off(self, vbar: Any) -> None:
+        """The VBAR is used again (or gone): its put-off unload is cancelled. Cheap when nothing waits
+        (every fault calls it): a racing ``put_off`` is decided by the pin check under the policy's lock."""
+        if not self.pending:
+            return
+        with self._pending_lock:
+            self.pending.discard(vbar)
+
+    def close_vbar(self, vbar: Any) -> None:
+        self.cancel_put_off(vbar)
+        self.vbars.discard(vbar)
+        if self.fences is not None:
+            self.fences.forget(vbar._model)
+        if self.residency is not None and vbar._model in self.residency.models():
+            self.residency.unregister(vbar._model)
+
+    # ------------------------------------------------------------------ status, stop
+
+    def state(self) -> tuple[str, str]:
+        """``(state, reason)`` for the status route."""
+        if self.aborted is not None:
+            return "switched-off", self.aborted
+        if self.started:
+            return "running", self.selection.reason
+        if self.started is False:
+            return "switched-off", "could not start"
+        return "armed", "waiting for ComfyUI to initialise dynamic VRAM; if ComfyUI's start-up is over, it did " \
+                        "not (torch or the device lacks dynamic VRAM support), and ComfyUI runs stock"
+
+    def status(self) -> dict[str, Any]:
+        """What ``GET /membackend/status`` answers while a runtime exists."""
+        state, reason = self.state()
+        out: dict[str, Any] = {"version": __version__, "running": self.running, "state": state, "reason": reason,
+                               "backend": self.name, "how": self.selection.how,
+                               "selection_reason": self.selection.reason, "started": bool(self.started),
+                               "aborted": self.aborted, "patched": self.patches.applied,
+                               "not_present": list(self.patches.skipped),
+                               "unloads": list(self.unloads), "unload_count": self.unload_count,
+                               "idle": {"times": self.idles, "bytes": self.idle_bytes}}
+        if self.session is None:
+            return out
+        budgets, held = {}, {}
+        for d in self.devices:
+            b = self.session.budget_query(d)
+            budgets[str(d)] = {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
+                               "source": b.source}
+            state = self.session.inspect(d)  # what the backend keeps for reuse (kept address windows included)
+            if state is not None:
+                held[str(d)] = {"held": state.held, "committed": state.committed, "source": state.source}
+        out["budgets"] = budgets
+        out["kept"] = held
+        out["reservations"] = [{"id": r.id, "device": str(r.device), "size": r.size}
+                               for r in self.session.reservations()]
+        out["models"] = self.residency.stats()
+        return out
+
+    def _close_quietly(self) -> None:
+        if self.session is not None:
+            try:
+                self.session.close()
+            except Exception as exc:
+                log.debug("membackend: closing the session after a failed start: %s", exc)
+
+    def stop(self) -> None:
+        """Undo everything (tests, or a host application shutting the adapter down)."""
+        self.patches.restore()
+        self.keep.clear()
+        _forget(self)
+        if self.session is not None:
+            self.session.close()

@@ -1,0 +1,253 @@
+"""What membackend patches into ComfyUI when it starts: the facade, the buffers, ``comfy.model_management``
+and ``execution.PromptQueue``.
+
+:func:`wire` is the ``wire`` function :class:`~membackend._comfyui.runtime.Runtime` calls
+once its session is open. Each patch is feature-detected (a name this ComfyUI lacks
+is skipped and listed in the status), wrapped by :meth:`Runtime.guard` where it is a
+ComfyUI function (an exception inside restores every original and calls ComfyUI's
+own function with the same arguments, G6), and undone by ``Runtime.abort`` /
+``Runtime.stop``.
+
+* **The facade** (:mod:`.vbar`) over ``comfy_aimdo.model_vbar`` and
+  ``comfy_aimdo.torch.aimdo_to_tensor``; comfy-aimdo's ``VRAMBuffer``, ``HostBuffer``,
+  ``ModelMMAP`` and ``read_file_to_device`` (:mod:`.buffers`); and wherever ComfyUI's
+  modules bound those names. These are the *surface*: an abort after start leaves
+  them for the dynamic patchers ComfyUI already made.
+* **Budgets (G3).** ``get_free_memory(dev=None, torch_free_too=False)`` answers the
+  backend's usable budget (free minus headroom, from the platform's source) and
+  ``get_total_memory(dev=None, torch_total_too=False)`` its total, for the devices the
+  backend serves (others -- the CPU -- stay ComfyUI's); the import-time ``total_vram``
+  (MiB) is set from it when ComfyUI's device is served.
+* **Keep warm (G4).** ``free_memory(memory_required, device, keep_loaded=[], ...)``:
+  when the policy can make the room itself (``memory_required`` no more than the
+  usable budget plus the bytes it could evict), dynamic models are hidden from
+  ComfyUI's victim choice, so a workflow switch leaves them resident; the policy
+  evicts on pressure, least recently used first, never a model of the current run.
+  An "everything" request (ComfyUI's ``1e30`` sentinel: ``unload_all_models``) hides
+  nothing, and neither does ComfyUI's ``--disable-smart-memory``.
+  ``load_models_gpu(models, ...)`` declares the run (``ResidencyManager.use``) and
+  holds strong references to its dynamic patchers (:mod:`.keepwarm`).
+* **Full unload (G1) and the Hook delegate (G5).** After ``free_memory`` returns, every
+  dynamic model it removed whose nn.Module no loaded model still uses (clones share
+  one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
+  quiescent point (between nodes) while any page is pinned. Its patcher's
+  ``non_dynamic_delegate_model`` is dropped with it.
+* **Idle.** ``execution.PromptQueue.task_done(item_id, ...)`` (the prompt worker calls it
+  after each prompt): after ComfyUI's own, when ``get_tasks_remaining()`` says nothing
+  is queued or running, :meth:`Runtime.idle` runs ``ResidencyManager.on_idle``. Patched
+  on the class, so the queue ComfyUI creates after start-up has it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from . import buffers
+from . import vbar as facade
+from .runtime import AIMDO_LOG_LEVELS, Runtime, aimdo_log_noop
+
+__all__ = ["wire", "served", "FACADE_NAMES", "BUFFER_NAMES", "LEFT_TO_AIMDO"]
+
+EVERYTHING = 1e29  # ComfyUI asks for 1e30 / 1e32 when it means "unload everything"
+#: comfy_aimdo.model_vbar's names the facade replaces
+FACADE_NAMES = ("ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "vbars_reset_watermark_limits",
+                "vbars_analyze")
+#: comfy-aimdo's names that need its device, replaced by membackend._comfyui.buffers
+BUFFER_NAMES = (("comfy_aimdo.vram_buffer", "VRAMBuffer"), ("comfy_aimdo.host_buffer", "HostBuffer"),
+                ("comfy_aimdo.host_buffer", "read_file_to_device"), ("comfy_aimdo.host_buffer", "cleanup_file_reader"),
+                ("comfy_aimdo.model_mmap", "ModelMMAP"))
+
+
+#: comfy-aimdo names ComfyUI calls that membackend deliberately leaves to comfy-aimdo while it serves, and why
+LEFT_TO_AIMDO = {
+    "comfy_aimdo.control.init": "ComfyUI calls it before the prestartup scripts; it only loads aimdo's library "
+                                "(or fails to), which membackend then leaves unused",
+    "comfy_aimdo.control.analyze": "returns at once: it walks the device contexts of aimdo's own init_devices, and "
+                                   "there are none while membackend serves",
+    "comfy_aimdo.control.set_log_detail": "in no comfy-aimdo release; main.py catches the AttributeError and calls "
+                                          "set_log_info, which membackend serves",
+    "comfy_aimdo.torch.hostbuf_to_tensor": "plain Python over the buffer's size and get_raw_address(), which "
+                                           "membackend's HostBuffer answers",
+}
+
+
+def served() -> dict[str, Any]:
+    """Every comfy-aimdo name membackend replaces while it runs (``module.name``) and what answers it."""
+    out: dict[str, Any] = {f"comfy_aimdo.model_vbar.{n}": getattr(facade, n) for n in FACADE_NAMES}
+    out["comfy_aimdo.torch.aimdo_to_tensor"] = facade.aimdo_to_tensor
+    out.update({f"{m}.{n}": getattr(buffers, n) for m, n in BUFFER_NAMES})
+    out["comfy_aimdo.control.init_devices"] = Runtime.init_devices
+    out.update({f"comfy_aimdo.control.set_log_{level}": aimdo_log_noop for level in AIMDO_LOG_LEVELS})
+    return out
+
+
+def install_facade(rt: Runtime) -> None:
+    """The facade and the buffers over comfy-aimdo's names, and wherever ComfyUI's modules bound them."""
+    p = rt.patches
+    mv = importlib.import_module("comfy_aimdo.model_vbar")
+    originals: dict[str, tuple[Any, Any]] = {}  # name -> (aimdo's object, ours)
+    for name in FACADE_NAMES:
+        originals[name] = (getattr(mv, name), getattr(facade, name))
+        p.replace(mv, name, getattr(facade, name), surface=True)
+    try:
+        ct = importlib.import_module("comfy_aimdo.torch")
+    except ImportError:
+        ct = None
+    if ct is not None and p.replace(ct, "aimdo_to_tensor", facade.aimdo_to_tensor, required=False, surface=True):
+        originals["aimdo_to_tensor"] = (p.original(ct, "aimdo_to_tensor"), facade.aimdo_to_tensor)
+    for modname, name in BUFFER_NAMES:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            p.skipped.append(f"{modname}.{name}")
+            continue
+        if p.replace(mod, name, getattr(buffers, name), required=False, surface=True,
+                     label=f"{modname}.{name}"):
+            originals[name] = (p.original(mod, name), getattr(buffers, name))
+    # ComfyUI's modules that bound these names with ``from comfy_aimdo... import name``
+    by_id = {id(theirs): (theirs, ours) for theirs, ours in originals.values()}
+    for modname, mod in list(sys.modules.items()):
+        if mod is None or not (modname == "comfy" or modname.startswith("comfy.") or modname == "execution"):
+            continue
+        for attr, value in list(vars(mod).items()):
+            found = by_id.get(id(value))
+            if found is not None and value is found[0]:
+                p.replace(mod, attr, found[1], surface=True)
+
+
+def _vbars_of(patcher: Any) -> list[facade.ModelVBAR]:
+    module = getattr(patcher, "model", None)
+    vbars = getattr(module, "dynamic_vbars", None) or {}
+    return [v for v in list(vbars.values()) if isinstance(v, facade.ModelVBAR)]
+
+
+def _dynamic(lm: Any) -> bool:
+    patcher = lm.model
+    return patcher is not None and bool(_vbars_of(patcher))
+
+
+def wire(rt: Runtime) -> None:
+    """Everything membackend patches into ComfyUI once the runtime's session is open."""
+    install_facade(rt)
+    mm = importlib.import_module("comfy.model_management")
+    p = rt.patches
+
+    # ---- G3: budgets from the backend, for the devices it serves
+    def ours(dev: Any) -> bool:
+        if dev is None and callable(getattr(mm, "get_torch_device", None)):
+            dev = mm.get_torch_device()
+        return rt.serves(dev)
+
+    def budget(dev: Any) -> Any:
+        return rt.session.budget_query(rt.device_for(dev))
+
+    if hasattr(mm, "get_free_memory"):
+        original_get_free = mm.get_free_memory
+
+        def get_free_memory(dev=None, torch_free_too=False):
+            if not ours(dev):
+                return rt.comfy(original_get_free, dev, torch_free_too)
+            free = budget(dev).usable
+            return (free, free) if torch_free_too else free
+        p.replace(mm, "get_free_memory", rt.guard("get_free_memory", original_get_free, get_free_memory))
+    else:
+        p.skipped.append("comfy.model_management.get_free_memory")
+    if hasattr(mm, "get_total_memory"):
+        original_get_total = mm.get_total_memory
+
+        def get_total_memory(dev=None, torch_total_too=False):
+            if not ours(dev):
+                return rt.comfy(original_get_total, dev, torch_total_too)
+            total = budget(dev).total
+            return (total, total) if torch_total_too else total
+        p.replace(mm, "get_total_memory", rt.guard("get_total_memory", original_get_total, get_total_memory))
+    else:
+        p.skipped.append("comfy.model_management.get_total_memory")
+    if ours(None):
+        p.replace(mm, "total_vram", budget(None).total / (1024 * 1024), required=False)
+
+    # ---- G1, G4, G5: free_memory
+    if hasattr(mm, "free_memory") and hasattr(mm, "current_loaded_models"):
+        original_free = mm.free_memory
+
+        def free_memory(memory_required, device, keep_loaded=[], *args, **kwargs):
+            loaded = mm.current_loaded_models
+            before = list(loaded)
+            sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
+            hide = []
+            if memory_required < EVERYTHING and rt.keep.enabled:
+                dev = rt.device_for(device)
+                room = rt.session.budget_query(dev).usable + rt.residency.evictable(dev)
+                if memory_required <= room:
+                    hide = [lm for lm in before if not lm.is_dead() and _dynamic(lm)]
+            if hide:
+                hidden = {id(lm) for lm in hide}
+                loaded[:] = [lm for lm in before if id(lm) not in hidden]
+            try:
+                result = rt.comfy(original_free, memory_required, device, keep_loaded, *args, **kwargs)
+            finally:
+                if hide:
+                    kept = {id(lm) for lm in loaded}
+                    new = [lm for lm in loaded if all(lm is not b for b in before)]
+                    loaded[:] = new + [lm for lm in before if id(lm) in hidden or id(lm) in kept]
+            removed = [lm for lm in before if all(lm is not a for a in loaded)]
+            if removed:
+                try:
+                    _retire(rt, removed, loaded, sizes)
+                except Exception as exc:  # ComfyUI's own free_memory already ran: do not run it twice
+                    rt.abort(exc, "the full unload after free_memory")
+            return result
+        p.replace(mm, "free_memory", rt.guard("free_memory", original_free, free_memory))
+    else:
+        p.skipped.append("comfy.model_management.free_memory")
+
+    # ---- G4: the current run
+    if hasattr(mm, "load_models_gpu"):
+        original_load = mm.load_models_gpu
+
+        def load_models_gpu(models, *args, **kwargs):
+            result = rt.comfy(original_load, models, *args, **kwargs)
+            vbars = [v for m in models for v in _vbars_of(m)]
+            for v in vbars:
+                rt.cancel_put_off(v)
+            if vbars:
+                rt.residency.use([v._model for v in vbars])
+            rt.keep.hold([m for m in models if _vbars_of(m)])
+            return result
+        p.replace(mm, "load_models_gpu", rt.guard("load_models_gpu", original_load, load_models_gpu))
+    else:
+        p.skipped.append("comfy.model_management.load_models_gpu")
+
+    # ---- idle: the prompt queue emptied
+    queue_cls = getattr(sys.modules.get("execution"), "PromptQueue", None)  # imported by main.py before us
+    if queue_cls is not None and hasattr(queue_cls, "task_done") and hasattr(queue_cls, "get_tasks_remaining"):
+        original_done = queue_cls.task_done
+
+        def task_done(queue, *args, **kwargs):
+            result = rt.comfy(original_done, queue, *args, **kwargs)
+            try:
+                if queue.get_tasks_remaining() == 0:
+                    rt.idle()
+            except Exception as exc:  # ComfyUI's own task_done already ran: do not run it twice
+                rt.abort(exc, "giving back what the backend keeps when the prompt queue emptied")
+            return result
+        p.replace(queue_cls, "task_done", rt.guard("task_done", original_done, task_done))
+    else:
+        p.skipped.append("execution.PromptQueue.task_done")
+
+
+def _retire(rt: Runtime, removed: list[Any], loaded: list[Any], sizes: dict[int, int]) -> None:
+    """Full unload (G1) of removed dynamic models no loaded model still uses; drop their delegates (G5)."""
+    in_use = {id(lm.model.model) for lm in loaded if not lm.is_dead() and lm.model is not None}
+    for lm in removed:
+        patcher = lm.model
+        if patcher is None:
+            continue
+        if getattr(patcher, "non_dynamic_delegate_model", None) is not None:
+            patcher.non_dynamic_delegate_model = None  # G5: the legacy second copy goes with its owner
+        if id(patcher.model) in in_use:
+            continue  # a clone still loaded shares this nn.Module and its reservation
+        for v in _vbars_of(patcher):
+            rt.unload_vbar(v, "unloaded by ComfyUI", earlier=max(0, sizes.get(id(v), 0) - v.loaded_size()))

@@ -1,0 +1,181 @@
+"""A simulated ``cuda.bindings.driver``: the same function names, argument order, return
+tuples, enums and structs as cuda-python (which it imports for its types), over a
+:class:`~membackend._drivers.sim.platform.SimPlatform`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .api import SimApi
+from .platform import SimError, SimPlatform
+
+__all__ = ["SimCudaDriverModule"]
+
+
+def _bindings() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _int(x: Any) -> int:
+    return 0 if x is None else int(x)
+
+
+class SimCudaDriverModule(SimApi):
+    success = "CUDA_SUCCESS"
+    status_enum = "CUresult"
+    kinds = {"oom": "CUDA_ERROR_OUT_OF_MEMORY", "invalid": "CUDA_ERROR_INVALID_VALUE",
+             "invalid_device": "CUDA_ERROR_INVALID_DEVICE", "not_ready": "CUDA_ERROR_NOT_READY",
+             "invalid_context": "CUDA_ERROR_INVALID_CONTEXT", "not_supported": "CUDA_ERROR_NOT_SUPPORTED",
+             "no_device": "CUDA_ERROR_NO_DEVICE"}
+
+    def __init__(self, platform: SimPlatform):
+        self.types = _bindings()
+        super().__init__(platform)
+
+    def _ctx(self, name: str, outputs: int, fn: Any) -> tuple:
+        """A call whose documented errors include CUDA_ERROR_INVALID_CONTEXT: it needs a bound context
+        (cuda-python's docstrings list the codes each call returns)."""
+        def run():
+            self.platform.require_context()
+            return fn()
+        return self._run(name, outputs, run)
+
+    # devices and contexts
+    def cuInit(self, Flags):
+        def init():
+            self.platform.init()
+            if not self.platform.devices:  # nothing visible (cuInit's CUDA_ERROR_NO_DEVICE)
+                raise SimError("no_device", "no CUDA-capable device is visible")
+        return self._run("cuInit", 0, init)
+
+    def cuDriverGetVersion(self):
+        return self._run("cuDriverGetVersion", 1, lambda: self.platform.profile.driver_version)
+
+    def cuDeviceGetCount(self):
+        return self._run("cuDeviceGetCount", 1, lambda: len(self.platform.devices))
+
+    def cuDeviceGet(self, ordinal):
+        return self._run("cuDeviceGet", 1, lambda: self.types.CUdevice(self.platform._device(ordinal).index))
+
+    def cuDeviceTotalMem(self, dev):
+        return self._run("cuDeviceTotalMem", 1, lambda: self.platform._device(_int(dev)).vram)
+
+    def cuDeviceGetName(self, length, dev):
+        return self._run("cuDeviceGetName", 1, lambda: self.platform._device(_int(dev)).name.encode()[:length])
+
+    def cuDeviceGetAttribute(self, attrib, dev):
+        a = self.types.CUdevice_attribute
+
+        def get():
+            p = self.platform
+            d = p._device(_int(dev))
+            major, minor = (int(d.arch[3:-1] or 0), int(d.arch[-1])) if d.arch.startswith("sm_") else (0, 0)
+            domain, bus, slot = p.pci_location(d.index)
+            # TCC_DRIVER is 1 for TCC (and MCDM) devices, 0 under WDDM and on every other OS
+            return {a.CU_DEVICE_ATTRIBUTE_INTEGRATED: int(d.integrated),
+                    a.CU_DEVICE_ATTRIBUTE_TCC_DRIVER: int(not p.profile.wddm and p.profile.os == "windows"),
+                    a.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: int(d.vmm),
+                    a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: major,
+                    a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: minor,
+                    a.CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: domain,
+                    a.CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: bus,
+                    a.CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: slot}.get(attrib, 0)
+        return self._run("cuDeviceGetAttribute", 1, get)
+
+    def cuDeviceGetLuid(self, dev):
+        def luid():
+            if self.platform.profile.os != "windows":  # "only meaningful on Windows"
+                raise SimError("not_supported", "a device LUID exists on Windows only")
+            return self.platform.luid(_int(dev)), 1  # (8 bytes, node mask)
+        return self._run("cuDeviceGetLuid", 2, luid)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return self._run("cuDevicePrimaryCtxRetain", 1,
+                         lambda: self.types.CUcontext(self.platform.primary_retain(_int(dev))))
+
+    def cuDevicePrimaryCtxRelease(self, dev):
+        return self._run("cuDevicePrimaryCtxRelease", 0, lambda: self.platform.primary_release(_int(dev)))
+
+    def cuCtxGetCurrent(self):
+        return self._run("cuCtxGetCurrent", 1, lambda: self.types.CUcontext(self.platform.current_context))
+
+    def cuCtxSetCurrent(self, ctx):
+        return self._run("cuCtxSetCurrent", 0, lambda: self.platform.set_current_context(_int(ctx)))
+
+    def cuCtxGetDevice(self):
+        return self._ctx("cuCtxGetDevice", 1, lambda: self.types.CUdevice(self.platform.current))
+
+    def cuCtxSynchronize(self):
+        return self._ctx("cuCtxSynchronize", 0, self.platform.device_synchronize)
+
+    def cuMemGetInfo(self):
+        return self._ctx("cuMemGetInfo", 2, self.platform.mem_get_info)
+
+    # virtual memory management
+    def cuMemGetAllocationGranularity(self, prop, option):
+        return self._run("cuMemGetAllocationGranularity", 1, lambda: self.platform.profile.granularity)
+
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
+        return self._run("cuMemAddressReserve", 1,
+                         lambda: self.types.CUdeviceptr(self.platform.address_reserve(size, alignment)))
+
+    def cuMemAddressFree(self, ptr, size):
+        return self._run("cuMemAddressFree", 0, lambda: self.platform.address_free(_int(ptr), size))
+
+    def cuMemCreate(self, size, prop, flags):
+        return self._run("cuMemCreate", 1, lambda: self.types.CUmemGenericAllocationHandle(
+            self.platform.create(size, int(prop.location.id))))
+
+    def cuMemRelease(self, handle):
+        return self._run("cuMemRelease", 0, lambda: self.platform.release(_int(handle)))
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        return self._run("cuMemMap", 0, lambda: self.platform.map(_int(ptr), size, offset, _int(handle)))
+
+    def cuMemUnmap(self, ptr, size):
+        return self._run("cuMemUnmap", 0, lambda: self.platform.unmap(_int(ptr), size))
+
+    def cuMemSetAccess(self, ptr, size, desc, count):
+        return self._run("cuMemSetAccess", 0,
+                         lambda: self.platform.set_access(_int(ptr), size, int(desc[0].location.id)))
+
+    # streams, events, copies
+    def cuStreamCreate(self, Flags):
+        return self._ctx("cuStreamCreate", 1, lambda: self.types.CUstream(self.platform.stream_create()))
+
+    def cuStreamSynchronize(self, hStream):
+        return self._ctx("cuStreamSynchronize", 0, lambda: self.platform.stream_synchronize(_int(hStream)))
+
+    def cuEventCreate(self, Flags):
+        return self._ctx("cuEventCreate", 1, lambda: self.types.CUevent(self.platform.event_create()))
+
+    def cuEventRecord(self, hEvent, hStream):
+        return self._ctx("cuEventRecord", 0, lambda: self.platform.event_record(_int(hEvent), _int(hStream)))
+
+    def cuEventQuery(self, hEvent):
+        def query():
+            if not self.platform.event_query(_int(hEvent)):
+                raise SimError("not_ready", "work before the event is still running")
+        return self._run("cuEventQuery", 0, query)
+
+    def cuEventSynchronize(self, hEvent):
+        return self._ctx("cuEventSynchronize", 0, lambda: self.platform.event_synchronize(_int(hEvent)))
+
+    def cuEventDestroy(self, hEvent):
+        return self._ctx("cuEventDestroy", 0, lambda: self.platform.event_destroy(_int(hEvent)))
+
+    def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount, hStream):
+        return self._ctx("cuMemcpyHtoDAsync", 0,
+                         lambda: self.platform.copy_async(_int(dstDevice), ByteCount, _int(hStream)))
+
+    def cuMemAllocHost(self, bytesize):
+        def alloc():
+            self.platform.host_alloc(bytesize)
+            return bytesize  # the sim has no host addresses; the size stands in for the pointer
+        return self._ctx("cuMemAllocHost", 1, alloc)
+
+    def cuMemFreeHost(self, p):
+        return self._ctx("cuMemFreeHost", 0, lambda: self.platform.host_free(_int(p)))

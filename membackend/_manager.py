@@ -1,0 +1,318 @@
+"""Discovery, validation and selection of backends.
+
+Backends come from the built-ins (``host``, the generic ``vmm`` platform,
+``aimdo``) and the entry-point group ``membackend.backends``, whose entries
+name a backend object, a class (built with ``from_settings(settings)`` when it
+has one, else with no arguments) or a :class:`~membackend.platform.Platform`
+(built into a :class:`~membackend._backends.vmm.VmmBackend`). Each is
+validated (a unique name; the six verbs and ``membackend_probe`` as
+hookimpls with the contract's parameter names; optional hooks checked the
+same way when present). A plugin that fails to import, to construct, to
+validate or to probe — by raising anything, ``sys.exit()`` included, except
+``KeyboardInterrupt`` — is logged with the reason and skipped; it never stops
+the caller.
+
+Probes run once per machine through the plugin manager's hook machinery, one
+plugin at a time (one raising probe never hides the others), each bounded by
+the ``probe_timeout`` setting: a probe that does not answer in time is
+skipped as broken.
+
+Selection: ``MEMBACKEND_DISABLE`` switches everything off; a forced name
+(``MEMBACKEND_BACKEND``) wins, and an unknown one raises ``BackendNotFound``
+listing what is available and why the rest is not; otherwise the highest
+probe score wins (:class:`~membackend.types.Score`), passing over opt-in
+candidates. A tie at the top never stops the caller: the alphabetically first
+name wins, one warning says so, and the selection records the tie for the
+doctor. Blocked names are never selected; ``host`` (score 1) is the fallback
+and cannot be blocked.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+import pluggy
+
+from . import hookspec
+from ._backends.host import HostBackend
+from ._drivers.open import check_sim_profile, machine_for
+from ._ledger import Ledger
+from .platform import Platform
+from ._session import Session
+from ._settings import NAME_PATTERN, load_settings
+from .types import BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, PluginError, Score
+
+if TYPE_CHECKING:  # naming the pydantic model at import would build it: start-up stays free of pydantic
+    from ._settings import Settings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BackendManager", "PluginRecord", "Selection", "ENTRY_POINT_GROUP", "create_session"]
+
+ENTRY_POINT_GROUP = "membackend.backends"
+FALLBACK = "host"
+
+
+@dataclass
+class PluginRecord:
+    """A backend that loaded and validated."""
+
+    name: str
+    plugin: Any
+    version: str
+    origin: str
+    capabilities: Capabilities
+
+
+@dataclass
+class Selection:
+    """The outcome of selection, with everything the doctor explains."""
+
+    record: PluginRecord | None
+    how: str  # "forced", "auto", "fallback", "disabled"
+    reason: str
+    candidates: dict[str, Candidate] = field(default_factory=dict)
+    broken: dict[str, str] = field(default_factory=dict)
+    blocked: list[str] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)  # names that shared the top score (the first won)
+
+
+def _spec_params(name: str) -> list[str]:
+    return list(inspect.signature(getattr(hookspec, name)).parameters)
+
+
+def validate_plugin(plugin: Any) -> str:
+    """Return the plugin's name, or raise ``PluginError`` saying what breaks the contract."""
+    name = getattr(plugin, "name", None)
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
+        raise PluginError(f"needs a `name` attribute matching {NAME_PATTERN}, has {name!r}")
+    problems = []
+    for hook in hookspec.HOOKS + hookspec.OPTIONAL_HOOKS:
+        fn = getattr(plugin, hook, None)
+        if fn is None:
+            if hook in hookspec.HOOKS:
+                problems.append(f"missing {hook}")
+            continue
+        if not callable(fn) or getattr(fn, f"{hookspec.PROJECT}_impl", None) is None:
+            problems.append(f"{hook} is not marked with membackend.hookimpl")
+            continue
+        params = [p for p in inspect.signature(fn).parameters]
+        if params != _spec_params(hook):
+            problems.append(f"{hook}({', '.join(params)}) should be {hook}({', '.join(_spec_params(hook))})")
+    caps = getattr(plugin, "capabilities", None)
+    if caps is not None and not isinstance(caps, Capabilities):
+        problems.append(f"capabilities must be a membackend.Capabilities, is {type(caps).__name__}")
+    if problems:
+        raise PluginError("; ".join(problems))
+    return name
+
+
+def _instantiate(obj: Any, settings: Settings) -> Any:
+    """Entry points may name a Platform, a class (built with ``from_settings`` or no arguments), an
+    instance or a module."""
+    if isinstance(obj, Platform):
+        from ._backends.vmm import VmmBackend
+
+        return VmmBackend.from_settings(settings, obj)
+    if isinstance(obj, type):
+        factory = getattr(obj, "from_settings", None)
+        return factory(settings) if callable(factory) else obj()
+    return obj
+
+
+class BackendManager:
+    """Loads every backend once; ``select`` and ``session`` may be called many times."""
+
+    def __init__(self, settings: Settings | None = None, *, builtins: Iterable[Any] | None = None,
+                 entry_points: Iterable[Any] | None = None):
+        self.settings = settings or load_settings()
+        check_sim_profile(self.settings.sim_profile)
+        self.records: dict[str, PluginRecord] = {}
+        self.broken: dict[str, str] = {}
+        self._probed: dict[Machine, tuple[dict[str, Candidate], dict[str, str]]] = {}
+        self._warned_ties: set[tuple[str, ...]] = set()
+        self._pm = pluggy.PluginManager(hookspec.PROJECT)
+        self._pm.add_hookspecs(hookspec)
+        for plugin in builtins if builtins is not None else self._builtins():
+            self._add(plugin, "built-in", None)
+        eps = entry_points if entry_points is not None else importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        for ep in eps:
+            self._load_entry_point(ep)
+
+    # ------------------------------------------------------------------ discovery
+
+    def _builtins(self) -> list[Any]:
+        """host (the fallback), the generic VMM and comfy-aimdo; none touches a GPU until used."""
+        from ._backends.aimdo import AimdoBackend
+        from ._backends.vmm import VmmBackend
+        from .platform import GENERIC
+
+        return [HostBackend.from_settings(self.settings), VmmBackend.from_settings(self.settings, GENERIC),
+                AimdoBackend.from_settings(self.settings)]
+
+    def _load_entry_point(self, ep: Any) -> None:
+        label = f"entry point {ep.name} = {ep.value}"
+        try:
+            plugin = _instantiate(ep.load(), self.settings)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # a broken plugin is never fatal, sys.exit() included
+            self._broken(ep.name, f"failed to load ({label}): {type(exc).__name__}: {exc}")
+            return
+        dist = getattr(ep, "dist", None)
+        self._add(plugin, label, getattr(dist, "version", None))
+
+    def _add(self, plugin: Any, origin: str, dist_version: str | None) -> None:
+        try:
+            name = validate_plugin(plugin)
+        except PluginError as exc:
+            label = getattr(plugin, "name", None) or getattr(plugin, "__name__", None) or type(plugin).__name__
+            self._broken(str(label), f"breaks the contract ({origin}): {exc}")
+            return
+        if name in self.records:
+            self._broken(f"{name} ({origin})", f"name {name!r} is already used by {self.records[name].origin}")
+            return
+        try:
+            self._pm.register(plugin, name=name)
+        except Exception as exc:  # pluggy's own validation
+            self._broken(name, f"breaks the contract ({origin}): {exc}")
+            return
+        version = str(getattr(plugin, "version", None) or dist_version or "unknown")
+        caps = getattr(plugin, "capabilities", None) or Capabilities()
+        self.records[name] = PluginRecord(name, plugin, version, origin, caps)
+
+    def _broken(self, name: str, reason: str) -> None:
+        log.warning("membackend: backend %s skipped: %s", name, reason)
+        self.broken[name] = reason
+
+    # ------------------------------------------------------------------ selection
+
+    def probe(self, machine: Machine) -> tuple[dict[str, Candidate], dict[str, str]]:
+        """Every usable backend's candidate, and the ones whose probe failed (name → reason).
+
+        Probed once per machine: later calls return the same answers.
+        """
+        if machine not in self._probed:
+            self._probed[machine] = self._probe_all(machine)
+        candidates, failed = self._probed[machine]
+        return dict(candidates), dict(failed)
+
+    def _probe_all(self, machine: Machine) -> tuple[dict[str, Candidate], dict[str, str]]:
+        timeout = self.settings.probe_timeout
+        answers: dict[str, tuple[str, Any]] = {}
+
+        def run(name: str) -> None:
+            # the plugin's own hook caller: pluggy's machinery, isolated from every other plugin
+            others = [rec.plugin for n, rec in self.records.items() if n != name]
+            caller = self._pm.subset_hook_caller("membackend_probe", remove_plugins=others)
+            try:
+                results = caller(machine=machine)
+                answers[name] = ("ok", results[0] if results else None)
+            except KeyboardInterrupt:
+                answers[name] = ("error", "KeyboardInterrupt")
+            except BaseException as exc:  # SystemExit too: one plugin never stops the others
+                answers[name] = ("error", f"probe raised {type(exc).__name__}: {exc}")
+
+        threads = {name: threading.Thread(target=run, args=(name,), name=f"membackend-probe-{name}", daemon=True)
+                   for name in self.records}
+        for t in threads.values():
+            t.start()
+        for t in threads.values():  # all run at once: the whole probe takes at most one timeout
+            t.join(timeout)
+        candidates: dict[str, Candidate] = {}
+        failed: dict[str, str] = {}
+        for name in self.records:
+            kind, value = answers.get(name, ("error", f"probe did not answer within {timeout:g} s "
+                                                      "(the probe_timeout setting)"))
+            if kind == "ok":
+                c = value
+                if not isinstance(c, Candidate) or not isinstance(c.score, int) or isinstance(c.score, bool) \
+                        or c.score < 0:
+                    kind, value = "error", f"probe must return a Candidate with an int score >= 0, returned {c!r}"
+                else:
+                    candidates[name] = c if c.name == name else Candidate(name, c.score, c.reason, c.opt_in)
+                    continue
+            failed[name] = value
+            log.warning("membackend: backend %s skipped: %s", name, value)
+        return candidates, failed
+
+    def select(self, machine: Machine | None = None) -> Selection:
+        machine = machine or machine_for(self.settings)
+        s = self.settings
+        blocked = [n for n in s.block if n != FALLBACK]
+        if s.disable:
+            return Selection(None, "disabled", "MEMBACKEND_DISABLE is set: callers use their legacy path",
+                             broken=dict(self.broken), blocked=blocked)
+        candidates, failed = self.probe(machine)
+        broken = {**self.broken, **failed}
+        for name in blocked:
+            if name not in self.records and name not in broken:
+                log.warning("membackend: block names %r, which is not an installed backend", name)
+        if s.backend:
+            rec = self.records.get(s.backend)
+            if rec is None or s.backend in failed or s.backend in blocked:
+                unavailable = dict(broken)
+                unavailable.update({n: f"does not fit: {c.reason}" for n, c in candidates.items() if c.score == 0})
+                unavailable.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
+                available = [n for n in candidates if n not in unavailable]
+                raise BackendNotFound(s.backend, available, unavailable)
+            c = candidates[s.backend]
+            note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
+            return Selection(rec, "forced", f"forced by backend={s.backend!r}{note}", candidates, broken, blocked)
+        usable = {n: c for n, c in candidates.items() if c.score > Score.NONE and n not in blocked and not c.opt_in}
+        top = max((c.score for c in usable.values()), default=0)
+        best = sorted(n for n, c in usable.items() if c.score == top)  # ties: alphabetical, documented
+        tied = best if len(best) > 1 else []
+        if tied and tuple(tied) not in self._warned_ties:
+            self._warned_ties.add(tuple(tied))
+            log.warning("membackend: backends %s tie with score %d; %r wins (alphabetical); choose with "
+                        "MEMBACKEND_BACKEND=<name> or block the others with MEMBACKEND_BLOCK",
+                        " and ".join(repr(n) for n in tied), top, best[0])
+        if not best or best[0] == FALLBACK:
+            rec = self.records.get(FALLBACK) or self._fallback()
+            why = "no other backend fits this machine" if len(self.records) > 1 else "no other backend is installed"
+            return Selection(rec, "fallback", f"{FALLBACK}: {why}", candidates, broken, blocked, tied)
+        why = f"highest probe score ({top}): {usable[best[0]].reason}"
+        if tied:
+            why += f" (tied with {', '.join(n for n in tied if n != best[0])}; the first by name wins)"
+        return Selection(self.records[best[0]], "auto", why, candidates, broken, blocked, tied)
+
+    def _fallback(self) -> PluginRecord:
+        plugin = HostBackend.from_settings(self.settings)
+        rec = PluginRecord(FALLBACK, plugin, plugin.version, "built-in", plugin.capabilities)
+        self.records[FALLBACK] = rec
+        return rec
+
+    def session(self, machine: Machine | None = None, observers: Iterable[Any] = (),
+                selection: Selection | None = None) -> Session:
+        """A session on the selected backend (``selection`` when the caller already selected).
+        Raises ``BackendDisabled`` when switched off."""
+        machine = machine or machine_for(self.settings)
+        sel = selection or self.select(machine)
+        if sel.record is None:
+            raise BackendDisabled(sel.reason)
+        obs = list(observers)
+        tracer = None
+        if self.settings.trace is not None:
+            from ._trace import TraceObserver
+
+            # what a replay on another machine needs to know about this one
+            tracer = TraceObserver(self.settings.trace, backend=sel.record.name, sim_profile=self.settings.sim_profile,
+                                   devices=[{"device": str(d.device), "name": d.name,
+                                             "total_memory": d.total_memory} for d in machine.devices])
+            obs.append(tracer)
+        return Session(sel.record.plugin, machine=machine, ledger=Ledger(sanitize=self.settings.sanitize),
+                       observers=obs, headroom=self.settings.headroom,
+                       candidate=sel.candidates.get(sel.record.name), how=sel.how, tracer=tracer)
+
+
+def create_session(**settings: Any) -> Session:
+    """Load settings (kwargs win), discover backends and return a session on the selected one."""
+    return BackendManager(load_settings(**settings)).session()
+

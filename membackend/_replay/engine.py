@@ -1,0 +1,393 @@
+"""Running a trace through the residency policy and a backend on a simulated machine, per side.
+
+* **stock**: today's ComfyUI + comfy-aimdo — :class:`~membackend._replay.stock.AimdoLoadPolicy`
+  over :class:`~membackend._replay.stock.AimdoStockVmm` (32 MiB pages, budget as aimdo reads it,
+  no fence tokens: aimdo has none).
+* **plugin**: membackend — :class:`~membackend._residency.ResidencyManager` over the backend the
+  scenario names (found through its entry point, as membackend finds it), or over what
+  membackend selects on the profile; every copy records an event token, so frees wait for it.
+
+Both sides run the same events on a fresh simulation of the same profile. A ``copy`` event
+runs only when the fault before it backed new pages (the cast path copies a layer whose
+signature changed); its recorded seconds advance the modelled clock, and the simulated device
+runs the copy on a stream, so a free that does not wait for it is a hazard the simulation sees.
+A fault that finds no memory is streamed instead (the copy still costs its time), as ComfyUI
+does. A simulated bugcheck or crash ends that side's run, as it would end the machine; so does
+a typed failure the side cannot go on from (an address quota refused, an unload that failed):
+``stopped`` says where. An event the trace gets wrong (a model never registered, a range outside
+its model) is a :class:`~membackend._replay.traceformat.TraceError` naming its line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._drivers.open import machine_for, open_sim_variant, simulated_failures
+from .._ledger import Ledger
+from .._residency import ResidencyManager
+from .._session import Session
+from .._settings import load_settings
+from .._trace import TraceObserver
+from ..types import Device, MembackendError
+from .stock import AimdoLoadPolicy, AimdoStockVmm
+from .timeline import Marker, Sample, Timeline
+from .traceformat import Trace, TraceError
+
+__all__ = ["SideResult", "ReplayError", "run_side", "SIDES", "PluginMissing"]
+
+SIDES = ("stock", "plugin")
+
+
+class ReplayError(MembackendError, ValueError):
+    """A replay that cannot run as asked (the message says why and what is accepted)."""
+
+
+class PluginMissing(ReplayError):
+    """The plugin a scenario compares with is not installed; the message says how to install it."""
+
+
+@dataclass
+class SideResult:
+    """What one side's run did. Byte figures are bytes; ``committed`` is what the platform charges
+    the process (Windows private commit) where it charges reservations, else the device memory in
+    use (resident plus what the backend keeps for reuse)."""
+
+    side: str
+    backend: str
+    profile: str
+    committed_start: int = 0
+    committed_end: int | None = None
+    peak_committed: int = 0
+    alive_after_unload: int = 0  # reservations alive at the end of the run
+    reserved_after_unload: int = 0
+    loaded: int = 0  # bytes newly backed by faults (each must be copied in)
+    refaulted: int = 0  # of those, bytes of ranges faulted before (loaded again)
+    load_seconds: float = 0.0  # modelled: the recorded time of every copy that had to run
+    oom: int = 0
+    oom_by_model: dict[str, int] = field(default_factory=dict)
+    typed_errors: list[str] = field(default_factory=list)  # driver errors a fault raised (the layer streamed)
+    bugchecks: int = 0
+    hazards: int = 0  # unmaps/releases the simulated driver saw race pending work
+    creates: int = 0
+    releases: int = 0
+    spilled: int = 0
+    lost: str | None = None  # the simulated machine ended (bugcheck, crash) at this event
+    stopped: str | None = None  # a typed failure this side could not go on from, at this event
+    runs: list[dict[str, Any]] = field(default_factory=list)  # per workflow: seconds (copies + compute), loaded
+    unloads: list[dict[str, Any]] = field(default_factory=list)  # after each full unload / unload_all
+    timeline: Timeline = field(default_factory=lambda: Timeline(""))
+    notes: list[str] = field(default_factory=list)
+
+    def figures(self) -> dict[str, Any]:
+        """The table's figures (no timeline), JSON-ready."""
+        out = dataclasses.asdict(self)
+        out.pop("timeline")
+        return out
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+def _distribution(backend: str) -> str:
+    return "membackend-" + backend.replace("_", "-")
+
+
+def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) -> Session:
+    from .._backends.vmm import VmmBackend
+    from .._manager import BackendManager
+
+    settings = load_settings(sim_profile=profile, backend=backend, disable=False)
+    manager = BackendManager(settings)
+    if backend is not None and backend not in manager.records:
+        raise PluginMissing(f"backend {backend!r} is not installed (pip install {_distribution(backend)}); "
+                            f"installed: {', '.join(sorted(manager.records))}")
+    record = manager.records[backend] if backend else manager.select(machine_for(settings)).record
+    plugin = record.plugin
+    if not isinstance(plugin, VmmBackend):
+        raise ReplayError(f"backend {record.name!r} is not built on the VMM mechanism, so it cannot run on a "
+                          "simulated profile; replays accept platform backends (vmm and platform plugins)")
+    vendor = plugin.platform.vendor or "cuda"
+    driver = open_sim_variant(profile, **changes)
+    if driver.vendor != vendor and plugin.platform.vendor:
+        raise ReplayError(f"backend {record.name!r} drives {vendor} devices; profile {profile!r} simulates "
+                          f"{driver.vendor}")
+    machine = machine_for(settings)
+    # the simulated machine's facts (its OS, each device's driver model) decide what the platform's knobs
+    # resolve to, e.g. page_in_sync="wddm" on a simulated Windows profile, not this process's OS
+    built = VmmBackend(plugin.platform, driver, machine=lambda: machine)
+    return Session(built, machine=machine, ledger=Ledger())
+
+
+def _stock_session(profile: str, changes: dict[str, Any]) -> Session:
+    settings = load_settings(sim_profile=profile)
+    driver = open_sim_variant(profile, **changes)
+    wddm = driver.sim.profile.wddm
+    backend = AimdoStockVmm(driver, budget_source="wddm" if wddm else "device")
+    return Session(backend, machine=machine_for(settings), ledger=Ledger())
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class _Run:
+    """One side's replay state."""
+
+    def __init__(self, session: Session, policy: ResidencyManager, result: SideResult, record_copies: bool):
+        self.session, self.policy, self.result = session, policy, result
+        self.backend = session.backend
+        self.driver = self.backend.driver
+        self.sim = self.driver.sim
+        self.record_copies = record_copies
+        self.models: dict[str, Any] = {}
+        self.devices: list[Device] = [Device(self.driver.vendor, i) for i in range(len(self.sim.devices))]
+        #: per model and device, the faults not yet copied into: (offset, size, mapped; -1 streamed)
+        self.pending_copies: dict[tuple[str, Device], list[tuple[int, int, int]]] = {}
+        self.seen: set[tuple[str, Device, int, int]] = set()
+        self.t = 0.0
+        self.streams: dict[int, Any] = {}
+        self.run: dict[str, Any] | None = None
+        self.result.committed_start = self.committed_total()
+        self.sample()
+
+    # ---- mapping a trace's devices onto the profile
+    def device(self, name: str) -> Device:
+        d = Device.parse(name)
+        if d.kind == self.driver.vendor and d.index < len(self.devices):
+            return d
+        mapped = self.devices[d.index % len(self.devices)]
+        note = f"{d} replayed on {mapped}"
+        if note not in self.result.notes:
+            self.result.notes.append(note)
+        return mapped
+
+    # ---- figures
+    def committed_total(self) -> int:
+        states = [self.session.inspect(d) for d in self.devices]
+        if states and states[0] is not None and states[0].committed is not None:
+            return states[0].committed  # process-wide (Windows private commit)
+        return sum(s.resident + s.held for s in states if s is not None)
+
+    def sample(self) -> None:
+        committed = self.committed_total()
+        self.result.peak_committed = max(self.result.peak_committed, committed)
+        for i, d in enumerate(self.devices):
+            acct = self.session.ledger.account(d)
+            state = self.session.inspect(d)
+            per_device = None
+            if state is not None:
+                per_device = committed if (state.committed is not None and i == 0) else (
+                    None if state.committed is not None else state.resident + state.held)
+            self.result.timeline.samples.append(Sample(self.t, str(d), acct.reserved, acct.resident, per_device))
+
+    def mark(self, kind: str, label: str, device: str | None = None) -> None:
+        self.result.timeline.markers.append(Marker(self.t, kind, label, device))
+
+    def after_unload(self, label: str) -> None:
+        resident = sum(self.session.ledger.account(d).resident for d in self.devices)
+        alive = sum(self.session.ledger.account(d).reservations_alive for d in self.devices)
+        self.result.unloads.append({"model": label, "t": self.t, "resident": resident, "alive": alive,
+                                    "committed": self.committed_total()})
+
+    # ---- events
+    def apply(self, e: dict[str, Any]) -> None:
+        getattr(self, "on_" + e["event"])(e)
+
+    def on_register(self, e):
+        owner = None
+        if e.get("owner"):
+            if e["owner"] not in self.models:
+                raise TraceError(f"owner {e['owner']!r} of model {e['model']!r} is not registered before it")
+            owner = self.models[e["owner"]]
+        devices = list(dict.fromkeys(self.device(d) for d in e["devices"]))  # two may map onto one
+        self.models[e["model"]] = self.policy.register(e["model"], e["bytes"], devices, e.get("kind") or "other",
+                                                       owner=owner)
+
+    def on_use(self, e):
+        self.policy.use([self.models[m] for m in e["models"]], workflow=e.get("workflow"))
+        label = e.get("workflow") or "+".join(e["models"])
+        if self.run is None or self.run["workflow"] != label:
+            self.run = {"workflow": label, "start": self.t, "seconds": 0.0, "loaded": 0}
+            self.result.runs.append(self.run)
+            self.mark("workflow", label)
+
+    def on_fault(self, e):
+        model, dev = self.models[e["model"]], self.device(e["device"])
+        pending = self.pending_copies.setdefault((e["model"], dev), [])
+        try:
+            f = self.policy.fault(model, e["offset"], e["bytes"], dev)
+        except MembackendError as exc:
+            if isinstance(exc, ValueError):
+                raise  # the trace's range or device is wrong: a TraceError for the caller
+            self.result.typed_errors.append(f"{type(exc).__name__}: {exc}")  # ComfyUI streams the layer
+            f = None
+        if f is None or not f.ok:
+            if f is not None:
+                self.result.oom += 1
+                self.result.oom_by_model[e["model"]] = self.result.oom_by_model.get(e["model"], 0) + 1
+            pending.append((e["offset"], e["bytes"], -1))  # streamed
+            return
+        pending.append((e["offset"], e["bytes"], f.mapped))
+        del pending[:-64]  # a prefetch runs a few layers ahead, never far
+        span = (e["model"], dev, e["offset"], e["bytes"])
+        if f.mapped:
+            self.result.loaded += f.mapped
+            if self.run is not None:
+                self.run["loaded"] += f.mapped
+            if span in self.seen:
+                self.result.refaulted += f.mapped
+        self.seen.add(span)
+
+    def on_copy(self, e):
+        dev = self.device(e["device"])
+        pending = self.pending_copies.get((e["model"], dev), [])
+        lo, hi = e["offset"], e["offset"] + e["bytes"]
+        # the latest fault whose range this copy writes (prefetch may fault several layers first)
+        match = next((i for i in range(len(pending) - 1, -1, -1)
+                      if pending[i][0] < hi and lo < pending[i][0] + pending[i][1]), None)
+        if match is None:
+            return  # no fault asked for this range: nothing to copy into
+        offset, size, mapped = pending.pop(match)
+        if mapped == 0:
+            return  # the pages were resident: the signature matched, nothing is copied
+        self.result.load_seconds += e["seconds"]
+        self.advance(e["seconds"], busy=False)
+        if mapped < 0:
+            return  # streamed through a temporary buffer: it costs time, touches no page of the range
+        model = self.models[e["model"]]
+        r = model.reservation(dev)
+        start, end = max(offset, lo), min(offset + size, hi)
+        self.driver.set_device(dev.index)  # a copy runs on a stream of the device it writes
+        stream = self.streams.get(dev.index)
+        if stream is None:
+            stream = self.streams[dev.index] = self.driver.stream_create()
+        self.driver.memcpy_htod_async(r.base + start, 0, end - start, stream)
+        if self.record_copies:  # the copy's event: frees of this reservation wait for it (G2)
+            self.policy.record(model, self.backend.fence_token(r, stream), dev)
+
+    def on_compute(self, e):
+        self.advance(e["seconds"], busy=True)
+
+    def advance(self, seconds: float, busy: bool) -> None:
+        """Move the modelled clock. A copy is asynchronous: the simulated device queues it (and
+        finishes it at its own bandwidth), so only compute lets simulated time pass."""
+        self.t += seconds
+        if self.run is not None:
+            self.run["seconds"] += seconds
+        if busy:
+            self.sim.advance(seconds)  # the host runs ahead while the device computes
+
+    def on_unpin(self, e):
+        self.policy.unpin(self.models[e["model"]], e["offset"], e["bytes"], self.device(e["device"]))
+
+    def on_full_unload(self, e):
+        self.policy.full_unload(self.models[e["model"]])
+        self.mark("unload", e["model"])
+        self.after_unload(e["model"])
+
+    def on_unload_all(self, e):
+        self.policy.unload_all()
+        self.mark("unload_all", "unload all")
+        self.after_unload("unload all")
+
+    def on_unregister(self, e):
+        self.policy.unregister(self.models.pop(e["model"]))
+
+    def on_free_memory(self, e):
+        self.policy.free_memory(e["bytes"], self.device(e["device"]))
+
+    def on_shed(self, e):
+        self.policy.shed(self.models[e["model"]], e["bytes"], self.device(e["device"]), floor=e.get("floor", 0))
+
+    def on_prioritize(self, e):
+        self.policy.prioritize(self.models[e["model"]])
+
+    def on_deprioritize(self, e):
+        self.policy.deprioritize(self.models[e["model"]])
+
+    def on_set_watermark(self, e):
+        self.policy.set_watermark(self.models[e["model"]], e["limit"], self.device(e["device"]))
+
+    def on_idle(self, e):
+        self.policy.on_idle()
+        if self.result.unloads:
+            self.after_unload("idle")
+
+
+def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = None,
+             changes: dict[str, Any] | None = None, record: str | None = None) -> SideResult:
+    """Replay ``trace`` on ``side`` (``"stock"`` or ``"plugin"``) on a fresh simulation of ``profile``
+    (``changes``: profile fields to replace, see ``open_sim_variant``). ``backend`` names the
+    plugin side's backend (None: what membackend selects on the profile). ``record``: write this
+    side's own trace (``MEMBACKEND_TRACE`` format, with the workload's header) to that path.
+    Raises :class:`PluginMissing` when ``backend`` is not installed."""
+    if side not in SIDES:
+        raise ReplayError(f"side {side!r}; accepted: {', '.join(SIDES)}")
+    changes = dict(changes or {})
+    session = _stock_session(profile, changes) if side == "stock" else _plugin_session(profile, backend, changes)
+    tracer = None
+    if record is not None:  # what MEMBACKEND_TRACE writes: the verbs and the policy's records
+        kept = {k: v for k, v in trace.header.items()
+                if k not in ("time", "event", "format", "version", "membackend", "sim_profile", "machine", "backend")}
+        Path(record).unlink(missing_ok=True)
+        tracer = TraceObserver(record, **kept, sim_profile=profile, machine=changes, backend=session.backend.name)
+        session = Session(session.backend, machine=session.machine, ledger=session.ledger, observers=[tracer],
+                          tracer=tracer)
+    policy = AimdoLoadPolicy(session, tracer=tracer) if side == "stock" else ResidencyManager(session, tracer=tracer)
+    result = SideResult(side, session.backend.name, profile, timeline=Timeline(side))
+    run = _Run(session, policy, result, record_copies=side == "plugin")
+    fatal = simulated_failures()
+    try:
+        for n, e in enumerate(trace.events):
+            try:
+                if tracer is not None and e["event"] in ("copy", "compute"):
+                    _trace_input(tracer, policy, e)
+                run.apply(e)
+            except fatal as exc:
+                result.lost = f"{trace.where(n)}: {type(exc).__name__}: {exc}"
+                if hasattr(session.backend, "carry_on"):
+                    session.backend.carry_on = True  # nothing after the end may bugcheck again
+                break
+            except KeyError as exc:
+                raise TraceError(f"{trace.where(n)}: model {exc.args[0]!r} was never registered (or was "
+                                 "unregistered before)") from None
+            except TraceError as exc:
+                raise TraceError(f"{trace.where(n)}: {exc}") from None
+            except MembackendError as exc:
+                if isinstance(exc, ValueError):  # bad input in the trace (a range, a size, a device, a kind)
+                    raise TraceError(f"{trace.where(n)}: {type(exc).__name__}: {exc}") from None
+                result.stopped = f"{trace.where(n)}: {type(exc).__name__}: {exc}"
+                break
+            run.sample()
+        sim = run.sim
+        for d in run.devices:
+            acct = session.ledger.account(d)
+            result.alive_after_unload += acct.reservations_alive
+            result.reserved_after_unload += acct.reserved
+        result.committed_end = run.committed_total()
+        result.bugchecks, result.hazards, result.spilled = sim.bugchecks, sim.use_after_free, sim.spilled_bytes
+        calls = sim.faults.calls
+        result.creates = calls.get("cuMemCreate", 0) + calls.get("hipMemCreate", 0)
+        result.releases = calls.get("cuMemRelease", 0) + calls.get("hipMemRelease", 0)
+    finally:
+        # stock releases reservations only when its models are collected: after the figures, as ComfyUI would
+        run.models.clear()
+        del policy, run
+        gc.collect()
+        if result.lost is None:
+            try:
+                session.close()
+            except Exception:  # a side that failed may not close cleanly; its figures are taken
+                pass
+        if tracer is not None:
+            tracer.close()
+    return result
+
+
+def _trace_input(tracer: TraceObserver, policy: ResidencyManager, e: dict[str, Any]) -> None:
+    """Copies and compute steps are the workload's, not the policy's: written as they came."""
+    tracer.event(e["event"], policy=policy.policy, **{k: v for k, v in e.items() if k not in ("event", "policy",
+                                                                                               "time")})

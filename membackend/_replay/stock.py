@@ -1,0 +1,114 @@
+"""Stock ComfyUI + comfy-aimdo 0.5.x on the VMM mechanism: the "stock" side of every replay.
+
+:class:`AimdoStockVmm` makes the generic VMM backend do what comfy-aimdo does with physical
+memory (each behaviour's source is on its method); :class:`AimdoLoadPolicy` is the stock
+residency policy (:class:`~membackend._residency.StockPolicy`) with aimdo's pressure path during
+a load. Comparison only: automatic selection never picks it (its probe scores 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._backends.vmm import VmmBackend
+from .._drivers.open import simulated_failures
+from ..platform import Platform
+from .._residency import StockPolicy
+from ..types import Candidate, Capabilities, Score
+
+__all__ = ["stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
+
+MiB = 1 << 20
+#: comfy-aimdo's VBAR page: 32 MiB
+AIMDO_PAGE = 32 * MiB
+
+
+def _stock_probe(machine: Any) -> Candidate:
+    return Candidate("aimdo_stock", Score.NONE, "comparison only: comfy-aimdo's mechanism on the VMM backend")
+
+
+def stock_platform(vendor: str, budget_source: str) -> Platform:
+    """comfy-aimdo's view of a machine: on Windows the DXGI budget with its 512 MiB headroom
+    (``WDDM_BUDGET_HEADROOM``, src-win/shmem-detect.c), elsewhere the driver's mem-get-info
+    (``budget_source="device"``); pages kept by the policy until the model is collected."""
+    return Platform(name="aimdo_stock", vendor=vendor, probe=_stock_probe, budget_source=budget_source,
+                    capabilities=Capabilities(release_on_full_unload=False),
+                    headroom=512 * MiB if budget_source == "wddm" else 0,
+                    description="comfy-aimdo 0.5.x's free path, for side-by-side comparison only")
+
+
+class AimdoStockVmm(VmmBackend):
+    """The VMM mechanism doing what comfy-aimdo 0.5.x does.
+
+    * Each page is created, mapped and given access on fault
+      (``three_stooges``: ``cuMemCreate`` → ``cuMemMap`` → ``cuMemSetAccess``).
+    * Freeing a page unmaps it and releases its handle at once
+      (``mod1``: ``cuMemUnmap`` → ``cuMemRelease``; "Physical memory is
+      returned to the driver, not pooled"); nothing is recycled.
+    * The mechanism never synchronizes by itself: aimdo's only fence is the
+      ``cuCtxSynchronize`` inside its VBAR free paths, which the policy issues
+      (:class:`AimdoLoadPolicy`), and no free path waits for the WDDM page-in
+      of a fresh mapping.
+    * A failed fault is unwound with no sync (``three_stooges`` unwinds with
+      ``cuMemUnmap`` → ``cuMemRelease``).
+
+    ``carry_on``: after a simulated bugcheck, count it (the simulated driver
+    does) and carry on as if the machine had survived, so figures cover the
+    whole workload; False lets the bugcheck end the run.
+    """
+
+    def __init__(self, driver: Any, *, page_size: int = AIMDO_PAGE, carry_on: bool = True,
+                 budget_source: str = "device"):
+        super().__init__(stock_platform(driver.vendor, budget_source), driver, page_size=page_size)
+        self.carry_on = carry_on
+
+    def _unsafe(self, call: Any, *args: Any) -> None:
+        bugcheck = simulated_failures()[0]
+        try:
+            call(*args)
+        except bugcheck:
+            if not self.carry_on:
+                raise
+            self.driver.device_synchronize()  # the bugcheck is counted by the driver; the rest must go on
+            call(*args)
+
+    def _release_or_keep(self, state: Any, handle: Any) -> None:
+        self._unsafe(self.driver.release, handle)  # mod1: released at once, never pooled
+
+    def _fence_before_drop(self, state: Any) -> None:
+        """mod1 unmaps and releases page by page with no sync of its own (the policy's free paths
+        sync the device; a fault's evictions do not, see :class:`AimdoLoadPolicy`)."""
+
+    def _unmap(self, ptr: int, size: int) -> None:
+        self._unsafe(self.driver.unmap, ptr, size)
+
+    def _unwind(self, state: Any, r: Any, mapped: list) -> int:
+        for p, h in mapped:  # three_stooges' unwind: no sync
+            self._unsafe(self.driver.unmap, r.base + p * r.page_size, r.page_size)
+            self._release_or_keep(state, h)
+        return 0
+
+
+class AimdoLoadPolicy(StockPolicy):
+    """:class:`StockPolicy` with comfy-aimdo 0.5.x's pressure path during a load.
+
+    A fault that must make room calls ``vbars_free``, which in 0.5.x skips
+    both of its ``cuCtxSynchronize`` calls while the thread's malloc graph is
+    sync-paused, as ComfyUI 0.35's ``model_prefetch`` runs it; so evictions
+    made by a fault are not fenced. Other frees (a workflow switch, an unload:
+    ``vbar_free_memory``) still synchronize the device first.
+    """
+
+    _loading = False
+
+    def fault(self, model: Any, offset: int, size: int, device: Any = None) -> Any:
+        with self._lock:
+            self._loading = True
+            try:
+                return super().fault(model, offset, size, device)
+            finally:
+                self._loading = False
+
+    def _fence_before_free(self, slot: Any) -> None:
+        if not self._loading:
+            super()._fence_before_free(slot)

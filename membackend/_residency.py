@@ -1,0 +1,982 @@
+"""The residency policy: which model pages stay resident, which are evicted, when a reservation goes back.
+
+Backends are mechanism (a fault with no room is ``Fault(ok=False)``); this
+module is policy, on top of a :class:`~membackend._session.Session`:
+
+* **Models and reservations.** :meth:`ResidencyManager.register` gives a model
+  one reservation per device. Priority follows use (most recently used
+  highest) and, inside one reservation, lower offsets before higher, as
+  comfy-aimdo orders its VBAR pages. A fault pins its pages until
+  :meth:`~ResidencyManager.unpin`; pinned pages are never evicted. A
+  reservation that lost pages to another model's fault gets a watermark:
+  faults above it fail fast until the model is used again.
+* **Eviction on pressure.** Before backing new pages the budget's headroom is
+  kept free (for activations); when a fault is out of memory, unpinned pages of
+  the lowest-priority reservations are freed, top down, until it fits, then it
+  is retried; with nothing left to evict the out-of-memory result reaches the
+  caller. Pages a live tensor from :mod:`membackend._tensors` views are skipped
+  as pinned ones are (the session would refuse their free with ``TensorAlive``),
+  and a full unload of a model with such a tensor is refused the same way.
+* **Full unload** (G1, G5): fence, free every page, release the reservation
+  (when the backend's capabilities say so, the default) and do the same for
+  what the model owns indirectly (Hook delegates, cast buffers) and its pins.
+  The model object stays usable: its next fault reserves again and reports new
+  generations, so the caller copies again. Unloading everything also trims the
+  session (recycled handles, kept windows), so the driver is back at its
+  baseline. Unloads carry on past failures and raise one ``PartialFailure``.
+* **Threads and failures**: see :class:`ResidencyManager` and the residency
+  section of ``docs/architecture.md``.
+* **Keep warm by budget** (G4): a workflow switch (:meth:`~ResidencyManager.use`)
+  keeps other models resident while the budget allows; when it does not,
+  whole models are evicted least recently used first, never one the current
+  run uses.
+
+:class:`StockPolicy` reproduces today's ComfyUI + comfy-aimdo behaviour for side
+by side comparison; its docstring gives the sources.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import operator
+import threading
+import weakref
+from array import array
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
+
+from ._hostmem import process_private_bytes
+from .types import (
+    Device,
+    DriverError,
+    Fault,
+    FenceToken,
+    InvalidSize,
+    MembackendError,
+    OutOfRange,
+    PartialFailure,
+    Reservation,
+    ReservationReleased,
+    TensorAlive,
+    WrongDevice,
+)
+
+if TYPE_CHECKING:  # annotations only: the tracer is the session's, residency never imports it
+    from ._session import Session
+    from ._trace import TraceObserver
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "StockPolicy", "Unloaded"]
+
+# what the policy's page map says about one page
+GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class ModelError(MembackendError, ValueError):
+    """A model argument the residency manager cannot accept (an id, a kind, an owner, a model it does not know)."""
+
+
+def _locked(method: _F) -> _F:
+    """Run ``method`` holding the manager's lock (see :class:`ResidencyManager` for why it is safe to)."""
+    @functools.wraps(method)
+    def call(self: "ResidencyManager", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
+def _as_int(value: Any, what: str) -> int:
+    if value.__class__ is int:
+        return value
+    if isinstance(value, bool):
+        raise InvalidSize(f"{what} must be an integer number of bytes, got {value!r}; accepted: an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidSize(f"{what} must be an integer number of bytes, got {value!r}") from None
+
+
+def _changed(exc: BaseException) -> tuple[int, int]:
+    """Bytes a failed verb still mapped and dropped, exactly as the session's ledger takes them."""
+    if isinstance(exc, DriverError):
+        return getattr(exc, "mapped", 0) or 0, getattr(exc, "dropped", 0) or 0
+    return 0, 0
+
+
+class ModelKind(str, Enum):
+    DIFFUSION = "diffusion"
+    TEXT_ENCODER = "text_encoder"
+    VAE = "vae"
+    HOOK_DELEGATE = "hook_delegate"
+    CAST_BUFFER = "cast_buffer"
+    OTHER = "other"
+
+
+class _Slot:
+    """A model's reservation on one device, with the policy's page map.
+
+    ``resident[p]`` is GONE, RESIDENT or UNKNOWN. A page is UNKNOWN after a
+    fault or free over it raised: the driver may have left it mapped (a
+    rollback that could not unmap) or dropped it (a free that stopped half
+    way). ``maybe`` is how many bytes of the UNKNOWN pages are resident, as the
+    ledger counts them (``DriverError.mapped`` / ``.dropped``), so the slot's
+    resident bytes always equal the ledger's for the reservation. UNKNOWN pages
+    count as resident for eviction and unload (they are freed, and the free
+    says how much went) and as missing for faults (they are backed again).
+    """
+
+    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark")
+
+    def __init__(self, model: "Model", device: Device):
+        self.model = weakref.proxy(model)  # a stock finalizer holds slots; they must not keep the model alive
+        self.device = device
+        self.reservation: Reservation | None = None
+        self.resident = bytearray()
+        self.maybe = 0
+        self.pins = array("H")
+        self.watermark: int | None = None  # faults reaching above fail fast; None: no limit
+
+    def bind(self, r: Reservation) -> None:
+        self.reservation = r
+        self.resident = bytearray(r.pages)
+        self.maybe = 0
+        self.pins = array("H", bytes(2 * r.pages))
+        self.watermark = None
+
+    def clear_pins(self) -> None:
+        self.pins = array("H", bytes(2 * len(self.pins)))
+
+    @property
+    def alive(self) -> bool:
+        return self.reservation is not None and not self.reservation.released
+
+    def resident_bytes(self) -> int:
+        return self.resident.count(RESIDENT) * self.reservation.page_size + self.maybe if self.alive else 0
+
+    def missing(self, first: int, last: int) -> int:
+        """Bytes of ``[first, last)`` not known to be resident (UNKNOWN pages included)."""
+        return (last - first - self.resident.count(RESIDENT, first, last)) * self.reservation.page_size
+
+    # the map follows every verb's outcome exactly as the ledger does
+
+    def faulted(self, first: int, last: int, mapped: int) -> None:
+        """A fault of pages ``[first, last)`` succeeded and newly backed ``mapped`` bytes."""
+        unknown = self.resident.count(UNKNOWN, first, last)
+        if unknown:  # what was not newly backed among the not-known pages was resident already
+            self.maybe -= self.missing(first, last) - mapped
+        self.resident[first:last] = b"\x01" * (last - first)
+        self._settle()
+
+    def freed(self, first: int, last: int, dropped: int) -> None:
+        """A free of pages ``[first, last)`` succeeded and dropped ``dropped`` bytes."""
+        if self.resident.count(UNKNOWN, first, last):
+            self.maybe -= dropped - self.resident.count(RESIDENT, first, last) * self.reservation.page_size
+        self.resident[first:last] = bytes(last - first)
+        self._settle()
+
+    def fault_failed(self, first: int, last: int, exc: BaseException) -> None:
+        """A fault of ``[first, last)`` raised: its pages not known resident may be mapped now (unpinned)."""
+        mapped, dropped = _changed(exc)
+        r = self.resident
+        for p in range(first, last):
+            if r[p] == GONE:
+                r[p] = UNKNOWN
+        self.maybe += mapped - dropped
+
+    def free_failed(self, first: int, last: int, exc: BaseException) -> None:
+        """A free (or release) of ``[first, last)`` raised: its resident pages may or may not be gone."""
+        mapped, dropped = _changed(exc)
+        r = self.resident
+        known = r.count(RESIDENT, first, last)
+        for p in range(first, last):
+            if r[p] == RESIDENT:
+                r[p] = UNKNOWN
+        self.maybe += known * self.reservation.page_size + mapped - dropped
+
+    def _settle(self) -> None:
+        # only a backend whose results disagree with its own errors can trip these; keep the map sane
+        if UNKNOWN not in self.resident and self.maybe:
+            log.warning("membackend: model %s on %s: %d resident byte(s) unaccounted once every page was settled",
+                        self.model.id, self.device, self.maybe)
+            self.maybe = 0
+        elif self.maybe < 0:
+            self.maybe = 0
+
+    def released(self) -> None:
+        self.resident = bytearray(len(self.resident))
+        self.maybe = 0
+
+
+@dataclass(eq=False)
+class Model:
+    """A registered model. Callers keep it; the manager keeps what it needs to know about it."""
+
+    id: str
+    size: int
+    devices: tuple[Device, ...]
+    kind: ModelKind = ModelKind.OTHER
+    owner: "Model | None" = None
+    owned: list["Model"] = field(default_factory=list, repr=False)
+    last_used: int = 0
+    slots: dict[Device, _Slot] = field(default_factory=dict, repr=False)
+    __weakref__: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def reservation(self, device: Device | str | None = None) -> Reservation | None:
+        slot = self.slots[Device.parse(device) if device is not None else self.devices[0]]
+        return slot.reservation if slot.alive else None
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """What one full unload did: ``bytes`` that were resident, the reservations that were ``alive`` before,
+    how many were ``released`` (0 where the platform keeps address ranges), and their ``reserved_bytes``."""
+
+    bytes: int
+    alive: int
+    released: int
+    reserved_bytes: int
+
+
+class ResidencyManager:
+    """The membackend policy. ``tracer`` (default: the session's tracer) receives every decision.
+
+    **Threads.** One manager may be called from several threads at once (ComfyUI's
+    prompt worker faulting and unpinning, its server thread's ``/free`` calling
+    :meth:`free_memory` or :meth:`unload_all`, copy threads calling
+    :meth:`record`). Every method that reads or changes the policy's state
+    (the registry, the page maps, pins, watermarks, priorities) holds one
+    re-entrant lock, so each is atomic with respect to the others.
+
+    The lock is held while the session fences (a full unload, a free waiting
+    on recorded copies). That cannot deadlock with a copy thread: :meth:`record`
+    takes no policy lock (it reads the slot's reservation once and lets the
+    session order it against a racing release), so a copy thread never waits
+    for the thread that waits for its copy. Releasing the lock around each fence
+    instead would let another thread fault pages back in between the fence and
+    the free, and the unload would free memory that new work just started on.
+
+    **Failures.** A verb that raises leaves the page map agreeing with the
+    session's ledger (pages it may have changed become UNKNOWN: evictable,
+    freed by an unload). :meth:`full_unload`, :meth:`unload_all` and
+    :meth:`unregister` carry on past failures and raise one
+    :class:`~membackend.types.PartialFailure` naming every one.
+    """
+
+    policy = "membackend"
+
+    def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
+        self.session = session
+        self.tracer = tracer if tracer is not None else getattr(session, "tracer", None)
+        self._models: dict[str, Model] = {}
+        self._clock = itertools.count(1)
+        self._running: set[str] = set()  # ids of the models the current run uses
+        self._lock = threading.RLock()  # re-entrant: full_unload recurses, fault evicts through _shed
+
+    # ------------------------------------------------------------------ registry
+
+    @_locked
+    def register(self, model_id: str, size: int, devices: Any, kind: ModelKind | str = ModelKind.OTHER,
+                 owner: Model | None = None) -> Model:
+        """Register a model of ``size`` bytes on ``devices`` and reserve its address range on each.
+
+        Every argument is checked before anything is reserved. When a reservation
+        fails (a later device out of memory, a device that does not exist), the
+        ones already made are released, nothing is registered, and the error is
+        raised as it came.
+        """
+        if not isinstance(model_id, str) or not model_id:
+            raise ModelError(f"a model id is a non-empty str, got {model_id!r}")
+        if model_id in self._models:
+            raise ModelError(f"model {model_id!r} is already registered; unregister it or pick another id")
+        size = _as_int(size, "model size")
+        if size <= 0:
+            raise InvalidSize(f"model size must be > 0 bytes, got {size}")
+        devs = tuple(Device.parse(d) for d in (devices if isinstance(devices, (list, tuple)) else [devices]))
+        if not devs:
+            raise WrongDevice(f"model {model_id!r} needs at least one device, got {devices!r}")
+        if len(set(devs)) != len(devs):
+            raise WrongDevice(f"model {model_id!r} names a device twice: {', '.join(map(str, devs))}; "
+                              "accepted: each device once")
+        try:
+            kind = ModelKind(kind)
+        except ValueError:
+            raise ModelError(f"model kind {kind!r} is unknown; accepted: "
+                             f"{', '.join(k.value for k in ModelKind)}") from None
+        if owner is not None:
+            self._check_registered(owner, "owner")
+        model = Model(model_id, size, devs, kind, owner)
+        try:
+            for d in devs:
+                model.slots[d] = _Slot(model, d)
+                self._reserve_making_room(model.slots[d])
+        except BaseException as exc:
+            self._roll_back(model, exc)
+            raise
+        if owner is not None:
+            owner.owned.append(model)
+        self._keep(model)
+        self._trace("register", model, bytes=size, kind=model.kind.value, devices=[str(d) for d in devs],
+                    owner=owner.id if owner is not None else None)
+        return model
+
+    def _roll_back(self, model: Model, exc: BaseException) -> None:
+        """A register that failed part-way: give back every reservation it made, and the address
+        windows the backend would keep from them, so nothing stays charged (ComfyUI #15993's commit)."""
+        for slot in reversed(list(model.slots.values())):
+            if not slot.alive:
+                continue
+            try:
+                self.session.release_reservation(slot.reservation)
+                self._trim(slot.device)
+            except Exception as undo:  # the original error is the one to report; say what stayed behind
+                log.error("membackend: rolling back model %r on %s failed: %s", model.id, slot.device, undo)
+                exc.add_note(f"rolling back: giving back {model.id!r}'s reservation on {slot.device} failed: {undo}")
+        self._trace("register_failed", model, error=type(exc).__name__)
+
+    def _keep(self, model: Model) -> None:
+        self._models[model.id] = model
+
+    def _check_registered(self, model: Any, what: str = "model") -> Model:
+        if not isinstance(model, Model):
+            raise ModelError(f"{what} must be a Model from register(), got {type(model).__name__}")
+        if self._models.get(model.id) is not model:
+            raise ModelError(f"{what} {model.id!r} is not registered with this manager")
+        return model
+
+    @_locked
+    def models(self) -> list[Model]:
+        return list(self._models.values())
+
+    def _reserve(self, slot: _Slot) -> None:
+        slot.bind(self.session.reserve(slot.device, slot.model.size))
+        self._trace("reserve", slot.model, device=str(slot.device), bytes=slot.reservation.size)
+
+    def _reserve_making_room(self, slot: _Slot) -> None:
+        """Reserve ``slot``; when the backend refuses for want of memory or address space (a
+        ``MemoryError``: e.g. every window a reserve-churn limit lets it keep is in use), fully unload idle
+        models on the device -- least recently used first, never the current run's, never a pinned one --
+        so their ranges can serve, and try again. Raises the backend's last refusal when none is left."""
+        tried: set[str] = set()
+        mine = set()  # the model being reserved and the models that own it: never its own victims
+        m: Any = slot.model
+        while m is not None:
+            mine.add(m.id)
+            m = m.owner
+        while True:
+            try:
+                self._reserve(slot)
+                return
+            except MemoryError:
+                victim = self._idle_owner(slot.device, mine | tried)
+                if victim is None:
+                    raise
+                tried.add(victim.id)
+                try:
+                    self.full_unload(victim)
+                except PartialFailure:
+                    continue  # what could be unloaded was; the next idle model is tried
+                self._trace("evict_model", victim, device=str(slot.device), bytes=0, reason="address space")
+
+    def _idle_owner(self, device: Device, skip: set[str]) -> Model | None:
+        """The least recently used model (an owner, with what it owns) with a live range on ``device`` that no
+        part of the current run uses and no page of which is pinned; None when there is none."""
+        for s in self._by_priority(device):
+            owner = self._models.get(s.model.id)
+            while owner is not None and owner.owner is not None:
+                owner = owner.owner
+            if owner is None or owner.id in skip or self._in_run(owner) or self._pinned(owner):
+                continue
+            return owner
+        return None
+
+    def _in_run(self, model: Model) -> bool:
+        return model.id in self._running or any(self._in_run(child) for child in model.owned)
+
+    def _slot(self, model: Model, device: Any) -> _Slot:
+        self._check_registered(model)
+        dev = Device.parse(device) if device is not None else model.devices[0]
+        slot = model.slots.get(dev)
+        if slot is None:
+            raise WrongDevice(f"model {model.id!r} is not registered on {dev}; "
+                              f"its devices: {', '.join(map(str, model.devices))}")
+        return slot
+
+    @staticmethod
+    def _pages(slot: _Slot, model: Model, offset: Any, size: Any) -> tuple[int, int, int, int]:
+        """Check a byte range of ``model``; returns ``(offset, size, first page, end page)``."""
+        offset, size = _as_int(offset, "offset"), _as_int(size, "size")
+        if size <= 0:
+            raise InvalidSize(f"size must be > 0, got {size}")
+        if offset < 0 or offset + size > model.size:
+            raise OutOfRange(f"range [{offset}, {offset + size}) is outside model {model.id!r} of {model.size} "
+                             f"bytes; accepted: 0 <= offset and offset + size <= {model.size}")
+        ps = slot.reservation.page_size if slot.reservation is not None else 1
+        return offset, size, offset // ps, (offset + size - 1) // ps + 1
+
+    # ------------------------------------------------------------------ use
+
+    @_locked
+    def use(self, models: Iterable[Model], *, workflow: str | None = None) -> None:
+        """Start a run (a workflow) that uses ``models``: they get the highest priority and may
+        not be evicted whole; what else stays resident is decided by the budget (G4).
+        ``workflow`` names the run in the trace (a replay's timeline marks the switch)."""
+        models = [self._check_registered(m) for m in models]
+        self._running = {m.id for m in models}
+        for m in models:
+            self._prioritize(m)
+        self._trace("use", None, models=[m.id for m in models], workflow=workflow)
+        self._on_workflow_switch(models)
+
+    @_locked
+    def prioritize(self, model: Model) -> None:
+        """Most recently used from now on; lifts the watermark of each of its reservations."""
+        self._prioritize(model)
+        self._trace("prioritize", model)
+
+    def _prioritize(self, model: Model) -> None:
+        self._check_registered(model)
+        model.last_used = next(self._clock)
+        for slot in model.slots.values():
+            slot.watermark = None
+
+    def _on_workflow_switch(self, models: list[Model]) -> None:
+        for device in {d for m in self._models.values() for d in m.devices}:
+            self.keep_warm(device)
+
+    @_locked
+    def keep_warm(self, device: Any) -> int:
+        """Evict whole models, least recently used first (never one the current run uses), until the
+        budget's headroom is free again; returns bytes freed."""
+        device = Device.parse(device)
+        b = self.session.budget_query(device)
+        deficit = b.headroom - b.free
+        return self._evict_models(device, deficit, None, "budget") if deficit > 0 else 0
+
+    def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
+        freed = 0
+        for slot in self._by_priority(device):
+            if freed >= amount:
+                break
+            if slot.model.id in self._running or slot is protect:
+                continue
+            dropped = self._shed(slot, math.inf, None)
+            if dropped:
+                freed += dropped
+                slot.watermark = 0
+                self._trace("evict_model", slot.model, device=str(device), bytes=dropped, reason=reason)
+        return freed
+
+    # ------------------------------------------------------------------ faults
+
+    @_locked
+    def fault(self, model: Model, offset: int, size: int, device: Any = None) -> Fault:
+        """Back ``[offset, offset+size)`` of ``model`` and pin it; evicts by priority when out of memory.
+
+        The range must lie inside the model (``0 <= offset``, ``offset + size <= model.size``);
+        a bad range is refused (``InvalidSize`` / ``OutOfRange``) before anything is evicted.
+        A ``DriverError`` from the session leaves the pages it may have mapped counted
+        (UNKNOWN, unpinned), so eviction and unload free them.
+        """
+        slot = self._slot(model, device)
+        offset, size, first, last = self._pages(slot, model, offset, size)
+        if not slot.alive:  # used again after a full unload: reserve again, transparently
+            try:
+                self._reserve_making_room(slot)
+            except MemoryError:  # refused for want of memory or address space, nothing left to unload
+                self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                            result="oom", reason="address space")
+                return Fault(False, (), first, 0)
+            offset, size, first, last = self._pages(slot, model, offset, size)
+        r = slot.reservation
+        model.last_used = next(self._clock)
+        if slot.watermark is not None and offset + size > slot.watermark:
+            self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                        result="fail_fast", watermark=slot.watermark)
+            return Fault(False, (), first, 0)
+        ps = r.page_size
+        missing = slot.missing(first, last)
+        if missing:
+            usable = self.session.budget_query(slot.device).usable
+            if missing > usable and self._evict(slot.device, missing - usable, (slot, first, last),
+                                                "headroom") < missing - usable:
+                # past the budget a WDDM driver would spill to shared memory and a unified pool
+                # would squeeze the host: out of memory is the caller's answer instead
+                self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                            result="oom", reason="budget")
+                return Fault(False, (), first, 0)
+        f = self._session_fault(slot, offset, size, first, last)
+        while not f.ok:
+            if not self._evict(slot.device, missing or ps, (slot, first, last), "out of memory"):
+                self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
+                            result="oom", reason="driver")
+                return f
+            f = self._session_fault(slot, offset, size, first, last)
+        slot.faulted(first, last, f.mapped)
+        pins = slot.pins
+        for p in range(first, last):
+            pins[p] += 1
+        if self.tracer is not None:
+            self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=f.mapped,
+                        result="mapped" if f.mapped else "resident")
+        return f
+
+    def _session_fault(self, slot: _Slot, offset: int, size: int, first: int, last: int) -> Fault:
+        try:
+            return self.session.fault(slot.reservation, offset, size)
+        except Exception as exc:
+            slot.fault_failed(first, last, exc)
+            raise
+
+    @_locked
+    def unpin(self, model: Model, offset: int, size: int, device: Any = None) -> None:
+        """The op that faulted the range is done with it; its pages may be evicted again."""
+        slot = self._slot(model, device)
+        _, _, first, last = self._pages(slot, model, offset, size)
+        if not slot.alive:
+            return
+        pins = slot.pins
+        for p in range(first, last):
+            if pins[p]:
+                pins[p] -= 1
+        if self.tracer is not None:
+            self._trace("unpin", model, device=str(slot.device), offset=offset, bytes=size)
+
+    def copied(self, model: Model, offset: int, size: int, seconds: float, device: Any = None) -> None:
+        """Tell the trace that ``size`` bytes were copied into ``[offset, offset+size)`` of ``model``
+        in ``seconds`` (the cast path's copy of fresh pages). Nothing else happens: a replay uses
+        these to model load time and to run copies that a later free must wait for."""
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds) \
+                or seconds < 0:
+            raise ModelError(f"copy seconds must be a finite number >= 0, got {seconds!r}")
+        if self.tracer is not None:
+            slot = self._slot(model, device)
+            self._trace("copy", model, device=str(slot.device), offset=_as_int(offset, "offset"),
+                        bytes=_as_int(size, "copy size"), seconds=float(seconds))
+
+    def record(self, model: Model, token: FenceToken, device: Any = None) -> None:
+        """Asynchronous work (a copy) on the model's pages: frees and unloads wait for it.
+
+        Takes no policy lock (see the class docstring): a copy thread must never
+        wait for a thread that is fencing its copy. A full unload racing it either
+        fences the token or makes this raise ``ReservationReleased``.
+        """
+        slot = self._slot(model, device)
+        r = slot.reservation  # read once: a racing full unload may release it under us
+        if r is None or r.released:
+            raise ReservationReleased(f"model {model.id!r} has no reservation on {slot.device} (fully unloaded); "
+                                      "fault it before copying into it")
+        try:
+            self.session.record(r, token)
+        except ReservationReleased:
+            raise ReservationReleased(f"model {model.id!r} was fully unloaded from {slot.device} while the copy "
+                                      "was recorded; fault it again and copy again") from None
+
+    # ------------------------------------------------------------------ eviction
+
+    def _by_priority(self, device: Device) -> list[_Slot]:
+        """Live slots on ``device``, lowest priority (least recently used) first."""
+        slots = [s for m in self._models.values() for d, s in m.slots.items() if d == device and s.alive]
+        return sorted(slots, key=lambda s: s.model.last_used)
+
+    def _evict(self, device: Device, amount: int, protect: tuple[_Slot, int, int], reason: str) -> int:
+        """Free at least ``amount`` bytes: whole models outside the current run first (least recently
+        used first), then unpinned pages of the run's own models, lowest priority first, top down."""
+        freed = self._evict_models(device, amount, protect[0], reason)
+        for slot in self._by_priority(device):
+            if freed >= amount:
+                break
+            dropped = self._shed(slot, amount - freed, protect)
+            if dropped:
+                freed += dropped
+                self._trace("evict", slot.model, device=str(device), bytes=dropped, reason=reason,
+                            watermark=slot.watermark)
+        return freed
+
+    def _shed(self, slot: _Slot, amount: float, protect: tuple[_Slot, int, int] | None) -> int:
+        """Free unpinned resident (or UNKNOWN) pages of ``slot`` from the top down, up to ``amount``
+        bytes (rounded up to pages). Another model's reservation gets a watermark at the lowest page
+        freed; the faulting reservation gives up pages above its range without one."""
+        r = slot.reservation
+        ps = r.page_size
+        own = protect is not None and protect[0] is slot
+        lo, hi = (protect[1], protect[2]) if own else (0, 0)
+        resident, pins = slot.resident, slot.pins
+        held = self._viewed(slot)  # pages a live tensor views are skipped, as pinned ones are
+
+        def evictable(p: int) -> bool:
+            return resident[p] and not pins[p] and not lo <= p < hi and p not in held
+
+        freed, lowest, p = 0, None, r.pages - 1
+        while p >= 0 and freed < amount:
+            if not evictable(p):
+                p -= 1
+                continue
+            end = p + 1
+            limit = math.ceil((amount - freed) / ps) if amount != math.inf else math.inf  # pages still wanted
+            while p >= 0 and evictable(p) and end - p <= limit:
+                p -= 1
+            start = p + 1
+            dropped = self._free_pages(slot, start, end)
+            freed += dropped
+            if dropped:  # a free refused under a live tensor drops nothing: no watermark over resident pages
+                lowest = start * ps
+        if lowest is not None and not own:
+            slot.watermark = lowest if slot.watermark is None else min(slot.watermark, lowest)
+        return freed
+
+    def _viewed(self, slot: _Slot) -> frozenset[int] | set[int]:
+        """Pages of ``slot`` that a live tensor from ``membackend._tensors`` views (never evicted)."""
+        views = getattr(self.session, "views", None)
+        spans = views(slot.reservation) if views is not None else ()
+        if not spans:
+            return frozenset()
+        ps = slot.reservation.page_size
+        return {p for a, b in spans for p in range(a // ps, (b - 1) // ps + 1)}
+
+    def _free_pages(self, slot: _Slot, start: int, end: int) -> int:
+        r = slot.reservation
+        self._fence_before_free(slot)
+        try:
+            dropped = self.session.free(r, start * r.page_size, (end - start) * r.page_size)
+        except TensorAlive:  # a tensor made over these pages since they were chosen: skipped, nothing changed
+            return 0
+        except Exception as exc:
+            slot.free_failed(start, end, exc)
+            raise
+        slot.freed(start, end, dropped)
+        return dropped
+
+    def _fence_before_free(self, slot: _Slot) -> None:
+        """The session fences the reservation's recorded work before every free (G2); nothing to add."""
+
+    # ------------------------------------------------------------------ unload
+
+    @_locked
+    def free_memory(self, amount: int, device: Any) -> int:
+        """Free at least ``amount`` bytes on ``device`` by priority (pinned pages stay); returns bytes freed."""
+        amount = _as_int(amount, "amount")
+        if amount < 0:
+            raise InvalidSize(f"amount must be >= 0 bytes, got {amount}")
+        device = Device.parse(device)
+        freed = 0
+        for slot in self._by_priority(device):
+            if freed >= amount:
+                break
+            freed += self._shed(slot, amount - freed, None)
+        if freed < amount:
+            log.info("membackend: free_memory(%d) on %s freed only %d bytes: the rest is pinned", amount, device, freed)
+        self._trace("free_memory", None, device=str(device), bytes=amount, result=freed)
+        return freed
+
+    @_locked
+    def full_unload(self, model: Model) -> int:
+        """Fence, free every page, release the reservation on every device, and the same for what
+        the model owns indirectly (G1, G5). Returns bytes that were resident. The model stays usable.
+
+        A device that fails does not stop the others: everything that can be unloaded is,
+        then one :class:`~membackend.types.PartialFailure` names each model and device that
+        failed (those keep their reservation; unloading again retries them).
+        """
+        self._check_registered(model)
+        failures: list[tuple[str, BaseException]] = []
+        before = self._committed(model)
+        dropped = self._unload(model, failures, self._via)
+        if before is not None:
+            self._trace("commit", model, committed_before=before, committed_after=self._committed(model))
+        if failures:
+            raise PartialFailure(f"full unload of model {model.id!r}", failures)
+        return dropped
+
+    @_locked
+    def full_unload_unless_pinned(self, model: Model) -> "Unloaded | None":
+        """:meth:`full_unload`, unless a page of the model (or of what it owns) is pinned: then None, and
+        nothing was done.
+
+        The pin check and the unload are one decision under the policy's lock, so a
+        fault on another thread either pins first (None here) or comes after the
+        unload (and reserves anew, as any fresh fault). Raises what ``full_unload``
+        raises (``PartialFailure``)."""
+        self._check_registered(model)
+        if self._pinned(model):
+            return None
+        alive = [slot.reservation for slot in model.slots.values() if slot.alive]
+        dropped = self.full_unload(model)
+        return Unloaded(dropped, len(alive), sum(r.released for r in alive), sum(r.size for r in alive))
+
+    def _pinned(self, model: Model) -> bool:
+        return any(any(slot.pins) for slot in model.slots.values() if slot.alive) or \
+            any(self._pinned(child) for child in model.owned)
+
+    #: why a full unload happens when it is not the caller's own request (traced as ``via``: a replay
+    #: re-executes only the requests, not their consequences)
+    _via: str | None = None
+
+    def _unload(self, model: Model, failures: list[tuple[str, BaseException]], via: str | None) -> int:
+        dropped = 0
+        for child in list(model.owned):
+            dropped += self._unload(child, failures, f"owner {model.id}")
+        release = self.session.capabilities.release_on_full_unload
+        for slot in model.slots.values():
+            if not slot.alive:
+                continue
+            try:
+                dropped += self._unload_slot(slot, release)
+            except Exception as exc:
+                failures.append((f"model {model.id!r} on {slot.device}", exc))
+        self._trace("full_unload", model, bytes=dropped, released=release, owned=[c.id for c in model.owned],
+                    via=via)
+        return dropped
+
+    def _unload_slot(self, slot: _Slot, release: bool) -> int:
+        r = slot.reservation
+        self.session.fence(reservation=r)
+        pins = slot.pins
+        slot.clear_pins()  # its pins go with it
+        if not release:
+            return self._shed(slot, math.inf, None)
+        try:
+            dropped = self.session.release_reservation(r)
+        except TensorAlive:  # refused, nothing changed: the model keeps its pages and pins
+            slot.pins = pins
+            raise
+        except Exception as exc:
+            slot.free_failed(0, r.pages, exc)
+            raise
+        slot.released()
+        return dropped
+
+    def _committed(self, model: Model) -> int | None:
+        """Process memory the platform charges (Windows private bytes; a simulation's commit accounting),
+        for the trace around each unload; None where the platform charges none."""
+        inspect = getattr(self.session, "inspect", None)
+        state = inspect(model.devices[0]) if inspect is not None else None
+        if state is not None and state.committed is not None:
+            return state.committed
+        return process_private_bytes()
+
+    @_locked
+    def unload_all(self) -> int:
+        """Full unload of every registered model (ComfyUI's ``unload_all_models``), then give back
+        what the backend keeps for reuse (``Session.trim``), so the driver is back at its baseline (G1).
+
+        Carries on past failures and raises one :class:`~membackend.types.PartialFailure`
+        naming every model, device (and the trim) that failed. Returns bytes that were resident.
+        """
+        failures: list[tuple[str, BaseException]] = []
+        dropped = 0
+        self._via = "unload_all"
+        try:
+            for m in [m for m in self._models.values() if m.owner is None]:
+                try:
+                    dropped += self.full_unload(m)
+                except PartialFailure as exc:
+                    failures += exc.failures
+                except Exception as exc:
+                    failures.append((f"model {m.id!r}", exc))
+        finally:
+            self._via = None
+        try:
+            self._trim()
+        except Exception as exc:
+            failures.append(("trim", exc))
+        self._trace("unload_all", None, bytes=dropped, failures=len(failures))
+        if failures:
+            raise PartialFailure("unload_all", failures)
+        return dropped
+
+    def _trim(self, device: Device | None = None) -> int:
+        """Give back what the backend keeps for reuse on ``device`` (every device when None)."""
+        trim = getattr(self.session, "trim", None)  # sessions before issue 7 have no trim: nothing to give back
+        return trim(device) if trim is not None else 0
+
+    @_locked
+    def on_idle(self) -> int:
+        """The caller is idle (no run in progress, e.g. ComfyUI's prompt queue is empty): give back what
+        the backend keeps for reuse — recycled physical handles, address windows kept against a
+        reserve-churn limit — so held memory never outlives the work that needed it. Resident models
+        stay resident (G4). Returns the bytes given back."""
+        self._running = set()
+        given = self._trim()
+        self._trace("idle", None, bytes=given)
+        return given
+
+    @_locked
+    def unregister(self, model: Model) -> None:
+        """Full unload, then forget the model (and what it owns).
+
+        When the unload fails (``PartialFailure``), the model stays registered so
+        that unregistering it again retries.
+        """
+        self._unregister(model, None)
+
+    def _unregister(self, model: Model, via: str | None) -> None:
+        self._via = "unregister"
+        try:
+            self.full_unload(model)
+        finally:
+            self._via = None
+        for child in list(model.owned):
+            self._unregister(child, f"owner {model.id}")
+        if model.owner is not None and model in model.owner.owned:
+            model.owner.owned.remove(model)
+        self._models.pop(model.id, None)
+        self._trace("unregister", model, via=via)
+
+    # ------------------------------------------------------------------ per-reservation controls
+    # (what a comfy-aimdo ModelVBAR offers per reservation; the ComfyUI facade calls them)
+
+    @_locked
+    def deprioritize(self, model: Model) -> None:
+        """Least recently used from now on: the model's pages are the first evicted."""
+        self._check_registered(model)
+        model.last_used = 0
+        self._trace("deprioritize", model)
+
+    @_locked
+    def shed(self, model: Model, amount: int, device: Any = None, floor: int = 0) -> int:
+        """Free up to ``amount`` bytes of ``model``'s unpinned resident pages from the top down,
+        never below byte ``floor``; returns bytes freed. The reservation stays (no watermark is set)."""
+        slot = self._slot(model, device)
+        amount, floor = _as_int(amount, "amount"), _as_int(floor, "floor")
+        if amount < 0 or floor < 0:
+            raise InvalidSize(f"amount and floor must be >= 0 bytes, got {amount} and {floor}")
+        if not slot.alive or not amount:
+            return 0
+        ps = slot.reservation.page_size
+        low = -(-floor // ps)  # pages wholly above the floor
+        freed = self._shed(slot, amount, (slot, 0, low)) if low < slot.reservation.pages else 0
+        self._trace("shed", model, device=str(slot.device), bytes=amount, result=freed, floor=floor)
+        return freed
+
+    @_locked
+    def set_watermark(self, model: Model, limit: int | None, device: Any = None) -> None:
+        """Faults reaching above byte ``limit`` fail fast until the model is prioritized (None: no limit)."""
+        slot = self._slot(model, device)
+        slot.watermark = None if limit is None else _as_int(limit, "watermark")
+        self._trace("set_watermark", model, device=str(slot.device), limit=slot.watermark)
+
+    @_locked
+    def watermark(self, model: Model, device: Any = None) -> int | None:
+        return self._slot(model, device).watermark
+
+    @_locked
+    def residency(self, model: Model, device: Any = None) -> list[int]:
+        """One entry per page of the model's reservation: bit 0 resident (or possibly resident),
+        bit 1 pinned; empty when the reservation is not alive."""
+        slot = self._slot(model, device)
+        if not slot.alive:
+            return []
+        return [(1 if r else 0) | (2 if p else 0) for r, p in zip(slot.resident, slot.pins)]
+
+    @_locked
+    def evictable(self, device: Any) -> int:
+        """Bytes of unpinned resident pages on ``device`` (what eviction could give back now)."""
+        device = Device.parse(device)
+        total = 0
+        for slot in self._by_priority(device):
+            ps = slot.reservation.page_size
+            held = self._viewed(slot)
+            total += sum(1 for i, (r, p) in enumerate(zip(slot.resident, slot.pins))
+                         if r and not p and i not in held) * ps
+        return total
+
+    # ------------------------------------------------------------------ reporting
+
+    @_locked
+    def stats(self, device: Any = None) -> dict[str, Any]:
+        """Per model: resident bytes and whether its reservation is alive, on one device or all.
+
+        Resident bytes equal the session ledger's for the model's reservations, failed
+        verbs included (pages they may have changed are counted as the ledger counts them).
+        """
+        dev = Device.parse(device) if device is not None else None
+        return {
+            m.id: {
+                "resident": sum(s.resident_bytes() for d, s in m.slots.items() if dev is None or d == dev),
+                "reserved": any(s.alive for d, s in m.slots.items() if dev is None or d == dev),
+            }
+            for m in self._models.values()
+        }
+
+    def _trace(self, event: str, model: Model | None, **fields: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.event(event, policy=self.policy, model=model.id if model else None, **fields)
+
+
+class StockPolicy(ResidencyManager):
+    """Today's ComfyUI + comfy-aimdo, reproduced for side-by-side comparison.
+
+    * A full unload frees the pages (``vbar.free_memory``, after a device-wide
+      sync) but the reservation (the ``ModelVBAR``) stays alive until the model
+      object is garbage-collected: "The ModelVBAR object (the VA reservation)
+      stays in BaseModel.dynamic_vbars for as long as the BaseModel lives"
+      (ComfyUI's ``unload_all_models``; ComfyUI #15993).
+      What the model owns indirectly is left alone (the Hook delegate of
+      ComfyUI #15533 survives).
+    * Frees are fenced by a device-wide sync (comfy-aimdo's VBAR free paths
+      call ``cuCtxSynchronize``), not per reservation.
+    * When the workflow changes, the models of the previous one lose their
+      residency: ComfyUI's cache drops their outputs and the unload frees their
+      pages (ComfyUI #14519: image → video → image reloads everything).
+    * Budgets are the backend's mem-get-info figures as reported.
+
+    The registry holds models weakly, so dropping the last reference is what
+    releases a reservation, as garbage collection does in ComfyUI.
+    """
+
+    policy = "stock"
+
+    def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
+        super().__init__(session, tracer=tracer)
+        self._models = weakref.WeakValueDictionary()  # type: ignore[assignment]
+
+    def _keep(self, model: Model) -> None:
+        self._models[model.id] = model
+        session, reservations = self.session, [s for s in model.slots.values()]
+        weakref.finalize(model, _release_on_gc, session, reservations, self.tracer)
+
+    def _on_workflow_switch(self, models: list[Model]) -> None:
+        keep = {m.id for m in models}
+        for m in list(self._models.values()):
+            if m.id in keep:
+                continue
+            for slot in m.slots.values():
+                if slot.alive and any(slot.resident):
+                    dropped = self._shed(slot, math.inf, None)
+                    self._trace("evict_model", m, device=str(slot.device), bytes=dropped, reason="workflow change")
+
+    def _fence_before_free(self, slot: _Slot) -> None:
+        self.session.fence(slot.device)  # aimdo: cuCtxSynchronize before VBAR unmaps
+
+    def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
+        return 0  # aimdo evicts pages by VBAR priority, never whole models (vbars_free)
+
+    @_locked
+    def full_unload(self, model: Model) -> int:
+        self._check_registered(model)
+        dropped = 0
+        for slot in model.slots.values():
+            if slot.alive:
+                slot.clear_pins()
+                dropped += self._shed(slot, math.inf, None)
+        self._trace("full_unload", model, bytes=dropped, released=False, owned=[], via=self._via)
+        return dropped
+
+
+def _release_on_gc(session: Session, slots: list[_Slot], tracer: TraceObserver | None) -> None:
+    """StockPolicy: the reservation goes back only when the model object is collected."""
+    for slot in slots:
+        if slot.alive:
+            try:
+                session.release_reservation(slot.reservation)
+            except Exception as exc:  # a finalizer must not raise
+                log.warning("membackend: releasing a collected model's reservation failed: %s", exc)
+    if tracer is not None:
+        tracer.event("release_on_gc", policy="stock", bytes=sum(s.reservation.size for s in slots if s.reservation))

@@ -1,0 +1,654 @@
+"""A :class:`Session`: one selected backend, its ledger and its observers.
+
+The session is what callers use. It checks every argument before the backend
+sees it (so every backend gets the same typed errors and the ledger never
+changes on a bad call), keeps the fence tokens recorded on each reservation,
+fences before every free and release (G2), and keeps the ledger.
+
+The hot verbs (``fault``, ``free``) are bound once: with no observer wrapping
+a verb, the session calls the backend's method directly instead of going
+through pluggy's generic dispatch; with observers, it calls a hook caller that
+holds only this backend and those observers. Observers may only wrap
+(``wrapper=True`` or ``hookwrapper=True`` hookimpls): a plain hookimpl could
+answer in the backend's place, so it is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import operator
+import threading
+from typing import Any, Callable, Iterable, NoReturn
+
+import pluggy
+
+from . import hookspec
+from ._ledger import Ledger, still_running
+from .types import (
+    Budget,
+    Candidate,
+    Capabilities,
+    Device,
+    DriverError,
+    DriverState,
+    FenceToken,
+    Fault,
+    ForeignReservation,
+    InvalidSize,
+    InvalidToken,
+    Machine,
+    MembackendError,
+    Misaligned,
+    OutOfRange,
+    PartialFailure,
+    PluginError,
+    Reservation,
+    TensorAlive,
+    WrongDevice,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Session", "MAX_RESERVATION"]
+
+#: The largest reservation a session passes to a backend: 2**48 bytes (256 TiB).
+#: That is the whole user address space of x86-64 and AArch64 with 4-level page
+#: tables, and more than any GPU driver's virtual address range for one
+#: process, so no platform can hold a bigger range. A bigger size is a caller's
+#: bug (a negative number cast to unsigned, a unit mix-up); refusing it up front
+#: also keeps it from wrapping in a driver's ``size_t`` into a small, valid range.
+MAX_RESERVATION = 1 << 48
+
+#: argument names of each verb, in order, from the hookspecs themselves
+_ARGNAMES: dict[str, tuple[str, ...]] = {
+    verb: tuple(inspect.signature(getattr(hookspec, verb)).parameters) for verb in hookspec.VERBS
+}
+
+
+def _int(value: Any, what: str, accepted: str) -> int:
+    """``value`` as an int, or ``InvalidSize`` naming what was given and what is accepted (no bools)."""
+    if value.__class__ is not bool:
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InvalidSize(f"{what} must be an integer number of bytes, got {value!r} ({type(value).__name__}); "
+                      f"accepted: {accepted}")
+
+
+class Session:
+    """Bound to exactly one backend; see the module docstring for the guarantees.
+
+    Threads: a session may be called from several threads at once (a worker
+    issuing verbs, copy threads calling :meth:`record`, a server thread
+    unloading). Verbs on one reservation are serialised by a lock of that
+    reservation; verbs on different reservations proceed independently (the
+    backend must then be safe for concurrent calls on different reservations,
+    as a real driver is). The ledger's updates are atomic. :meth:`record`
+    racing :meth:`release_reservation` either records first, and the release
+    waits for that token, or fails with ``ReservationReleased``: no token
+    outlives its reservation. A fence token's ``wait()`` must not call back
+    into the session on the same reservation (the reservation's lock is held).
+
+    **Live tensor views.** ``membackend._tensors``' public functions register each
+    tensor they make as a *view* of its byte range (:meth:`add_view`); the view
+    ends when torch frees the tensor's storage (every tensor sharing it gone).
+    :meth:`free` and :meth:`release_reservation` of a range a live view overlaps
+    raise :class:`~membackend.types.TensorAlive` and change nothing, so a tensor
+    never reads freed or reused memory. Registration is serialised with the
+    reservation's other verbs; with no view on a reservation its frees pay one
+    dict lookup.
+
+    ``tracer`` (a :class:`membackend._trace.TraceObserver` or None) wraps the
+    verbs like any observer and is exposed as :attr:`tracer` for the layers
+    above (the residency manager logs its decisions to it).
+    """
+
+    def __init__(self, backend: Any, *, machine: Machine, ledger: Ledger | None = None,
+                 observers: Iterable[Any] = (), headroom: int | None = None,
+                 candidate: Candidate | None = None, how: str = "forced", tracer: Any = None):
+        self.backend = backend
+        self.name: str = backend.name
+        self.capabilities: Capabilities = getattr(backend, "capabilities", None) or Capabilities()
+        self.device_kinds: tuple[str, ...] = tuple(getattr(backend, "device_kinds", ("cpu", "cuda", "hip")))
+        self.machine = machine
+        self.ledger = ledger or Ledger()
+        self._pending_ids = self.ledger.pending_ids  # membership tests on the hot path
+        self._sanitize = self.ledger.sanitize
+        self.headroom = headroom
+        self._headrooms: dict[Device, int] = {}  # per device, set by the caller (ComfyUI's memory flags)
+        self.candidate = candidate
+        self.how = how
+        self.tracer = tracer
+        observers = list(observers)
+        if tracer is not None and not any(o is tracer for o in observers):
+            observers.append(tracer)
+        #: live reservations of this session -> the lock that serialises verbs on each
+        self._live: dict[Reservation, threading.Lock] = {}
+        #: reservations with (or recently with) live tensor views -> {view key: (offset, end)}; an entry is
+        #: added under the reservation's lock, removed without any lock by the finalizer of the tensor's storage
+        self._views: dict[Reservation, dict[int, tuple[int, int]]] = {}
+        self._view_keys = itertools.count(1)
+        known = self.devices()
+        self._known = frozenset(known)
+        self._known_kinds = frozenset(d.kind for d in known)
+        self.observers: list[Any] = []
+        self._bind(observers)
+
+    # ------------------------------------------------------------------ binding
+
+    def _bind(self, observers: list[Any]) -> None:
+        """Bind every verb for ``observers``; on a refused observer nothing changes."""
+        pm = pluggy.PluginManager(hookspec.PROJECT)
+        pm.add_hookspecs(hookspec)
+        pm.register(self.backend, name=f"backend:{self.name}")
+        for i, obs in enumerate(observers):
+            label = f"observer {type(obs).__name__} (#{i})"
+            try:
+                pm.register(obs, name=f"observer:{i}:{type(obs).__name__}")
+            except Exception as exc:
+                raise PluginError(f"{label} cannot be registered: {exc}") from exc
+            for caller in pm.get_hookcallers(obs) or ():
+                for impl in caller.get_hookimpls():
+                    if impl.plugin is obs and not (impl.wrapper or impl.hookwrapper):
+                        raise PluginError(
+                            f"{label} implements {caller.name} as a plain hookimpl, which could answer in the "
+                            f"backend's place; accepted: observers mark every hookimpl @hookimpl(wrapper=True)")
+        bound: dict[str, Callable[..., Any]] = {}
+        for verb in hookspec.VERBS:
+            caller = getattr(pm.hook, verb)
+            wrapped = any(impl.plugin is not self.backend for impl in caller.get_hookimpls())
+            bound["_" + verb.removeprefix("membackend_")] = (
+                self._through(caller, _ARGNAMES[verb]) if wrapped else getattr(self.backend, verb))
+        for name in hookspec.OPTIONAL_HOOKS:
+            impls = [i for i in getattr(pm.hook, name).get_hookimpls() if i.plugin is self.backend]
+            bound["_opt_" + name.removeprefix("membackend_")] = impls[0].function if impls else None
+        self._pm = pm
+        self.observers = list(observers)
+        for attr, fn in bound.items():
+            setattr(self, attr, fn)
+
+    @staticmethod
+    def _through(caller: Any, argnames: tuple[str, ...]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            return caller(**dict(zip(argnames, args)))
+        return call
+
+    def add_observer(self, observer: Any) -> None:
+        """Wrap the verbs with ``observer``'s ``wrapper=True`` hookimpls from now on.
+
+        ``PluginError`` (and no change) when the observer has a plain hookimpl.
+        """
+        self._bind(self.observers + [observer])
+
+    # ------------------------------------------------------------------ checks
+
+    def _device(self, device: Any) -> Device:
+        if device.__class__ is not Device:
+            device = Device.parse(device)
+        if device in self._known:
+            return device
+        if device.kind not in self.device_kinds:
+            raise WrongDevice(f"backend {self.name!r} serves {', '.join(self.device_kinds)} devices, not {device}")
+        if device.kind in self._known_kinds:  # the machine lists this kind: the index must be one of them
+            have = ", ".join(str(d) for d in sorted(self._known) if d.kind == device.kind)
+            raise WrongDevice(f"{device} is not a device of this machine; accepted: {have}")
+        return device  # devices the machine facts do not list: the backend decides
+
+    def _refuse(self, r: Any, verb: str) -> NoReturn:
+        """Raise the typed error for a reservation that is not alive in this session."""
+        if not isinstance(r, Reservation):
+            raise WrongDevice(f"{verb} needs a Reservation from this session, got {type(r).__name__}")
+        self.ledger.check_alive(r, verb)  # raises when released
+        if r.backend != self.name:
+            raise WrongDevice(f"reservation #{r.id} belongs to backend {r.backend!r}, not {self.name!r}")
+        raise ForeignReservation(
+            f"{verb}: reservation #{r.id} ({r.device}) was handed out by another session of backend "
+            f"{self.name!r}; nothing was changed. Accepted: reservations this session reserved and has not released")
+
+    def _lock_of(self, r: Any, verb: str) -> threading.Lock:
+        try:
+            return self._live[r]
+        except (KeyError, TypeError):
+            self._refuse(r, verb)
+
+    @staticmethod
+    def _range(r: Reservation, offset: Any, size: Any) -> tuple[int, int]:
+        if offset.__class__ is not int or size.__class__ is not int:
+            offset = _int(offset, "offset", f"an int from 0 to {r.size - 1}")
+            size = _int(size, "size", f"an int from 1 to {r.size}")
+        if size <= 0:
+            raise InvalidSize(f"size must be > 0, got {size}; accepted: 1 to {r.size} bytes")
+        if offset < 0 or offset + size > r.size:
+            raise OutOfRange(f"range [{offset}, {offset + size}) is outside reservation #{r.id} of {r.size} bytes; "
+                             f"accepted: 0 <= offset and offset + size <= {r.size}")
+        return offset, size
+
+    # ------------------------------------------------------------------ verbs
+
+    def devices(self) -> list[Device]:
+        """The devices of this machine that the backend serves."""
+        found = [Device("cpu", 0)] if "cpu" in self.device_kinds else []
+        found += [d.device for d in self.machine.devices if d.device.kind in self.device_kinds]
+        return found
+
+    def reserve(self, device: Any, size: Any) -> Reservation:
+        """Reserve at least ``size`` bytes (1 to :data:`MAX_RESERVATION`) of address space on ``device``.
+
+        If anything fails after the backend reserved (a broken contract), the
+        range is given back before the error is raised.
+        """
+        device = self._device(device)
+        size = _int(size, "size", f"1 to {MAX_RESERVATION} bytes")
+        if size <= 0:
+            raise InvalidSize(f"size must be > 0, got {size}; accepted: 1 to {MAX_RESERVATION} bytes")
+        if size > MAX_RESERVATION:
+            raise InvalidSize(f"size {size} is more than any address space holds; accepted: 1 to "
+                              f"{MAX_RESERVATION} bytes (2**48)")
+        try:
+            r = self._reserve(device, size)
+        except Exception as exc:
+            if (untyped := self._failed("reserve", exc)) is None:
+                raise
+            raise untyped from exc
+        try:
+            if not isinstance(r, Reservation) or r.size < size or r.device != device or r.page_size <= 0 \
+                    or r.size % r.page_size or r.backend != self.name or r.released:
+                raise PluginError(f"backend {self.name!r} broke the contract: reserve({device}, {size}) returned {r!r}")
+            self.ledger.on_reserve(r)
+            self._live[r] = threading.Lock()
+        except BaseException:
+            self._give_back(r)
+            raise
+        return r
+
+    def fault(self, reservation: Reservation, offset: int, size: int) -> Fault:
+        """Back every page of the range; ``Fault.ok`` false is out of memory (nothing changed)."""
+        try:
+            lock = self._live[reservation]
+        except (KeyError, TypeError):
+            self._refuse(reservation, "fault")
+        if offset.__class__ is not int or size.__class__ is not int or size <= 0 or offset < 0 \
+                or offset + size > reservation.size:
+            offset, size = self._range(reservation, offset, size)
+        lock.acquire()  # acquire/release: a `with` block cost twice as much on the hot path
+        try:
+            if reservation.released:  # released by another thread while this one waited
+                self.ledger.check_alive(reservation, "fault")
+            try:
+                f = self._fault(reservation, offset, size)
+            except Exception as exc:
+                if (untyped := self._failed("fault", exc, reservation)) is None:
+                    raise
+                raise untyped from exc
+            if f.mapped:
+                self.ledger.on_fault(reservation, f.mapped)
+        finally:
+            lock.release()
+        return f
+
+    def free(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
+        """Fence, then drop the resident pages of a page-aligned range (default: all). Returns bytes dropped.
+
+        ``TensorAlive`` (nothing changed) while a tensor from ``membackend._tensors`` views the range."""
+        try:
+            lock = self._live[reservation]
+        except (KeyError, TypeError):
+            self._refuse(reservation, "free")
+        if size is None:
+            if offset.__class__ is not int:
+                offset = _int(offset, "offset", f"an int from 0 to {reservation.size - 1}")
+            if not 0 <= offset < reservation.size:
+                raise OutOfRange(f"offset {offset} is outside reservation #{reservation.id} of {reservation.size} "
+                                 f"bytes; accepted: 0 <= offset < {reservation.size}")
+            size = reservation.size - offset
+        if offset.__class__ is not int or size.__class__ is not int or size <= 0 or offset < 0 \
+                or offset + size > reservation.size:
+            offset, size = self._range(reservation, offset, size)
+        ps = reservation.page_size
+        end = offset + size
+        if offset % ps or end % ps:
+            if offset % ps or end < reservation.requested:
+                raise Misaligned(f"free range [{offset}, {end}) must start on a page boundary and end on one "
+                                 f"(or at the end of the reservation); page size {ps}")
+            size = reservation.size - offset  # the tail page holds only this caller's bytes
+        lock.acquire()
+        try:
+            if reservation.released:
+                self.ledger.check_alive(reservation, "free")
+            if reservation in self._views:
+                self._check_views(reservation, offset, size, "free")
+            if reservation.id in self._pending_ids:
+                self._wait_tokens(reservation)
+            if self._sanitize:
+                self.ledger.check_quiet(reservation, "free")
+            try:
+                dropped = self._free(reservation, offset, size)
+            except Exception as exc:
+                if (untyped := self._failed("free", exc, reservation)) is None:
+                    raise
+                raise untyped from exc
+            if dropped:
+                self.ledger.on_free(reservation, dropped)
+        finally:
+            lock.release()
+        return dropped
+
+    def release_reservation(self, reservation: Reservation) -> int:
+        """Fence, drop every page and return the address range; the reservation is dead afterwards.
+
+        ``TensorAlive`` (nothing changed) while a tensor from ``membackend._tensors`` views any of it."""
+        lock = self._lock_of(reservation, "release_reservation")
+        with lock:
+            if reservation.released:  # a concurrent release won
+                self.ledger.check_alive(reservation, "release_reservation")
+            if reservation in self._views:
+                self._check_views(reservation, 0, reservation.size, "release_reservation")
+            self._wait_tokens(reservation)
+            self.ledger.check_quiet(reservation, "release_reservation")
+            try:
+                dropped = self._release_reservation(reservation)
+            except Exception as exc:
+                if (untyped := self._failed("release_reservation", exc, reservation)) is None:
+                    raise
+                raise untyped from exc
+            reservation.released = True
+            self.ledger.on_release(reservation)
+            self._live.pop(reservation, None)
+            self._views.pop(reservation, None)
+        return dropped
+
+    # ------------------------------------------------------------------ tensor views
+
+    def add_view(self, reservation: Reservation, offset: int, size: int) -> Callable[[], None]:
+        """Register a live view of ``[offset, offset+size)``: until the returned callable is called,
+        :meth:`free` and :meth:`release_reservation` of an overlapping range raise ``TensorAlive``.
+
+        ``membackend._tensors`` calls it before it faults the range and ties the returned callable
+        to the tensor's storage (``weakref.finalize``), so the view ends when the storage is freed.
+        The callable takes no lock and may run on any thread (the garbage collector's included);
+        calling it twice is harmless.
+        """
+        lock = self._lock_of(reservation, "add_view")
+        offset, size = self._range(reservation, offset, size)
+        key = next(self._view_keys)
+        with lock:
+            if reservation.released:
+                self.ledger.check_alive(reservation, "add_view")
+            views = self._views.get(reservation)
+            if views is None:
+                views = self._views[reservation] = {}
+            views[key] = (offset, offset + size)
+        return functools.partial(views.pop, key, None)
+
+    def views(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> list[tuple[int, int]]:
+        """The byte ranges ``(offset, end)`` of live tensor views overlapping ``[offset, offset+size)``
+        (default: the whole reservation); a snapshot, empty when there are none."""
+        views = self._views.get(reservation)
+        if not views:
+            return []
+        end = reservation.size if size is None else offset + size
+        return [(a, b) for a, b in views.copy().values() if a < end and offset < b]
+
+    def _check_views(self, reservation: Reservation, offset: int, size: int, verb: str) -> None:
+        """Raise ``TensorAlive`` when a live view overlaps the range (the reservation's lock held)."""
+        views = self._views[reservation]
+        if not views:  # every view ended: stop paying for the check (add_view re-creates it under this lock)
+            del self._views[reservation]
+            return
+        end = offset + size
+        held = [(a, b) for a, b in views.copy().values() if a < end and offset < b]
+        if held:
+            raise TensorAlive(verb, reservation, offset, size, held)
+
+    def record(self, reservation: Reservation, token: FenceToken) -> None:
+        """Note asynchronous work (a copy, a kernel) on the reservation; fences wait for it.
+
+        Serialised with the reservation's other verbs: a record that loses a
+        race with ``release_reservation`` raises ``ReservationReleased`` and
+        keeps nothing.
+        """
+        lock = self._lock_of(reservation, "record")
+        try:
+            ok = callable(getattr(token, "done", None)) and callable(getattr(token, "wait", None))
+        except Exception:
+            ok = False
+        if not ok:
+            raise InvalidToken(f"a fence token needs done() and wait(); got {type(token).__name__} {token!r}; "
+                               f"accepted: an object with callable done() and wait() (an event token, a FutureToken)")
+        with lock:
+            if reservation.released:
+                self.ledger.check_alive(reservation, "record")
+            self.ledger.record(reservation, token)
+
+    def fence(self, device: Any = None, reservation: Reservation | None = None) -> None:
+        """Wait for recorded work on the reservation, or on the whole device when it is None.
+
+        A device-wide fence waits for each reservation's tokens under that
+        reservation's lock, so a concurrent free of one of them waits too.
+        """
+        if reservation is not None:
+            lock = self._lock_of(reservation, "fence")
+            if device is not None and Device.parse(device) != reservation.device:
+                raise WrongDevice(f"reservation #{reservation.id} is on {reservation.device}, not {device}")
+            with lock:
+                if reservation.released:
+                    self.ledger.check_alive(reservation, "fence")
+                self._wait_tokens(reservation)
+                self._backend_fence(reservation.device, reservation)
+            return
+        if device is None:
+            raise WrongDevice("fence needs a device or a reservation")
+        device = self._device(device)
+        errors: list[BaseException] = []
+        for r, lock in list(self._live.items()):
+            if r.device != device or r.id not in self._pending_ids:
+                continue
+            with lock:
+                if not r.released:
+                    try:
+                        self._wait_tokens(r)
+                    except MembackendError as exc:  # the others are still waited for; their tokens are kept
+                        errors.append(exc)
+        if errors:
+            raise errors[0]
+        self._backend_fence(device, None)
+
+    def _backend_fence(self, device: Device, reservation: Reservation | None) -> None:
+        try:
+            self._fence(device, reservation)
+        except Exception as exc:
+            if (untyped := self._failed("fence", exc)) is None:
+                raise
+            raise untyped from exc
+
+    def budget_query(self, device: Any) -> Budget:
+        """The backend's budget; a session-wide ``headroom`` setting replaces the backend's own."""
+        device = self._device(device)
+        try:
+            b = self._budget_query(device)
+        except Exception as exc:
+            if (untyped := self._failed("budget_query", exc)) is None:
+                raise
+            raise untyped from exc
+        if not isinstance(b, Budget):
+            raise PluginError(f"backend {self.name!r} broke the contract: budget_query returned {b!r}")
+        headroom = self._headrooms.get(device, self.headroom)
+        if headroom is not None and headroom != b.headroom:
+            b = Budget.of(b.total, b.free, headroom, b.source, b.unified)
+        return b
+
+    def set_headroom(self, device: Any, headroom: int | None) -> None:
+        """Keep ``headroom`` bytes free on ``device`` from the next budget query on; None: back to the
+        session-wide ``headroom`` setting, or the backend's own."""
+        device = self._device(device)
+        if headroom is None:
+            self._headrooms.pop(device, None)
+            return
+        if not isinstance(headroom, int) or isinstance(headroom, bool) or headroom < 0:
+            raise InvalidSize(f"headroom must be a whole number of bytes >= 0, got {headroom!r}")
+        self._headrooms[device] = headroom
+
+    def reservations(self) -> list[Reservation]:
+        """Every reservation of this session that is still alive."""
+        return list(self._live)
+
+    # ------------------------------------------------------------------ optional hooks, close
+
+    def served(self) -> list[Device]:
+        """Every device this session has reserved on."""
+        return self.ledger.devices()
+
+    def trim(self, device: Any = None) -> int:
+        """Give back what the backend keeps for reuse (``membackend_trim``) on ``device``, or on every
+        device this session served; returns the bytes given back (0 without the hook).
+
+        Trimming several devices carries on past failures and then raises one
+        ``PartialFailure`` naming each.
+        """
+        devices = [self._device(device)] if device is not None else self.served()
+        fn = self._opt_trim
+        if fn is None:
+            return 0
+        total, failures = 0, []
+        for d in devices:
+            try:
+                try:
+                    n = fn(device=d)
+                except Exception as exc:
+                    if (untyped := self._failed("trim", exc)) is None:
+                        raise
+                    raise untyped from exc
+                if n.__class__ is bool or not isinstance(n, int) or n < 0:
+                    raise PluginError(f"backend {self.name!r} broke the contract: trim({d}) returned {n!r}, "
+                                      f"not a byte count >= 0")
+                total += n
+            except MembackendError as exc:
+                if device is not None:
+                    raise
+                failures.append((f"trim({d})", exc))
+        if failures:
+            raise PartialFailure("trim", failures)
+        return total
+
+    def inspect(self, device: Any) -> DriverState | None:
+        """The driver's own view of ``device`` (``membackend_inspect``); None without the hook."""
+        device = self._device(device)
+        fn = self._opt_inspect
+        if fn is None:
+            return None
+        try:
+            state = fn(device=device)
+        except Exception as exc:
+            if (untyped := self._failed("inspect", exc)) is None:
+                raise
+            raise untyped from exc
+        if state is not None and not isinstance(state, DriverState):
+            raise PluginError(f"backend {self.name!r} broke the contract: inspect({device}) returned {state!r}")
+        return state
+
+    def close(self) -> int:
+        """Release every reservation still alive, trim every device served, then let the backend give back what
+        it holds of the driver (``membackend_close``); returns how many reservations were released.
+
+        Carries on past failures; if any, raises one ``PartialFailure`` naming
+        each (what could be released and trimmed was).
+        """
+        failures: list[tuple[str, BaseException]] = []
+        released = 0
+        for r in list(self._live):
+            if r.released or r not in self._live:
+                continue  # released by another thread meanwhile
+            try:
+                self.release_reservation(r)
+                released += 1
+            except MembackendError as exc:
+                failures.append((f"release_reservation(#{r.id} on {r.device})", exc))
+        try:
+            self.trim()
+        except PartialFailure as exc:
+            failures += exc.failures
+        except MembackendError as exc:
+            failures.append(("trim", exc))
+        if self._opt_close is not None:  # what the backend holds of the driver itself (a primary context)
+            try:
+                self._opt_close()
+            except Exception as exc:
+                failures.append(("close", exc if isinstance(exc, MembackendError) else
+                                 PluginError(f"backend {self.name!r} raised {type(exc).__name__} in close: {exc}")))
+        if failures:
+            raise PartialFailure("close", failures)
+        return released
+
+    # ------------------------------------------------------------------ internals
+
+    def _give_back(self, r: Any) -> None:
+        """Return a reservation that failed after the backend made it; never raises."""
+        if not isinstance(r, Reservation):
+            return  # nothing a backend could release
+        self._live.pop(r, None)
+        self._views.pop(r, None)
+        self.ledger.forget(r)
+        try:
+            self._release_reservation(r)
+        except Exception as exc:
+            log.error("membackend: backend %r could not give back reservation #%s after a failed reserve: %s",
+                      self.name, r.id, exc)
+
+    def _failed(self, verb: str, exc: Exception, reservation: Reservation | None = None) -> PluginError | None:
+        """Account for a verb that raised; return the typed error to raise instead, or None to re-raise.
+
+        A ``DriverError`` may carry the bytes the backend still changed before it
+        failed (``mapped`` by a fault whose rollback could not unmap, ``dropped``
+        by a free or release that stopped half-way): the ledger takes them, so it
+        keeps matching the driver. Anything that is not a membackend error is a
+        broken backend, and G6 wants it typed.
+        """
+        if isinstance(exc, DriverError) and reservation is not None:
+            self.ledger.on_fault(reservation, getattr(exc, "mapped", 0))
+            self.ledger.on_free(reservation, getattr(exc, "dropped", 0))
+        if isinstance(exc, MembackendError):
+            return None
+        log.error("membackend: backend %r raised %s in %s: %s", self.name, type(exc).__name__, verb, exc)
+        return PluginError(f"backend {self.name!r} raised {type(exc).__name__} in {verb}: {exc}")
+
+    def _wait_tokens(self, reservation: Reservation) -> None:
+        """Wait for every token recorded on ``reservation`` (its lock held).
+
+        Every token is waited for even when one fails; then every token whose
+        ``done()`` says it is still running is kept, so the next fence waits
+        again (G2); a failed token (``wait()`` and ``done()`` raise) is reported
+        once and counts as finished (G1); the first failure is raised typed.
+        """
+        taken = self.ledger.take_pending(reservation.device, reservation)
+        if not taken:
+            return
+        errors: list[Exception] = []
+        try:
+            for _dev, tokens in taken.values():
+                for t in tokens:
+                    try:
+                        t.wait()
+                    except Exception as exc:
+                        errors.append(exc)
+        except BaseException:
+            self.ledger.restore_pending(taken)
+            raise
+        if not errors:
+            return
+        # a token still running is kept (G2: the next fence waits again); one that failed for good is reported
+        # here, once, and then counts as finished, so it never keeps the range from being freed (G1)
+        running = {rid: (dev, [t for t in tokens if still_running(t)]) for rid, (dev, tokens) in taken.items()}
+        self.ledger.restore_pending(running)
+        first = errors[0]
+        if isinstance(first, MembackendError):
+            raise first
+        count = sum(len(tokens) for _dev, tokens in taken.values())
+        left = sum(len(tokens) for _dev, tokens in running.values())
+        raise DriverError(type(first).__name__, "fence token wait",
+                          f"{first} ({len(errors)} of {count} token(s) on reservation #{reservation.id} failed; "
+                          f"{left} still running kept for the next fence, the failed ones count as finished)") \
+            from first
