@@ -42,7 +42,8 @@ from membackend._drivers.open import LazyDriver, machine_for
 from membackend._ledger import Ledger
 from membackend._manager import BackendManager
 from membackend.platform import GENERIC
-from membackend._residency import ResidencyManager, StockPolicy
+from membackend._residency import ResidencyManager
+from membackend._replay.stock import StockPolicy
 from membackend._session import Session
 from membackend._settings import load_settings
 from membackend.types import Device

@@ -31,8 +31,11 @@ module is policy, on top of a :class:`~membackend._session.Session`:
   whole models are evicted least recently used first, never one the current
   run uses.
 
-:class:`StockPolicy` reproduces today's ComfyUI + comfy-aimdo behaviour for side
-by side comparison; its docstring gives the sources.
+Today's ComfyUI + comfy-aimdo behaviour, reproduced for side-by-side
+comparison, is a subclass in the replay layer (``membackend._replay.stock``):
+policy code here stays free of comparison models. The hooks it overrides
+(``_keep``, ``_on_workflow_switch``, ``_fence_before_free``, ``_evict_models``)
+are the seams a policy variant may change.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import logging
 import math
 import operator
 import threading
+import time
 import weakref
 from array import array
 from dataclasses import dataclass, field
@@ -71,7 +75,7 @@ if TYPE_CHECKING:  # annotations only: the tracer is the session's, residency ne
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "StockPolicy", "Unloaded"]
+__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "Unloaded"]
 
 # what the policy's page map says about one page
 GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
@@ -278,6 +282,11 @@ class ResidencyManager:
         self._clock = itertools.count(1)
         self._running: set[str] = set()  # ids of the models the current run uses
         self._lock = threading.RLock()  # re-entrant: full_unload recurses, fault evicts through _shed
+        #: per model id, what it lost since its last load: {"time", "bytes", "reason", "for"} (see loads_done)
+        self.losses: dict[str, dict[str, Any]] = {}
+        self._loads: dict[str, dict[str, Any]] = {}  # the loads of the current use(), by model id
+        #: called with each finished load record (see :meth:`loads_done`); the ComfyUI adapter logs them
+        self.load_listeners: list[Callable[[dict[str, Any]], None]] = []
 
     # ------------------------------------------------------------------ registry
 
@@ -426,13 +435,54 @@ class ResidencyManager:
     def use(self, models: Iterable[Model], *, workflow: str | None = None) -> None:
         """Start a run (a workflow) that uses ``models``: they get the highest priority and may
         not be evicted whole; what else stays resident is decided by the budget (G4).
-        ``workflow`` names the run in the trace (a replay's timeline marks the switch)."""
+        ``workflow`` names the run in the trace (a replay's timeline marks the switch).
+        Each model's load is recorded until the next ``use``, :meth:`on_idle` or :meth:`loads_done`."""
         models = [self._check_registered(m) for m in models]
+        self.loads_done()
         self._running = {m.id for m in models}
         for m in models:
             self._prioritize(m)
         self._trace("use", None, models=[m.id for m in models], workflow=workflow)
         self._on_workflow_switch(models)
+        now = time.time()
+        for m in models:
+            self._loads[m.id] = {"model": m.id, "size": m.size, "time": now, "workflow": workflow,
+                                 "resident_before": sum(s.resident_bytes() for s in m.slots.values()),
+                                 "loaded": 0, "lost": self.losses.pop(m.id, None)}
+
+    @_locked
+    def loads_done(self) -> list[dict[str, Any]]:
+        """Close the loads the last :meth:`use` opened; returns one record per model, traced as a ``load`` event
+        and handed to each of :attr:`load_listeners`.
+
+        A record holds ``model``, ``size``, ``time`` (when the load began, epoch seconds), ``workflow``,
+        ``resident_before`` and ``loaded`` (bytes its faults newly backed: each copied in), ``lost`` (what the
+        model lost since its previous load: ``{"time", "bytes", "reason", "for"}``, ``for`` the ids of the
+        models it made room for; None when it lost nothing) and ``kind``: ``kept`` (nothing loaded), ``reloaded`` (it had lost pages since its
+        previous load) or ``cold`` (a first load)."""
+        done, self._loads = list(self._loads.values()), {}
+        for rec in done:
+            rec["kind"] = "kept" if not rec["loaded"] else "reloaded" if rec["lost"] else "cold"
+            self._trace("load", None, **rec)
+            for listener in list(self.load_listeners):
+                try:
+                    listener(rec)
+                except Exception as exc:  # a listener (a log line) must never fail the policy
+                    log.warning("membackend: a load listener failed: %s: %s", type(exc).__name__, exc)
+        return done
+
+    def _note_loss(self, model: Any, nbytes: int, reason: str, for_models: Iterable[Any] = ()) -> None:
+        """``model`` lost ``nbytes`` resident bytes (eviction, shed, unload) for ``reason``, to make room for
+        ``for_models`` (models or ids); kept for its next load record. Bytes add up until that load; the time,
+        reason and models are the latest."""
+        if nbytes <= 0:
+            return
+        mid = model.id
+        if mid in self._loads:  # lost during its own load (its pages shed to fit another of the run's): said too
+            self._loads[mid]["shed_during"] = self._loads[mid].get("shed_during", 0) + nbytes
+        before = self.losses.get(mid)
+        self.losses[mid] = {"time": time.time(), "bytes": nbytes + (before["bytes"] if before else 0),
+                            "reason": reason, "for": sorted(getattr(m, "id", m) for m in for_models)}
 
     @_locked
     def prioritize(self, model: Model) -> None:
@@ -451,13 +501,13 @@ class ResidencyManager:
             self.keep_warm(device)
 
     @_locked
-    def keep_warm(self, device: Any) -> int:
+    def keep_warm(self, device: Any, reason: str = "budget") -> int:
         """Evict whole models, least recently used first (never one the current run uses), until the
-        budget's headroom is free again; returns bytes freed."""
+        budget's headroom is free again; returns bytes freed. ``reason`` is traced with each eviction."""
         device = Device.parse(device)
         b = self.session.budget_query(device)
         deficit = b.headroom - b.free
-        return self._evict_models(device, deficit, None, "budget") if deficit > 0 else 0
+        return self._evict_models(device, deficit, None, reason) if deficit > 0 else 0
 
     def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
         freed = 0
@@ -471,6 +521,7 @@ class ResidencyManager:
                 freed += dropped
                 slot.watermark = 0
                 self._trace("evict_model", slot.model, device=str(device), bytes=dropped, reason=reason)
+                self._note_loss(slot.model, dropped, reason, [protect.model] if protect is not None else self._running)
         return freed
 
     # ------------------------------------------------------------------ faults
@@ -519,6 +570,8 @@ class ResidencyManager:
                 return f
             f = self._session_fault(slot, offset, size, first, last)
         slot.faulted(first, last, f.mapped)
+        if f.mapped and model.id in self._loads:
+            self._loads[model.id]["loaded"] += f.mapped
         pins = slot.pins
         for p in range(first, last):
             pins[p] += 1
@@ -597,6 +650,8 @@ class ResidencyManager:
                 freed += dropped
                 self._trace("evict", slot.model, device=str(device), bytes=dropped, reason=reason,
                             watermark=slot.watermark)
+                if slot is not protect[0]:
+                    self._note_loss(slot.model, dropped, reason, [protect[0].model])
         return freed
 
     def _shed(self, slot: _Slot, amount: float, protect: tuple[_Slot, int, int] | None) -> int:
@@ -909,74 +964,3 @@ class ResidencyManager:
         if self.tracer is not None:
             self.tracer.event(event, policy=self.policy, model=model.id if model else None, **fields)
 
-
-class StockPolicy(ResidencyManager):
-    """Today's ComfyUI + comfy-aimdo, reproduced for side-by-side comparison.
-
-    * A full unload frees the pages (``vbar.free_memory``, after a device-wide
-      sync) but the reservation (the ``ModelVBAR``) stays alive until the model
-      object is garbage-collected: "The ModelVBAR object (the VA reservation)
-      stays in BaseModel.dynamic_vbars for as long as the BaseModel lives"
-      (ComfyUI's ``unload_all_models``; ComfyUI #15993).
-      What the model owns indirectly is left alone (the Hook delegate of
-      ComfyUI #15533 survives).
-    * Frees are fenced by a device-wide sync (comfy-aimdo's VBAR free paths
-      call ``cuCtxSynchronize``), not per reservation.
-    * When the workflow changes, the models of the previous one lose their
-      residency: ComfyUI's cache drops their outputs and the unload frees their
-      pages (ComfyUI #14519: image → video → image reloads everything).
-    * Budgets are the backend's mem-get-info figures as reported.
-
-    The registry holds models weakly, so dropping the last reference is what
-    releases a reservation, as garbage collection does in ComfyUI.
-    """
-
-    policy = "stock"
-
-    def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
-        super().__init__(session, tracer=tracer)
-        self._models = weakref.WeakValueDictionary()  # type: ignore[assignment]
-
-    def _keep(self, model: Model) -> None:
-        self._models[model.id] = model
-        session, reservations = self.session, [s for s in model.slots.values()]
-        weakref.finalize(model, _release_on_gc, session, reservations, self.tracer)
-
-    def _on_workflow_switch(self, models: list[Model]) -> None:
-        keep = {m.id for m in models}
-        for m in list(self._models.values()):
-            if m.id in keep:
-                continue
-            for slot in m.slots.values():
-                if slot.alive and any(slot.resident):
-                    dropped = self._shed(slot, math.inf, None)
-                    self._trace("evict_model", m, device=str(slot.device), bytes=dropped, reason="workflow change")
-
-    def _fence_before_free(self, slot: _Slot) -> None:
-        self.session.fence(slot.device)  # aimdo: cuCtxSynchronize before VBAR unmaps
-
-    def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
-        return 0  # aimdo evicts pages by VBAR priority, never whole models (vbars_free)
-
-    @_locked
-    def full_unload(self, model: Model) -> int:
-        self._check_registered(model)
-        dropped = 0
-        for slot in model.slots.values():
-            if slot.alive:
-                slot.clear_pins()
-                dropped += self._shed(slot, math.inf, None)
-        self._trace("full_unload", model, bytes=dropped, released=False, owned=[], via=self._via)
-        return dropped
-
-
-def _release_on_gc(session: Session, slots: list[_Slot], tracer: TraceObserver | None) -> None:
-    """StockPolicy: the reservation goes back only when the model object is collected."""
-    for slot in slots:
-        if slot.alive:
-            try:
-                session.release_reservation(slot.reservation)
-            except Exception as exc:  # a finalizer must not raise
-                log.warning("membackend: releasing a collected model's reservation failed: %s", exc)
-    if tracer is not None:
-        tracer.event("release_on_gc", policy="stock", bytes=sum(s.reservation.size for s in slots if s.reservation))

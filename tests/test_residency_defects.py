@@ -23,7 +23,8 @@ from membackend.platform import GENERIC
 from membackend._drivers.sim import get_profile, sim_driver
 from membackend._ledger import Ledger
 from membackend._machine import gather_machine
-from membackend._residency import ModelKind, ResidencyManager, StockPolicy
+from membackend._residency import ModelKind, ResidencyManager
+from membackend._replay.stock import StockPolicy
 from membackend._session import Session
 from membackend.types import (
     Device,

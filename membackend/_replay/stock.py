@@ -2,25 +2,106 @@
 
 :class:`AimdoStockVmm` makes the generic VMM backend do what comfy-aimdo does with physical
 memory (each behaviour's source is on its method); :class:`AimdoLoadPolicy` is the stock
-residency policy (:class:`~membackend._residency.StockPolicy`) with aimdo's pressure path during
+residency policy (:class:`StockPolicy`, below) with aimdo's pressure path during
 a load. Comparison only: automatic selection never picks it (its probe scores 0).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import math
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from .._backends.vmm import VmmBackend
 from .._drivers.open import simulated_failures
 from ..platform import Platform
-from .._residency import StockPolicy
+from .._residency import ResidencyManager, Model, _Slot, _locked
 from ..types import Candidate, Capabilities, Score
 
-__all__ = ["stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
+if TYPE_CHECKING:
+    from .._session import Session
+    from .._trace import TraceObserver
+
+__all__ = ["StockPolicy", "stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 #: comfy-aimdo's VBAR page: 32 MiB
 AIMDO_PAGE = 32 * MiB
+
+
+class StockPolicy(ResidencyManager):
+    """Today's ComfyUI + comfy-aimdo, reproduced for side-by-side comparison.
+
+    * A full unload frees the pages (``vbar.free_memory``, after a device-wide
+      sync) but the reservation (the ``ModelVBAR``) stays alive until the model
+      object is garbage-collected: "The ModelVBAR object (the VA reservation)
+      stays in BaseModel.dynamic_vbars for as long as the BaseModel lives"
+      (ComfyUI's ``unload_all_models``; ComfyUI #15993).
+      What the model owns indirectly is left alone (the Hook delegate of
+      ComfyUI #15533 survives).
+    * Frees are fenced by a device-wide sync (comfy-aimdo's VBAR free paths
+      call ``cuCtxSynchronize``), not per reservation.
+    * When the workflow changes, the models of the previous one lose their
+      residency: ComfyUI's cache drops their outputs and the unload frees their
+      pages (ComfyUI #14519: image → video → image reloads everything).
+    * Budgets are the backend's mem-get-info figures as reported.
+
+    The registry holds models weakly, so dropping the last reference is what
+    releases a reservation, as garbage collection does in ComfyUI.
+    """
+
+    policy = "stock"
+
+    def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
+        super().__init__(session, tracer=tracer)
+        self._models = weakref.WeakValueDictionary()  # type: ignore[assignment]
+
+    def _keep(self, model: Model) -> None:
+        self._models[model.id] = model
+        session, reservations = self.session, [s for s in model.slots.values()]
+        weakref.finalize(model, _release_on_gc, session, reservations, self.tracer)
+
+    def _on_workflow_switch(self, models: list[Model]) -> None:
+        keep = {m.id for m in models}
+        for m in list(self._models.values()):
+            if m.id in keep:
+                continue
+            for slot in m.slots.values():
+                if slot.alive and any(slot.resident):
+                    dropped = self._shed(slot, math.inf, None)
+                    self._trace("evict_model", m, device=str(slot.device), bytes=dropped, reason="workflow change")
+
+    def _fence_before_free(self, slot: _Slot) -> None:
+        self.session.fence(slot.device)  # aimdo: cuCtxSynchronize before VBAR unmaps
+
+    def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
+        return 0  # aimdo evicts pages by VBAR priority, never whole models (vbars_free)
+
+    @_locked
+    def full_unload(self, model: Model) -> int:
+        self._check_registered(model)
+        dropped = 0
+        for slot in model.slots.values():
+            if slot.alive:
+                slot.clear_pins()
+                dropped += self._shed(slot, math.inf, None)
+        self._trace("full_unload", model, bytes=dropped, released=False, owned=[], via=self._via)
+        return dropped
+
+
+def _release_on_gc(session: Session, slots: list[_Slot], tracer: TraceObserver | None) -> None:
+    """StockPolicy: the reservation goes back only when the model object is collected."""
+    for slot in slots:
+        if slot.alive:
+            try:
+                session.release_reservation(slot.reservation)
+            except Exception as exc:  # a finalizer must not raise
+                log.warning("membackend: releasing a collected model's reservation failed: %s", exc)
+    if tracer is not None:
+        tracer.event("release_on_gc", policy="stock", bytes=sum(s.reservation.size for s in slots if s.reservation))
 
 
 def _stock_probe(machine: Any) -> Candidate:

@@ -12,7 +12,8 @@ import os
 import pytest
 
 from membackend_unified_gb10.workload import Workload, gb10_session, stock_session
-from membackend._residency import ResidencyManager, StockPolicy
+from membackend._residency import ResidencyManager
+from membackend._replay.stock import StockPolicy
 
 
 @pytest.fixture(autouse=True)
