@@ -18,7 +18,7 @@ import json
 import sys
 
 from membackend._backends.host import HostBackend
-from membackend._backends.vmm import VmmBackend, capabilities_for
+from membackend._backends.vmm import VmmBackend
 from membackend.platform import GENERIC
 from membackend._drivers.sim import PROFILES, sim_driver
 from membackend._ledger import Ledger
@@ -37,7 +37,7 @@ def session_for(target: str) -> tuple[Session, Device, int, float]:
         s = Session(HostBackend(capacity=256 * MiB, headroom=16 * MiB), machine=gather_machine(), ledger=Ledger())
         return s, Device("cpu", 0), 2 * MiB, 0.0
     p = PROFILES[target]
-    backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=capabilities_for(p))
+    backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=p.capabilities())
     s = Session(backend, machine=gather_machine(), ledger=Ledger())
     return s, Device(p.vendor, 0), 64 * MiB, p.copy_bandwidth
 

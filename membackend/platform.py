@@ -26,9 +26,14 @@ from typing import Callable
 from ._drivers.gpu import BUDGET_SOURCES
 from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
 
-__all__ = ["Platform", "GENERIC", "vmm_unsupported"]
+__all__ = ["Platform", "GENERIC", "vmm_unsupported", "KEPT_WINDOWS_PER_DEVICE", "CHURN_MARGIN"]
 
 MiB = 1 << 20
+#: kept address windows per device under a reserve-churn limit, at least this bound (more where the device
+#: had more large reservations alive at once): what stays reserved once the platform allows no more frees
+KEPT_WINDOWS_PER_DEVICE = 4
+#: large frees left unspent under a reserve-churn limit (the limit is one reproducer's count, rocm-systems #6191)
+CHURN_MARGIN = 2
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]*$"
 
 

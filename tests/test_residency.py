@@ -8,7 +8,7 @@ import json
 import pytest
 
 from membackend._backends.host import HostBackend
-from membackend._backends.vmm import VmmBackend, capabilities_for
+from membackend._backends.vmm import VmmBackend
 from membackend.platform import GENERIC
 from membackend._drivers.sim import get_profile, sim_driver
 from membackend._ledger import Ledger
@@ -34,7 +34,7 @@ class Env:
             backend = HostBackend(page_size=2 * MiB, capacity=256 * MiB, headroom=16 * MiB)
         else:
             p = get_profile(self.target)
-            backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=capabilities_for(p))
+            backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=p.capabilities())
         s = Session(backend, machine=gather_machine(), ledger=Ledger(sanitize=True), observers=observers)
         self.device = s.devices()[0] if self.target == "host" else Device(backend.device_kinds[0], 0)
         self.page = 2 * MiB if self.target == "host" else 64 * MiB

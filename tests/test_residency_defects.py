@@ -18,7 +18,7 @@ import pytest
 from test_residency import TARGETS, Env, load, sim_of
 
 from membackend import _residency as residency
-from membackend._backends.vmm import AddressWindowsExhausted, VmmBackend, capabilities_for
+from membackend._backends.vmm import AddressWindowsExhausted, VmmBackend
 from membackend.platform import GENERIC
 from membackend._drivers.sim import get_profile, sim_driver
 from membackend._ledger import Ledger
@@ -65,7 +65,7 @@ def ledger_matches_policy(s: Session, policy: ResidencyManager) -> None:
 
 def recycling_session(target: str) -> tuple[Session, Device]:
     p = get_profile(target)
-    caps = dataclasses.replace(capabilities_for(p), recycle_handles=True)
+    caps = dataclasses.replace(p.capabilities(), recycle_handles=True)
     backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=caps)
     s = Session(backend, machine=gather_machine(), ledger=Ledger(sanitize=True))
     return s, Device(p.vendor, 0)

@@ -68,7 +68,7 @@ from .._version import __version__
 from .._drivers.gpu import EventToken, GpuDriver
 from .._drivers.open import LazyDriver, machine_for, resolve_vendor
 from ..hookspec import hookimpl
-from ..platform import GENERIC, Platform
+from ..platform import CHURN_MARGIN, GENERIC, KEPT_WINDOWS_PER_DEVICE, Platform
 from ..types import (
     Budget,
     Candidate,
@@ -91,11 +91,6 @@ __all__ = ["VmmBackend", "AddressSpaceExhausted", "AddressWindowsExhausted", "Ke
 
 MiB, GiB = 1 << 20, 1 << 30
 NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
-#: kept address windows per device under a reserve-churn limit, at least this bound (more where the device
-#: had more large reservations alive at once): what stays reserved once the platform allows no more frees
-KEPT_WINDOWS_PER_DEVICE = 4
-#: large frees left unspent under a reserve-churn limit (the limit is one reproducer's count, rocm-systems #6191)
-CHURN_MARGIN = 2
 
 
 class AddressSpaceExhausted(MembackendError, MemoryError):
@@ -350,7 +345,7 @@ class VmmBackend:
             missing = self._driver_factory.missing()
             if missing:
                 return Candidate(self.name, Score.NONE, missing)
-        if getattr(self._driver_factory, "simulated", False) or hasattr(self._driver, "sim"):
+        if self._driver.simulated if self._driver is not None else self._driver_factory.simulated:
             c = Candidate(c.name, c.score, f"{c.reason} [simulated driver]", c.opt_in)
         return Candidate(self.name, c.score, c.reason, c.opt_in)
 
@@ -779,17 +774,3 @@ class VmmBackend:
         """Random failures of the driver's VMM calls, where the driver can inject them (simulations)."""
         return self.driver.inject_failures(probability, seed)
 
-
-def capabilities_for(profile: Any) -> Capabilities:
-    """What a simulated profile's platform would tell the policy, for tests and benchmarks that run
-    the generic backend with a platform's knobs (the platform plugins carry their own)."""
-    quota = profile.address_quota
-    return Capabilities(
-        unified_pool=profile.unified,
-        address_quota=quota - quota // 16 if quota else None,  # keep a margin below the crash point
-        reserve_churn_limit=profile.churn_limit,
-        reserve_churn_window=profile.churn_window,
-        fence_granularity="device" if profile.wddm else "reservation",
-        # the profile's own OS, not this process's: its Windows platforms synchronize after fresh mappings
-        page_in_sync="always" if profile.os == "windows" else "never",
-    )

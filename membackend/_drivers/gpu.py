@@ -46,6 +46,8 @@ class GpuDriver:
     """
 
     vendor = ""
+    #: True for a simulated twin (the only place the layers above learn it: a probe's reason says so)
+    simulated = False
     SUCCESS: Any = 0
     OOM: Any = 2
     NOT_READY: Any = 600

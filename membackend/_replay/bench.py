@@ -197,7 +197,7 @@ def _free_sync_side(profile: str, mode: str, kernel_seconds: float, pages: int) 
     ``step()`` that frees a fresh range while another range's kernel runs."""
     import dataclasses
 
-    from .._backends.vmm import VmmBackend, capabilities_for
+    from .._backends.vmm import VmmBackend
     from .._drivers.open import machine_for, open_gpu_driver, resolve_vendor, simulated_failures
     from ..platform import GENERIC
     from .._settings import load_settings
@@ -206,7 +206,7 @@ def _free_sync_side(profile: str, mode: str, kernel_seconds: float, pages: int) 
     driver = open_gpu_driver(resolve_vendor(None, settings), profile)
     p = driver.sim.profile
     # only the page-in sync differs between the sides: fence per reservation on both
-    caps = dataclasses.replace(capabilities_for(p), fence_granularity="reservation", page_in_sync=mode)
+    caps = dataclasses.replace(p.capabilities(), fence_granularity="reservation", page_in_sync=mode)
     backend = VmmBackend(GENERIC, driver, capabilities=caps, page_size=p.granularity)
     s = Session(backend, machine=machine_for(settings), ledger=Ledger())
     sim = driver.sim
@@ -216,7 +216,7 @@ def _free_sync_side(profile: str, mode: str, kernel_seconds: float, pages: int) 
     s.fault(busy, 0, size)
     stream = driver.stream_create()
     side = {"mode": mode, "wall": [], "stall": [], "still_running": 0, "steps": 0, "failure": None,
-            "session": s, "sim": sim, "platform_syncs": capabilities_for(p).page_in_sync == "always"}
+            "session": s, "sim": sim, "platform_syncs": p.capabilities().page_in_sync == "always"}
 
     def step() -> None:
         s.fault(freed, 0, size)  # fresh mappings: where the platform asks for it, the next free syncs

@@ -64,6 +64,7 @@ class _Simulated:
     """What a simulated driver adds to the real wrapper (mixed in before it)."""
 
     sim: SimPlatform
+    simulated = True
 
     def budget(self, source: str, index: int) -> tuple[int, int, str]:
         sim = self.sim

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...types import ConfigError
+from ...types import Capabilities, ConfigError
 
 __all__ = ["SimDeviceSpec", "Profile", "PROFILES", "get_profile"]
 
@@ -67,6 +67,21 @@ class Profile:
     # API docs, cuMemUnmap), so pending work on the range finishes first instead of racing.
     unmap_synchronizes: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def capabilities(self) -> Capabilities:
+        """What this profile's platform would tell the policy, for tests and benchmarks that run the
+        generic backend with a platform's knobs on a simulated machine (the platform plugins carry
+        their own records; this is the simulation's summary of the flags above)."""
+        quota = self.address_quota
+        return Capabilities(
+            unified_pool=self.unified,
+            address_quota=quota - quota // 16 if quota else None,  # keep a margin below the crash point
+            reserve_churn_limit=self.churn_limit,
+            reserve_churn_window=self.churn_window,
+            fence_granularity="device" if self.wddm else "reservation",
+            # the profile's own OS, not this process's: its Windows platforms synchronize after fresh mappings
+            page_in_sync="always" if self.os == "windows" else "never",
+        )
 
 
 PROFILES: dict[str, Profile] = {

@@ -25,7 +25,7 @@ is sync-paused). It records no fence tokens: aimdo has none, it relies on
 **Plugin** (:func:`plugin_session`): :class:`ResidencyManager` over the
 ``cuda_wddm`` platform's own backend; every copy records an event token.
 
-A simulated bugcheck (:class:`SimulatedBugcheck`) would end the machine. By
+A simulated bugcheck (the first of ``simulated_failures()``) would end the machine. By
 default the stock side carries on past one so that its handle counts cover the
 whole workload like the plugin's: the unsafe call is counted (the driver's own
 ``bugchecks`` counter), the device is synchronized and the call made again.
@@ -35,12 +35,11 @@ whole workload like the plugin's: the unsafe call is counted (the driver's own
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from membackend._backends.vmm import VmmBackend
-from membackend._drivers.open import machine_for
-from membackend._drivers.sim import SimulatedBugcheck, get_profile, sim_driver
+from membackend._drivers.open import machine_for, open_sim_variant, simulated_failures
 from membackend._ledger import Ledger
 from membackend._replay.stock import AimdoLoadPolicy, AimdoStockVmm
 from membackend._residency import ResidencyManager
@@ -70,9 +69,10 @@ class Timing:
     copy_bandwidth: float
     run_ahead: tuple[float, ...]  # seconds the host runs ahead after each layer, cycled
 
-    @property
-    def profile(self) -> Any:
-        return replace(get_profile(PROFILE), pagein_seconds=self.pagein_seconds, copy_bandwidth=self.copy_bandwidth)
+    def driver(self) -> Any:
+        """A driver over a fresh simulated machine of :data:`PROFILE` with this seed's timing (through
+        membackend's one opener of simulated drivers)."""
+        return open_sim_variant(PROFILE, pagein_seconds=self.pagein_seconds, copy_bandwidth=self.copy_bandwidth)
 
 
 def timing_for(seed: int) -> Timing:
@@ -91,13 +91,13 @@ def _session(backend: VmmBackend) -> Session:
 
 def stock_session(timing: Timing, page_size: int, carry_on: bool = True) -> Session:
     """A session over :class:`AimdoStockVmm` on a fresh simulated machine with the seed's timing."""
-    return _session(AimdoStockVmm(sim_driver(timing.profile), page_size=page_size, carry_on=carry_on,
+    return _session(AimdoStockVmm(timing.driver(), page_size=page_size, carry_on=carry_on,
                                   budget_source="wddm"))
 
 
 def plugin_session(timing: Timing, page_size: int) -> Session:
     """A session over the ``cuda_wddm`` platform's backend on a fresh simulated machine with the seed's timing."""
-    return _session(VmmBackend(PLATFORM, sim_driver(timing.profile), page_size=page_size))
+    return _session(VmmBackend(PLATFORM, timing.driver(), page_size=page_size))
 
 
 # --------------------------------------------------------------------------- one seed
@@ -194,7 +194,7 @@ def run_seed(seed: int, side: str, *, page_size: int = PLATFORM.page_size, not_r
             # G1: the driver back at its baseline (stock keeps its reservations until the models are collected)
             drv = session.inspect(DEVICE)
             result.baseline_after_unload = (drv.resident, drv.held, sim.state(0)["handles"]) == (0, 0, 0)
-    except SimulatedBugcheck:
+    except simulated_failures()[0]:  # a simulated bugcheck (then a simulated crash)
         # the machine is gone; let nothing that runs afterwards (the stock models' finalizers) bugcheck again
         backend.carry_on = True
         driver.device_synchronize()

@@ -70,7 +70,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from membackend._backends.vmm import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
+from membackend.platform import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
 from membackend.platform import Platform, vmm_unsupported
 from membackend._settings import SIZE_ACCEPTED, parse_bytes
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from membackend._backends.vmm import KEPT_WINDOWS_PER_DEVICE, AddressSpaceExhausted, AddressWindowsExhausted
+from membackend._backends.vmm import AddressSpaceExhausted, AddressWindowsExhausted
+from membackend.platform import KEPT_WINDOWS_PER_DEVICE
 from membackend._manager import BackendManager
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from membackend._backends.vmm import AddressSpaceExhausted, VmmBackend, capabilities_for
+from membackend._backends.vmm import AddressSpaceExhausted, VmmBackend
 
 from membackend.platform import GENERIC
 from membackend._drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
@@ -22,8 +22,8 @@ PAGE = 2 * MiB
 def session_on(profile: str, faults: FaultPlan | None = None, **caps) -> Session:
     p = get_profile(profile)
     # knobs not given are the profile's (page_in_sync follows the profile's OS, not this process's)
-    caps = {"page_in_sync": capabilities_for(p).page_in_sync, **caps} if caps else None
-    backend = VmmBackend(GENERIC, sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else capabilities_for(p))
+    caps = {"page_in_sync": p.capabilities().page_in_sync, **caps} if caps else None
+    backend = VmmBackend(GENERIC, sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else p.capabilities())
     machine = gather_machine(load_settings(sim_profile=profile).machine.model_copy(
         update={"devices": None}))  # devices come from the session's backend kind only
     return Session(backend, machine=machine, ledger=Ledger(sanitize=True))
