@@ -1,22 +1,57 @@
 """membackend: a pluggable memory-backend layer for ComfyUI's dynamic VRAM.
 
-The public surface a caller needs::
+What you may import, by who you are (everything else is internal):
 
-    from membackend import create_session
-    session = create_session()            # settings from env / files, kwargs win
-    r = session.reserve("cpu", 1 << 30)
-    f = session.fault(r, 0, 64 << 20)      # f.ok False means out of memory
-    session.free(r)                        # fences first
-    session.release_reservation(r)
+**Callers** (code that reserves and backs memory, like the ComfyUI adapter)
+    ``membackend`` itself::
 
-A backend author needs :mod:`membackend.hookspec` (``hookimpl``) and the
-records in :mod:`membackend.types`.
+        from membackend import create_session
+        session = create_session()            # settings from env / files, kwargs win
+        r = session.reserve("cpu", 1 << 30)
+        f = session.fault(r, 0, 64 << 20)      # f.ok False means out of memory
+        session.free(r)                        # fences first
+        session.release_reservation(r)
+
+    ``create_session`` returns a :class:`Session`; :class:`ResidencyManager` is
+    the policy over one (models, pins, eviction by budget, full unload);
+    :func:`load_settings` reads the settings the way ``create_session`` does.
+    The value types and errors (:class:`Device`, :class:`Budget`, ...,
+    :class:`MembackendError` and its subclasses) are re-exported here from
+    :mod:`membackend.types`.
+
+**Backend authors** (a new mechanism: one class with the six verbs)
+    :mod:`membackend.hookspec` (``hookimpl`` and the contract of every hook),
+    :mod:`membackend.types` (the records a hook takes and returns, the errors it
+    raises), and the conformance kit :mod:`membackend.testing`.
+
+**Platform authors** (a new platform for the generic virtual-memory backend)
+    :mod:`membackend.platform` (the ``Platform`` record, ``GENERIC`` as its
+    example, the helpers a probe uses) plus :mod:`membackend.types` and the kit.
+
+**Internal** (may change without notice; each has its test in ``tests/``)
+    every module whose name starts with ``_``: ``_session``, ``_manager``,
+    ``_residency``, ``_ledger``, ``_fences``, ``_trace``, ``_settings``,
+    ``_machine``, ``_hostmem``, ``_tensors``, ``_cli``, and the packages
+    ``_backends`` (host, vmm, aimdo), ``_drivers`` (real and simulated drivers,
+    discovery, the one opener), ``_replay`` (traces, scenarios, the stock
+    comparison model, pictures) and ``_comfyui`` (the ComfyUI adapter, started
+    by the custom node ``membackend comfyui install`` writes).
+
+The layers, and the module-by-module table with each module's test, are in the
+project's ``docs/architecture.md`` and ``docs/modules.md``.
 """
 
 from ._version import __version__  # noqa: E402
 from .hookspec import hookimpl  # noqa: E402
 from .types import *  # noqa: E402,F401,F403
 from .types import __all__ as _types_all  # noqa: E402
+
+#: names re-exported lazily (importing them pulls in the session, the policy or pydantic)
+_LAZY = {
+    "Session": ("._session", "Session"),
+    "ResidencyManager": ("._residency", "ResidencyManager"),
+    "load_settings": ("._settings", "load_settings"),
+}
 
 
 def create_session(**settings):
@@ -26,4 +61,15 @@ def create_session(**settings):
     return _create(**settings)
 
 
-__all__ = ["__version__", "hookimpl", "create_session", *_types_all]
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module, __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'membackend' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "hookimpl", "create_session", *_LAZY, *_types_all]
