@@ -284,3 +284,266 @@ def test_a_failed_rename_leaves_no_file(tmp_path, monkeypatch):
 def test_missing_folder_is_an_os_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         write_plot(tmp_path / "absent" / "timeline.html", _both(), title="t")
+
+
+# --------------------------------------------------------------------------- what the pictures must show
+
+
+from membackend._replay.timeline import TALLY_MARKERS, TimelineError  # noqa: E402
+
+
+def _figure(timelines, *, title="t", reported=None):
+    """The static figure, drawn, and its renderer (what write_plot saves)."""
+    pytest.importorskip("matplotlib")
+    figure = plot._matplotlib_figure(plot._lay_out(timelines), title=title, reported=reported, suffix=".png")
+    figure.canvas.draw()
+    return figure, figure.canvas.get_renderer()
+
+
+def _texts(figure):
+    from matplotlib.text import Text
+
+    return [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip()]
+
+
+def _overlaps(figure, renderer):
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in _texts(figure)]
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:]
+            if min(ba.x1, bb.x1) - max(ba.x0, bb.x0) > 0.5 and min(ba.y1, bb.y1) - max(ba.y0, bb.y0) > 0.5]
+
+
+def _inside(box, figure, slack=0.5):
+    return (box.x0 >= -slack and box.y0 >= -slack and box.x1 <= figure.bbox.width + slack
+            and box.y1 <= figure.bbox.height + slack)
+
+
+@pytest.fixture(scope="module")
+def rocm():
+    from membackend._replay.compare import replay
+
+    return replay("full-unload-rocm", seeds=1)
+
+
+@pytest.fixture(scope="module")
+def churn():
+    from membackend._replay.compare import replay
+
+    return replay("churn-wddm", seeds=1)
+
+
+def _stepped_side(side, *, release_at_idle):
+    """An engine-like timeline: 40 load steps, then three unloads and an idle in one instant. Only the
+    markers' steps can tell those four apart: they share their modelled time."""
+    timeline = Timeline(side)
+    resident, reserved, committed = 0, 16 * GiB, 32 * GiB
+    timeline.next_step(0.0)
+    timeline.samples.append(Sample(0.0, "hip:0", reserved, resident, committed, 0))
+    for k in range(1, 41):
+        step = timeline.next_step(k * 0.01)
+        resident += GiB // 4
+        timeline.samples.append(Sample(k * 0.01, "hip:0", reserved, resident, committed, step))
+    end = 0.4
+    for model in ("text_encoder", "unet", "vae"):
+        timeline.markers.append(Marker(end, "unload", model, step=timeline.steps))
+        step = timeline.next_step(end)
+        resident = max(0, resident - 4 * GiB)
+        if release_at_idle:
+            reserved = max(0, reserved - 6 * GiB)
+        timeline.samples.append(Sample(end, "hip:0", reserved, resident, committed, step))
+    step = timeline.next_step(end)  # the idle: the plugin gives the commit back here
+    timeline.samples.append(Sample(end, "hip:0", reserved, resident, 0 if release_at_idle else committed, step))
+    return timeline
+
+
+def test_markers_sharing_an_instant_get_their_own_steps_and_widened_spans():
+    layout = plot._lay_out({"stock": _stepped_side("stock", release_at_idle=False),
+                            "plugin": _stepped_side("plugin", release_at_idle=True)})
+    plugin = layout.panel("plugin", "hip:0")
+    unloads = [p.x for p in plugin.markers if p.marker.kind == "unload"]
+    assert len(set(unloads)) == 3 and unloads == sorted(unloads)
+    assert layout.widened == {41, 42, 43, 44}  # the three unloads and the idle after them, same instant
+    span = layout.edges[42] - layout.edges[41]
+    assert span >= 0.05 * layout.x_max  # each an own visible span, not a pixel column
+    assert layout.edges[2] - layout.edges[1] < span / 3  # the load steps stay narrow
+    commit_release = [r.x for r in plugin.releases if r.series == "committed"]
+    assert commit_release == [layout.edges[44]]  # the idle's release, after every unload
+    assert not [r for r in layout.panel("stock", "hip:0").releases if r.series == "committed"]
+    assert [t for _, t in layout.x_ticks()] == sorted({t for _, t in layout.x_ticks()}, key=int)
+    assert all(int(t) <= layout.steps for _, t in layout.x_ticks())
+
+
+def test_sparse_samples_hold_their_value_until_the_next_step():
+    timeline = Timeline("stock", [Sample(0.0, "cuda:0", 0, 0, None, 0), Sample(1.0, "cuda:0", 0, GiB, None, 5),
+                                  Sample(2.0, "cuda:0", 0, 0, None, 9)])
+    layout = plot._lay_out({"stock": timeline})
+    assert layout.steps == 10
+    (segment,) = layout.panel("stock", "cuda:0").series["resident"]
+    assert segment == [(0.0, 0), (5.0, 0), (5.0, GiB), (9.0, GiB), (9.0, 0), (10.0, 0)]
+
+
+def test_full_unload_rocm_draws_each_unload_and_the_release_apart(rocm):
+    layout = plot._lay_out(rocm.timelines())
+    figure, _ = _figure(rocm.timelines())
+    axes = figure.axes[layout.columns.index("hip:0") + len(layout.columns)]  # plugin · hip:0
+    assert axes.get_title() == "plugin · hip:0"
+    plugin = layout.panel("plugin", "hip:0")
+    unloads = [p.x for p in plugin.markers if p.marker.kind == "unload"]
+    releases = [r.x for r in plugin.releases]
+    assert len(unloads) == 3 and releases, "the plugin releases what the unloads leave"
+    assert max(releases) > max(unloads), "the commit comes back after the last unload, at the idle"
+    pixels = sorted({axes.transData.transform((x, 0))[0] for x in unloads + releases})
+    assert len(pixels) >= 4
+    assert min(b - a for a, b in zip(pixels, pixels[1:])) >= 15, "each event a span of its own, not one pixel column"
+    assert not _overlaps(figure, figure.canvas.get_renderer())
+
+
+def test_full_unload_rocm_summaries_show_what_each_side_kept(rocm):
+    figure, _ = _figure(rocm.timelines())
+    texts = [t.get_text() for t in _texts(figure)]
+    stock_end = rocm.timelines()["stock"].samples[-2]  # hip:0's last sample (hip:1 comes after it)
+    assert stock_end.device == "hip:0" and stock_end.committed > 0
+    assert any(f"committed {stock_end.committed / GiB:.3g} GiB" in t for t in texts)
+    assert any("reserved 0, resident 0, committed 0 GiB" in t for t in texts)  # the plugin gave it all back
+
+
+def test_churn_picture_draws_and_counts_the_bugchecks(churn, tmp_path):
+    stock, plugin = churn.results["stock"][0], churn.results["plugin"][0]
+    assert stock.bugchecks > 0 and plugin.bugchecks == 0
+    timelines = churn.timelines()
+    drawn = sum(int(m.label) for m in timelines["stock"].markers if m.kind == "bugcheck")
+    assert drawn == stock.bugchecks == timelines["stock"].tallies["bugchecks"]
+    assert sum(int(m.label) for m in timelines["stock"].markers if m.kind == "raced_free") == stock.hazards
+    figure, renderer = _figure(timelines)
+    texts = [t.get_text() for t in _texts(figure)]
+    assert any(f"{stock.bugchecks:,} simulated bugchecks" in t for t in texts)
+    assert any("0 simulated bugchecks" in t for t in texts)
+    assert any(f"{stock.hazards:,} frees raced pending work" in t for t in texts)
+    stock_axes = figure.axes[0]
+    crosses = [line for line in stock_axes.get_lines() if line.get_marker() == plot.RUG_STYLE["bugcheck"][1]]
+    assert sum(len(line.get_xdata()) for line in crosses) == len(
+        [m for m in timelines["stock"].markers if m.kind == "bugcheck"])
+    assert not [line for line in figure.axes[1].get_lines() if line.get_marker() == plot.RUG_STYLE["bugcheck"][1]]
+    assert not _overlaps(figure, renderer)
+    page = _html(tmp_path, timelines)
+    assert page.count('class="marker rug r-bugcheck"') == len([m for m in timelines["stock"].markers
+                                                               if m.kind == "bugcheck"])
+    assert f"{stock.bugchecks:,} simulated bugchecks" in page
+
+
+def _every_legend_entry() -> dict[str, Timeline]:
+    """One device, every series, release, marker line and rug kind: the widest legend there is."""
+    sides = {}
+    for side in ("stock", "plugin"):
+        timeline = Timeline(side)
+        for k in range(30):
+            step = timeline.next_step(k * 0.1, bugchecks=k // 3, raced_frees=k // 4, oom=k // 10)
+            held = (k % 10) * GiB
+            timeline.samples.append(Sample(k * 0.1, "cuda:0", 20 * GiB - (k // 10) * 5 * GiB, held, held, step))
+            if k in (0, 12):
+                timeline.markers.append(Marker(k * 0.1, "workflow", f"workflow-{k}", step=timeline.steps))
+            if k == 20:
+                timeline.markers.append(Marker(k * 0.1, "unload", "a model with a long name", step=timeline.steps))
+            if k == 25:
+                timeline.markers.append(Marker(k * 0.1, "unload_all", "unload all", step=timeline.steps))
+        sides[side] = timeline
+    return sides
+
+
+def test_legend_and_every_text_lie_inside_the_figure(tmp_path):
+    caption = "a caption long enough to wrap " * 8
+    figure, renderer = _figure(_every_legend_entry(), title="a title", reported=caption)
+    (legend,) = [a.get_legend() for a in figure.axes if a.get_legend() is not None]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert len(labels) == 10  # 3 series, the release, 4 line kinds, 2 rug kinds
+    assert _inside(legend.get_window_extent(renderer), figure)
+    outside = [t.get_text() for t in _texts(figure) if not _inside(t.get_window_extent(renderer), figure)]
+    assert outside == []
+    assert not _overlaps(figure, renderer)
+    out = write_plot(tmp_path / "all.png", _every_legend_entry(), title="a title", reported=caption)  # that figure
+    height, width = _png_shape(out)
+    assert abs(height - figure.bbox.height) <= 1 and abs(width - figure.bbox.width) <= 1
+
+
+def test_reserved_is_labelled_address_space_and_resident_is_drawn_over_committed():
+    figure, _ = _figure(_both())
+    (legend,) = [a.get_legend() for a in figure.axes if a.get_legend() is not None]
+    assert "reserved (address space)" in [t.get_text() for t in legend.get_texts()]
+    lines = {line.get_color(): line for line in figure.axes[0].get_lines()}
+    resident, committed = lines[plot.SERIES_STYLE["resident"].colour], lines[plot.SERIES_STYLE["committed"].colour]
+    assert resident.get_zorder() > committed.get_zorder()
+    assert committed.get_linewidth() > 2 * resident.get_linewidth()  # where they are equal, committed shows around it
+
+
+def test_crowded_labels_take_lanes_and_never_overlap():
+    timeline = Timeline("stock")
+    for k in range(60):
+        timeline.next_step(k * 0.1)
+        timeline.samples.append(Sample(k * 0.1, "cuda:0", 8 * GiB, k * GiB // 10, None, k))
+    for k in range(20, 32):  # twelve long labels on neighbouring steps
+        timeline.markers.append(Marker(k * 0.1, "workflow", f"a long workflow name {k}", step=k))
+    figure, renderer = _figure({"stock": timeline})
+    shown = [t for t in _texts(figure) if t.get_text().startswith("a long workflow name")]
+    assert len(shown) >= plot.MAX_LANES  # every lane used: not a vacuous check
+    assert not _overlaps(figure, renderer)
+
+
+def test_lane_assignment_never_overlaps_and_flips_at_the_right_edge():
+    import random
+
+    rng = random.Random(7)
+    spans = [(rng.uniform(0, 500), rng.uniform(20, 120)) for _ in range(40)]
+    lanes = plot._assign_lanes(spans, 0.0, 500.0, gap=3.0)
+    placed = []
+    for (anchor, width), lane in zip(spans, lanes):
+        if lane is None:
+            continue
+        row, flipped = lane
+        start = anchor - width if flipped else anchor
+        assert start >= 0.0 and (start + width <= 500.0 or not flipped)
+        placed.append((row, start, start + width))
+    assert any(lane is None for lane in lanes) and len({row for row, _, _ in placed}) == plot.MAX_LANES
+    for i, (row, a0, a1) in enumerate(placed):
+        for other, b0, b1 in placed[i + 1:]:
+            assert row != other or a1 + 3.0 <= b0 or b1 + 3.0 <= a0
+    assert plot._assign_lanes([(490.0, 50.0)], 0.0, 500.0, gap=3.0) == [(0, True)]
+
+
+def test_html_marks_unloads_rugs_and_summaries(tmp_path):
+    sides = _every_legend_entry()
+    page = _html(tmp_path, sides)
+    panels = _panels(page)
+    labels = ["".join(t.itertext()) for t in panels[0].iter("text") if "ulabel" in t.get("class", "")]
+    assert "unload a model with a long name" in labels and "unload all" in labels
+    assert [t.text for t in panels[0].iter("text") if "wlabel" in t.get("class", "")] == ["workflow-0", "workflow-12"]
+    rugs = [p for p in panels[0].iter("path") if "r-bugcheck" in p.get("class", "")]
+    assert len(rugs) == len([m for m in sides["stock"].markers if m.kind == "bugcheck"])
+    summary = "".join("".join(t.itertext()) for t in panels[0].iter("text") if t.get("class") == "summary")
+    assert f"{sides['stock'].tallies['bugchecks']} simulated bugchecks" in summary
+
+
+# --------------------------------------------------------------------------- Timeline.next_step
+
+
+def test_next_step_counts_steps_and_marks_each_increase():
+    timeline = Timeline("stock")
+    assert timeline.next_step(0.0, bugchecks=0, raced_frees=0) == 0
+    assert timeline.next_step(0.5, bugchecks=2, raced_frees=0) == 1
+    assert timeline.next_step(0.7, bugchecks=2, raced_frees=1, oom=3) == 2
+    assert [(m.kind, m.label, m.step, m.t) for m in timeline.markers] == [
+        ("bugcheck", "2", 1, 0.5), ("raced_free", "1", 2, 0.7), ("oom", "3", 2, 0.7)]
+    assert timeline.tallies == {"bugchecks": 2, "raced_frees": 1, "oom": 3}
+    assert timeline.steps == 3
+    assert set(TALLY_MARKERS) == set(timeline.tallies)
+
+
+@pytest.mark.parametrize("totals", [{"crashes": 1}, {"bugchecks": -1}, {"bugchecks": 1.5}, {"bugchecks": True},
+                                    {"bugchecks": 1, "oom": "2"}, {"raced_frees": 4}])
+def test_next_step_refuses_a_bad_total_and_changes_nothing(totals):
+    timeline = Timeline("stock")
+    timeline.next_step(0.0, bugchecks=2, raced_frees=5)
+    with pytest.raises(TimelineError) as caught:
+        timeline.next_step(1.0, **totals)
+    assert isinstance(caught.value, MembackendError) and isinstance(caught.value, ValueError)
+    assert any(word in str(caught.value) for word in ("accepted", "whole number", "never falls"))
+    assert timeline.steps == 1 and timeline.tallies == {"bugchecks": 2, "raced_frees": 5}
+    assert [m.kind for m in timeline.markers] == ["bugcheck", "raced_free"]
