@@ -458,12 +458,14 @@ class ResidencyManager:
         A record holds ``model``, ``size``, ``time`` (when the load began, epoch seconds), ``workflow``,
         ``resident_before`` and ``loaded`` (bytes its faults newly backed: each copied in), ``lost`` (what the
         model lost since its previous load: ``{"time", "bytes", "reason", "for"}``, ``for`` the ids of the
-        models it made room for; None when it lost nothing) and ``kind``: ``kept`` (nothing loaded), ``reloaded`` (it had lost pages since its
+        models it made room for; None when it lost nothing), ``shed_during`` where its own pages were shed
+        to fit the run, and ``kind``: ``kept`` (nothing loaded), ``reloaded`` (it had lost pages since its
         previous load) or ``cold`` (a first load)."""
         done, self._loads = list(self._loads.values()), {}
         for rec in done:
             rec["kind"] = "kept" if not rec["loaded"] else "reloaded" if rec["lost"] else "cold"
-            self._trace("load", None, **rec)
+            if self.tracer is not None:
+                self.tracer.event("load", policy=self.policy, **rec)
             for listener in list(self.load_listeners):
                 try:
                     listener(rec)
@@ -714,8 +716,9 @@ class ResidencyManager:
     # ------------------------------------------------------------------ unload
 
     @_locked
-    def free_memory(self, amount: int, device: Any) -> int:
-        """Free at least ``amount`` bytes on ``device`` by priority (pinned pages stay); returns bytes freed."""
+    def free_memory(self, amount: int, device: Any, reason: str = "free_memory") -> int:
+        """Free at least ``amount`` bytes on ``device`` by priority (pinned pages stay); returns bytes freed.
+        ``reason`` is what each model's next load record says it lost its pages for."""
         amount = _as_int(amount, "amount")
         if amount < 0:
             raise InvalidSize(f"amount must be >= 0 bytes, got {amount}")
@@ -724,7 +727,9 @@ class ResidencyManager:
         for slot in self._by_priority(device):
             if freed >= amount:
                 break
-            freed += self._shed(slot, amount - freed, None)
+            dropped = self._shed(slot, amount - freed, None)
+            freed += dropped
+            self._note_loss(slot.model, dropped, reason)
         if freed < amount:
             log.info("membackend: free_memory(%d) on %s freed only %d bytes: the rest is pinned", amount, device, freed)
         self._trace("free_memory", None, device=str(device), bytes=amount, result=freed)
@@ -787,6 +792,7 @@ class ResidencyManager:
                 failures.append((f"model {model.id!r} on {slot.device}", exc))
         self._trace("full_unload", model, bytes=dropped, released=release, owned=[c.id for c in model.owned],
                     via=via)
+        self._note_loss(model, dropped, via or "full unload")
         return dropped
 
     def _unload_slot(self, slot: _Slot, release: bool) -> int:
@@ -857,6 +863,7 @@ class ResidencyManager:
         the backend keeps for reuse — recycled physical handles, address windows kept against a
         reserve-churn limit — so held memory never outlives the work that needed it. Resident models
         stay resident (G4). Returns the bytes given back."""
+        self.loads_done()
         self._running = set()
         given = self._trim()
         self._trace("idle", None, bytes=given)
@@ -908,6 +915,7 @@ class ResidencyManager:
         low = -(-floor // ps)  # pages wholly above the floor
         freed = self._shed(slot, amount, (slot, 0, low)) if low < slot.reservation.pages else 0
         self._trace("shed", model, device=str(slot.device), bytes=amount, result=freed, floor=floor)
+        self._note_loss(model, freed, "shed by its owner")
         return freed
 
     @_locked

@@ -6,7 +6,9 @@
   :func:`membackend._comfyui.startup.prestartup`, which selects the backend and
   logs one line;
 * ``__init__.py`` — loaded with the custom nodes; it registers the
-  ``GET /membackend/status`` route when ComfyUI's server exists.
+  ``GET /membackend/status`` and ``POST /membackend/headroom`` routes when ComfyUI's
+  server exists, and sets ``WEB_DIRECTORY`` to the memory panel's folder inside the
+  installed membackend package (ComfyUI serves it under ``/extensions/membackend/``).
 
 Both files only import membackend inside ``try``: a missing or broken
 membackend leaves ComfyUI starting stock. Both commands are idempotent
@@ -103,18 +105,22 @@ except Exception as _exc:  # noqa: BLE001
 '''
 
 INIT = f'''{MARKER}
-# Loaded with the custom nodes; no nodes of its own. Registers GET /membackend/status.
+# Loaded with the custom nodes; no nodes of its own. Registers GET /membackend/status and
+# POST /membackend/headroom, and gives ComfyUI the memory panel (WEB_DIRECTORY, served under
+# /extensions/membackend/).
 NODE_CLASS_MAPPINGS = {{}}
 NODE_DISPLAY_NAME_MAPPINGS = {{}}
 try:
     from membackend._comfyui.status import register_routes as _membackend_routes
+    from membackend._comfyui.status import web_directory as _membackend_web
 
+    WEB_DIRECTORY = _membackend_web()
     _membackend_routes()
 except Exception as _exc:  # noqa: BLE001
     import logging as _logging
 
     _logging.getLogger("membackend").warning(
-        "membackend: status route not registered (%s: %s)", type(_exc).__name__, _exc)
+        "membackend: status route or memory panel not registered (%s: %s)", type(_exc).__name__, _exc)
 '''
 
 FILES = {"prestartup_script.py": PRESTARTUP, "__init__.py": INIT}

@@ -31,12 +31,13 @@ import itertools
 import logging
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from .._version import __version__
-from ..types import Device, PartialFailure
+from ..types import Device, InvalidSize, PartialFailure, WrongDevice
 from .keepwarm import KeepWarm
 from .patches import Patches
 
@@ -47,10 +48,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("membackend")
 
-__all__ = ["Runtime", "Outcome", "current", "outcome", "say", "HOW_TO", "UNLOADS_KEPT"]
+__all__ = ["Runtime", "Outcome", "current", "outcome", "say", "HOW_TO", "UNLOADS_KEPT", "LOADS_KEPT",
+           "HISTORY_SECONDS", "describe_load", "gb"]
 
 HOW_TO = "MEMBACKEND_BACKEND=<name> forces another, MEMBACKEND_DISABLE=1 turns membackend off"
 UNLOADS_KEPT = 100  # the status shows the most recent full unloads; the count of all is kept too
+LOADS_KEPT = 100  # likewise the most recent loads (one per model each time ComfyUI loads it)
+HISTORY_SECONDS = 600.0  # the status keeps this much of each device's reserved/resident/committed history
+HISTORY_EVERY = 1.0  # seconds: at most one history sample per device this often
+LIVE_SOURCE = "live change (lasts until ComfyUI stops)"
 #: comfy-aimdo's log-level functions; ComfyUI calls one after init_devices said yes (they need aimdo's library)
 AIMDO_LOG_LEVELS = ("none", "critical", "error", "warning", "info", "debug", "verbose", "vverbose")
 
@@ -93,6 +99,55 @@ def _forget(runtime: "Runtime") -> None:
     with _state_lock:
         if _current is runtime:
             _current = None
+
+
+def gb(n: int | float) -> str:
+    """Bytes for a person: ``3.2 GB`` (powers of 1000, as ComfyUI's own log lines), ``512 MB``, ``0 bytes``."""
+    n = float(n)
+    if n == 0:
+        return "0 bytes"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+#: the residency policy's reasons for a loss, as (what happened, why) for the per-load line
+_LOSS_WORDS = {
+    "headroom": ("evicted", "to keep the headroom free"),
+    "out of memory": ("evicted", "the device was out of memory"),
+    "budget": ("evicted", "over the budget at a workflow switch"),
+    "address space": ("unloaded", "to make address space"),
+    "full unload": ("fully unloaded", None),
+    "unload_all": ("fully unloaded", "unload all models"),
+    "unregister": ("fully unloaded", "its model was deleted"),
+    "unloaded by ComfyUI": ("fully unloaded by ComfyUI", None),
+    "put off until no page was pinned": ("fully unloaded by ComfyUI", None),
+    "shed by its owner": ("partly unloaded by ComfyUI", None),
+    "free_memory": ("freed", None),
+}
+
+
+def describe_load(rec: dict[str, Any], name: Callable[[str], str] = str) -> str:
+    """The words of one load record (``ResidencyManager.loads_done``): why the model loaded what it did.
+
+    ``kept: 0 bytes loaded`` / ``reloaded 3.2 GB: evicted at 14:02 for VAE`` / ``loaded 3.2 GB (cold)``;
+    ``name`` turns a model id into the name a person knows it by."""
+    loaded = rec.get("loaded", 0)
+    if rec.get("kind") == "kept" or not loaded:
+        out = f"kept: 0 bytes loaded ({gb(rec.get('resident_before', 0))} resident)"
+    elif rec.get("kind") == "reloaded" and rec.get("lost"):
+        lost = rec["lost"]
+        when = time.strftime("%H:%M:%S", time.localtime(lost["time"]))
+        what, why = _LOSS_WORDS.get(lost.get("reason") or "", ("evicted", lost.get("reason")))
+        for_ = ", ".join(name(m) for m in lost.get("for") or ())
+        out = f"reloaded {gb(loaded)}: {what} at {when}" + (f" for {for_}" if for_ else "") + \
+            (f" ({why})" if why else "")
+    else:
+        out = f"loaded {gb(loaded)} (cold)"
+    if rec.get("shed_during"):
+        out += f"; {gb(rec['shed_during'])} of it shed again to fit the run"
+    return out
 
 
 def say(text: str, level: int = logging.INFO) -> str:
@@ -147,6 +202,18 @@ class Runtime:
         self.unload_count = 0
         self.idles = 0  # times the prompt queue emptied
         self.idle_bytes = 0  # what on_idle gave back, in all
+        self.loads: collections.deque[dict[str, Any]] = collections.deque(maxlen=LOADS_KEPT)
+        self.load_count = 0
+        self.loaded_bytes = 0  # bytes every load copied in, in all
+        self.names: dict[str, str] = {}  # model id -> the name ComfyUI's model class gives it
+        self.last_used: dict[str, float] = {}  # model id -> when ComfyUI last loaded it (epoch seconds)
+        #: per device: (time, reserved, resident, committed or None) samples, the last HISTORY_SECONDS
+        self.history: dict[str, collections.deque[tuple[float, int, int, int | None]]] = {}
+        self._sampled = 0.0
+        self._flag_headroom: dict[Device, str] = {}  # devices whose start-up headroom ComfyUI's flags set: the flags
+        self._flag_values: dict[Device, int] = {}  # and the bytes they set
+        self._live_headroom: set[Device] = set()  # devices whose headroom a live change set (the fallback's record)
+        self._headroom_lock = threading.Lock()  # one live change at a time
         self._wire = wire
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -199,7 +266,10 @@ class Runtime:
         self.session = self.manager.session(self.machine, selection=self.selection)
         self.devices = list(dict.fromkeys(self.device_for(index) for index, _ in pairs))
         self._apply_headroom({self.device_for(index): int(extra) for index, extra in pairs})
+        self._flag_headroom = self._headroom_flags(pairs)
+        self._flag_values = {d: self.session.budget_query(d).headroom for d in self._flag_headroom}
         self.residency = ResidencyManager(self.session)
+        self.residency.load_listeners.append(self.on_load)
         self.fences = CopyFences(self.residency)
         control = importlib.import_module("comfy_aimdo.control")
         for level in AIMDO_LOG_LEVELS:  # main.py calls one right after we answer True
@@ -221,6 +291,170 @@ class Runtime:
                 continue
             own = self.session.budget_query(dev).headroom
             self.session.set_headroom(dev, max(own, reserve) + more)
+
+    def _headroom_flags(self, pairs: list[tuple[Any, Any]]) -> dict[Device, str]:
+        """The ComfyUI flags that set each device's start-up headroom (what :meth:`_apply_headroom` read)."""
+        reserve = getattr(self.comfy_args, "reserve_vram", None)
+        out = {}
+        for index, extra in pairs:
+            words = ([f"--reserve-vram {reserve}"] if reserve else []) + \
+                    ([f"--vram-headroom {int(extra) / 1024 ** 3:g}"] if extra and int(extra) > 0 else [])
+            if words:
+                out[self.device_for(index)] = " ".join(words)
+        return out
+
+    # ------------------------------------------------------------------ the live headroom (VRAM cap)
+
+    def device_named(self, name: Any) -> Device:
+        """One of the devices membackend serves, from ``"cuda:0"``, ``0`` or None (the first);
+        :class:`~membackend.types.WrongDevice` for any other."""
+        served = ", ".join(map(str, self.devices)) or "none"
+        if name is None:
+            if not self.devices:
+                raise WrongDevice("membackend serves no device yet; accepted: a device once it runs")
+            return self.devices[0]
+        try:
+            dev = self.device_for(name) if isinstance(name, int) and not isinstance(name, bool) else Device.parse(name)
+        except Exception:
+            raise WrongDevice(f"device {name!r} is not a device name; accepted: one of {served}") from None
+        if dev not in self.devices:
+            raise WrongDevice(f"membackend does not serve {dev}; accepted: one of {served}")
+        return dev
+
+    def headroom_in_force(self, device: Device) -> tuple[int, str]:
+        """``(bytes kept free on device, where that value came from, in words)``."""
+        ask = getattr(self.session, "headroom_in_force", None)
+        if callable(ask):
+            got, source = ask(device)
+            return int(got), str(source)
+        b = self.session.budget_query(device)
+        if device in self._live_headroom:
+            return b.headroom, LIVE_SOURCE
+        if device in self._flag_headroom:
+            return b.headroom, f"ComfyUI flag {self._flag_headroom[device]}"
+        if getattr(self.session, "headroom", None) is not None:
+            return b.headroom, "start-up setting (MEMBACKEND_HEADROOM or membackend.toml)"
+        return b.headroom, f"the backend's own default ({self.name})"
+
+    def headroom_range(self, device: Device) -> tuple[int, int]:
+        """The live headroom accepted on ``device``: 0 to the device's total, in bytes."""
+        return 0, int(self.session.budget_query(device).total)
+
+    def parse_headroom(self, device: Device, value: Any) -> int | None:
+        """A headroom as the settings read one (``"2GiB"``, ``1.5e9``, bytes; None: back to the start-up
+        value); :class:`~membackend.types.InvalidSize` naming the accepted form and range otherwise."""
+        from .._settings import SIZE_ACCEPTED, parse_bytes
+
+        lo, hi = self.headroom_range(device)
+        accepted = f"accepted: {SIZE_ACCEPTED}, from {lo} to {hi} bytes (the total of {device}), or null"
+        if value is None:
+            return None
+        if isinstance(value, float) and value != value:  # NaN: parse_bytes would name it oddly
+            raise InvalidSize(f"headroom {value!r} is not a number of bytes; {accepted}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise InvalidSize(f"headroom {value!r} is negative; {accepted}")
+        try:
+            n = parse_bytes(value)
+        except ValueError as exc:
+            raise InvalidSize(f"headroom: {exc}; {accepted}") from None
+        if n > hi:
+            raise InvalidSize(f"headroom {value!r} ({n} bytes) is above the total of {device} ({hi} bytes); "
+                              f"{accepted}")
+        return n
+
+    def set_headroom_live(self, device: Any, value: Any) -> dict[str, Any]:
+        """Change the headroom (the VRAM kept free) of a served device for the rest of this session.
+
+        ``value`` as :meth:`parse_headroom` reads it. The next fault sees the new budget. When the free room
+        is now below the headroom, the residency policy gives back what no longer fits: whole idle models
+        first (least recently used), then unpinned pages by priority -- never a pinned page. Returns the
+        value in force, its source, the bytes freed and the new budget. A bad device or value raises
+        (:class:`~membackend.types.WrongDevice`, :class:`~membackend.types.InvalidSize`) and changes nothing;
+        a failure while freeing puts the previous headroom back and raises it."""
+        if self.session is None or self.residency is None:
+            raise WrongDevice("membackend is not running in this ComfyUI; accepted: a live change once it runs")
+        dev = self.device_named(device)
+        n = self.parse_headroom(dev, value)
+        with self._headroom_lock:
+            before, before_source = self.headroom_in_force(dev)
+            was_live = dev in self._live_headroom
+            self._put_headroom(dev, n)
+            try:
+                freed = self._fit(dev, n)
+            except Exception:
+                self._put_headroom(dev, before, restore=(was_live, before_source))
+                raise
+            now, source = self.headroom_in_force(dev)
+        b = self.session.budget_query(dev)
+        say(f"headroom on {dev} is now {gb(now)} ({source}; was {gb(before)}, {before_source})"
+            + (f"; gave back {gb(freed)} that no longer fit" if freed else ""))
+        self.sample(force=True)
+        return {"device": str(dev), "headroom": now, "source": source, "previous": before,
+                "previous_source": before_source, "freed": freed,
+                "budget": {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
+                           "source": b.source}}
+
+    def _put_headroom(self, dev: Device, n: int | None, restore: tuple[bool, str] | None = None) -> None:
+        """Set the live headroom (None: back to the start-up value); ``restore``: put back the value in force
+        before, ``(it was a live change, its source)``."""
+        setter = self.session.set_headroom
+        live = n is not None if restore is None else restore[0]
+        if callable(getattr(self.session, "headroom_in_force", None)):  # the session owns the headroom
+            setter(dev, n if live else None, source="live")
+            return
+        if live:
+            setter(dev, n)
+            self._live_headroom.add(dev)
+        else:  # ComfyUI's flags' value, else the settings' or the backend's own
+            self._live_headroom.discard(dev)
+            setter(dev, self._flag_values.get(dev))
+
+    def _fit(self, dev: Device, headroom: int | None) -> int:
+        """Free what no longer fits under the budget of ``dev``: idle models whole, then unpinned pages."""
+        b = self.session.budget_query(dev)
+        if b.free >= b.headroom:
+            return 0
+        reason = f"headroom raised to {gb(b.headroom)} (live)"
+        freed = self.residency.keep_warm(dev, reason=reason)
+        b = self.session.budget_query(dev)
+        if b.free < b.headroom:
+            freed += self.residency.free_memory(b.headroom - b.free, dev, reason=reason)
+        return freed
+
+    # ------------------------------------------------------------------ loads, history
+
+    def display_name(self, model_id: str) -> str:
+        return self.names.get(model_id, model_id)
+
+    def on_load(self, rec: dict[str, Any]) -> None:
+        """A load finished (``ResidencyManager.loads_done``): one line that says why, kept for the status."""
+        name = self.display_name(rec["model"])
+        words = describe_load(rec, self.display_name)
+        entry = {**rec, "name": name, "text": words}
+        with self._lock:
+            self.loads.append(entry)
+            self.load_count += 1
+            self.loaded_bytes += int(rec.get("loaded", 0))
+        say(f"load of {name} ({gb(rec['size'])}): {words}")
+
+    def sample(self, force: bool = False) -> None:
+        """Add one history sample per device (at most one a second unless ``force``)."""
+        if self.session is None:
+            return
+        now = time.time()
+        if not force and now - self._sampled < HISTORY_EVERY:
+            return
+        self._sampled = now
+        for d in self.devices:
+            acct = self.session.ledger.account(d)
+            state = self.session.inspect(d)
+            committed = None
+            if state is not None:
+                committed = state.committed if state.committed is not None else state.resident + state.held
+            hist = self.history.setdefault(str(d), collections.deque())
+            hist.append((round(now, 3), acct.reserved, acct.resident, committed))
+            while hist and now - hist[0][0] > HISTORY_SECONDS:
+                hist.popleft()
 
     # ------------------------------------------------------------------ G6
 
@@ -330,6 +564,11 @@ class Runtime:
             return  # unloaded already
         entry = {"model": model.id, "device": str(vbar._dev), "bytes": dropped.bytes + earlier,
                  "reservations": dropped.released, "reserved_bytes": dropped.reserved_bytes, "reason": reason}
+        entry["time"] = time.time()
+        entry["name"] = self.display_name(model.id)
+        lost = self.residency.losses.get(model.id)
+        if lost is not None:  # the policy says "full unload"; the adapter knows who asked
+            lost["reason"] = reason
         with self._lock:
             self.unloads.append(entry)
             self.unload_count += 1
@@ -344,6 +583,9 @@ class Runtime:
         for vbar in waiting:
             self.unload_vbar(vbar, "put off until no page was pinned")
         self.keep.relieve()
+        if self.residency is not None:
+            self.residency.loads_done()  # the node that loaded its models is done: one line per load
+        self.sample()
 
     def idle(self) -> int:
         """ComfyUI's prompt queue emptied: the backend gives back what it keeps for reuse
@@ -353,6 +595,7 @@ class Runtime:
         given = self.residency.on_idle()
         self.idles += 1
         self.idle_bytes += given
+        self.sample(force=True)
         if given:
             say(f"prompt queue empty: gave back {given} bytes the backend kept for reuse")
         return given
@@ -400,14 +643,22 @@ class Runtime:
                                "aborted": self.aborted, "patched": self.patches.applied,
                                "not_present": list(self.patches.skipped),
                                "unloads": list(self.unloads), "unload_count": self.unload_count,
-                               "idle": {"times": self.idles, "bytes": self.idle_bytes}}
+                               "idle": {"times": self.idles, "bytes": self.idle_bytes},
+                               "how_to": HOW_TO, "line": _outcome.line if _outcome is not None else None,
+                               "loads": list(self.loads), "load_count": self.load_count,
+                               "loaded_bytes": self.loaded_bytes, "keep_warm": self.keep.enabled}
         if self.session is None:
             return out
-        budgets, held = {}, {}
+        self.sample()
+        budgets, held, headroom = {}, {}, {}
         for d in self.devices:
             b = self.session.budget_query(d)
             budgets[str(d)] = {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
                                "source": b.source}
+            value, source = self.headroom_in_force(d)
+            lo, hi = self.headroom_range(d)
+            headroom[str(d)] = {"bytes": value, "source": source, "live": source == LIVE_SOURCE or
+                                d in self._live_headroom, "min": lo, "max": hi}
             state = self.session.inspect(d)  # what the backend keeps for reuse (kept address windows included)
             if state is not None:
                 held[str(d)] = {"held": state.held, "committed": state.committed, "source": state.source}
@@ -415,7 +666,41 @@ class Runtime:
         out["kept"] = held
         out["reservations"] = [{"id": r.id, "device": str(r.device), "size": r.size}
                                for r in self.session.reservations()]
-        out["models"] = self.residency.stats()
+        out["headroom"] = headroom
+        out["models"] = self.model_details()
+        #: per model id, what it lost since its last load (``ResidencyManager.losses``): recent evictions
+        out["evictions"] = {k: dict(v) for k, v in list(self.residency.losses.items())}
+        out["history"] = {d: [list(x) for x in h] for d, h in self.history.items()}
+        return out
+
+    def model_details(self) -> dict[str, Any]:
+        """Per model (by id): ``resident`` and ``reserved`` (``ResidencyManager.stats``), and ``name``,
+        ``size``, ``device``, ``pinned`` and ``evictable`` bytes, ``state`` (``pinned``: a layer is in use
+        now; ``warm``: wholly resident; ``partly resident``; ``not resident``), ``held`` (kept warm by the
+        adapter) and ``last_used`` (epoch seconds, None: not loaded by ComfyUI yet)."""
+        held = {id(v._model) for p in list(self.keep.held.values())
+                for v in (getattr(getattr(p, "model", None), "dynamic_vbars", None) or {}).values()
+                if hasattr(v, "_model")}
+        stats = self.residency.stats()
+        out: dict[str, Any] = {}
+        for m in self.residency.models():
+            row = dict(stats.get(m.id, {"resident": 0, "reserved": False}))
+            pinned = evictable = 0
+            for dev in m.devices:
+                slot = m.slots.get(dev)
+                r = slot.reservation if slot is not None and slot.alive else None
+                if r is None:
+                    continue
+                bits = self.residency.residency(m, dev)
+                pinned += sum(1 for x in bits if x & 2) * r.page_size
+                evictable += sum(1 for x in bits if x == 1) * r.page_size
+            resident = row["resident"]
+            state = ("pinned" if pinned else "warm" if resident >= m.size else "partly resident" if resident
+                     else "not resident")
+            row.update(name=self.display_name(m.id), size=m.size, device=", ".join(map(str, m.devices)),
+                       kind=m.kind.value, pinned=pinned, evictable=evictable, state=state, held=id(m) in held,
+                       last_used=self.last_used.get(m.id))
+            out[m.id] = row
         return out
 
     def _close_quietly(self) -> None:

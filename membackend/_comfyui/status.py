@@ -1,9 +1,14 @@
-"""``GET /membackend/status``: the backend, budgets, live reservations and residency per model, as JSON.
+"""membackend's routes on ComfyUI's server, and the memory panel's files.
+
+* ``GET /membackend/status`` -- the backend, budgets, live reservations and residency per model, as JSON;
+* ``POST /membackend/headroom`` -- change the headroom (the VRAM kept free) of a served device for the rest
+  of this ComfyUI session (:func:`change_headroom`);
+* :func:`web_directory` -- the folder the custom node gives ComfyUI as its ``WEB_DIRECTORY``: the memory
+  panel (plain JavaScript, served under ``/extensions/membackend/``).
 
 Registered by the custom node's ``__init__.py`` on ComfyUI's running server
-(``server.PromptServer.instance.routes``); the response is built with the
-server module's own ``web`` (aiohttp's). Every answer has ``running`` (bool),
-``state`` and ``reason``; ``state`` is one of:
+(``server.PromptServer.instance.routes``); responses are built with the server module's own ``web``
+(aiohttp's). Every status answer has ``running`` (bool), ``state`` and ``reason``; ``state`` is one of:
 
 * ``disabled`` -- ``MEMBACKEND_DISABLE`` is set;
 * ``stock`` -- the start-up decision left ComfyUI stock (its dynamic VRAM is off,
@@ -15,20 +20,37 @@ server module's own ``web`` (aiohttp's). Every answer has ``running`` (bool),
 * ``not-started`` -- the prestartup script failed, or never ran (the node not installed
   as a prestartup script, or ComfyUI's ``--disable-all-custom-nodes``).
 
-``reason`` is the start-up line's words, or the cause.
+``reason`` is the start-up line's words, or the cause; ``line`` the start-up line itself.
+While a runtime exists the answer also has ``budgets``, ``headroom`` (per device: ``bytes``, ``source`` in
+words, ``live``, ``min``/``max``), ``models`` (per model id: name, size, resident, pinned, evictable, state,
+last_used), ``loads`` (the most recent loads, each with its line's ``text``), ``unloads`` and ``history``
+(per device ``[time, reserved, resident, committed]`` samples over the last minutes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..types import ConfigError, MembackendError, WrongDevice
 from . import runtime
 
-__all__ = ["status", "register_routes", "ROUTE"]
+__all__ = ["status", "register_routes", "change_headroom", "web_directory", "ROUTE", "HEADROOM_ROUTE"]
 
 ROUTE = "/membackend/status"
+HEADROOM_ROUTE = "/membackend/headroom"
+#: HTTP status per refusal: bad input 400; membackend not serving (nothing to change) 409; anything else 500
+BAD_INPUT = 400
+NOT_SERVING = 409
+FAILED = 500
+
+
+def web_directory() -> str:
+    """The memory panel's folder (absolute): ComfyUI serves it under ``/extensions/<node folder>/``."""
+    return str(Path(__file__).resolve().parent / "web")
 
 
 def status() -> dict[str, Any]:
@@ -43,9 +65,10 @@ def status() -> dict[str, Any]:
     decided = runtime.outcome()
     if decided is None:
         return {"running": False, "version": __version__, "state": "not-started",
-                "reason": "membackend's prestartup script did not run in this ComfyUI"}
+                "reason": "membackend's prestartup script did not run in this ComfyUI", "line": None,
+                "how_to": runtime.HOW_TO}
     return {"running": False, "version": __version__, "state": decided.state, "reason": decided.reason,
-            "line": decided.line}
+            "line": decided.line, "how_to": runtime.HOW_TO}
 
 
 def _startup_over() -> bool:
@@ -53,8 +76,63 @@ def _startup_over() -> bool:
     return getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None) is not None
 
 
+def _error(exc: BaseException, accepted: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
+    if accepted is not None:
+        out["accepted"] = accepted
+    return out
+
+
+def _accepted(rt: Any, device: Any) -> str:
+    """The accepted input of the headroom route, with the range of ``device`` where it is known."""
+    from .._settings import SIZE_ACCEPTED
+
+    try:
+        devices = [rt.device_named(device)]
+    except Exception:  # a device not served: the range of each served one
+        devices = list(getattr(rt, "devices", []))
+    try:
+        where = "; ".join(f"from {lo} to {hi} bytes on {d}" for d in devices for lo, hi in [rt.headroom_range(d)])
+    except Exception:
+        where = ""
+    where = where or "from 0 to the device's total"
+    served = ", ".join(map(str, getattr(rt, "devices", []))) or "none"
+    return (f'{{"device": one of {served} (default: the first), "headroom": {SIZE_ACCEPTED}, {where}; '
+            f'or null: back to the start-up value}}')
+
+
+def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
+    """``POST /membackend/headroom``'s answer: ``(HTTP status, JSON)``.
+
+    ``body`` is ``{"device": "cuda:0", "headroom": "2GiB" | bytes | null}`` (``device`` optional: the first
+    served). 200: ``Runtime.set_headroom_live``'s answer (the value in force, its source, the bytes freed,
+    the new budget). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
+    "message": ..., "accepted": ...}``: 400 for bad input (``ConfigError`` a body that is not such an
+    object, ``InvalidSize`` a value that is not a size in range, ``WrongDevice`` a device not served), 409
+    while membackend serves no device (``WrongDevice``), 500 when freeing what no longer fits failed (the
+    previous headroom is back in force)."""
+    rt = runtime.current()
+    if rt is None or not rt.running:
+        st = status()
+        exc = WrongDevice(f"membackend serves no device in this ComfyUI ({st['state']}: {st['reason']}); "
+                          f"accepted: a live change while membackend runs")
+        return NOT_SERVING, _error(exc, "a live change while membackend runs")
+    if not isinstance(body, dict) or "headroom" not in body or not set(body) <= {"device", "headroom"}:
+        accepted = _accepted(rt, None)
+        exc = ConfigError("headroom", f"POST {HEADROOM_ROUTE}", f"the request body must be a JSON object with "
+                          f"\"headroom\" (and optionally \"device\"), got {body!r}", accepted)
+        return BAD_INPUT, _error(exc, accepted)
+    device = body.get("device")
+    try:
+        return 200, rt.set_headroom_live(device, body["headroom"])
+    except (ValueError, TypeError) as exc:  # InvalidSize, WrongDevice: bad input, nothing changed
+        return BAD_INPUT, _error(exc, _accepted(rt, device))
+    except MembackendError as exc:  # freeing failed (a driver error): the previous headroom is back
+        return FAILED, _error(exc)
+
+
 def register_routes() -> bool:
-    """Add the route when ComfyUI's server exists; False (nothing done) when it does not."""
+    """Add the routes when ComfyUI's server exists; False (nothing done) when it does not."""
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
     web = getattr(server, "web", None)
@@ -64,5 +142,19 @@ def register_routes() -> bool:
     @instance.routes.get(ROUTE)
     async def membackend_status(request: Any) -> Any:
         return web.json_response(status())
+
+    @instance.routes.post(HEADROOM_ROUTE)
+    async def membackend_headroom(request: Any) -> Any:
+        try:
+            body = await request.json()
+        except Exception as exc:  # not JSON at all
+            rt = runtime.current()
+            accepted = _accepted(rt, None) if rt is not None else ""
+            err = ConfigError("headroom", f"POST {HEADROOM_ROUTE}",
+                              f"the request body is not JSON ({type(exc).__name__}: {exc})", accepted)
+            return web.json_response(_error(err, accepted or None), status=BAD_INPUT)
+        # freeing what no longer fits may wait for copies on the device: off the server's event loop
+        code, answer = await asyncio.get_running_loop().run_in_executor(None, change_headroom, body)
+        return web.json_response(answer, status=code)
 
     return True

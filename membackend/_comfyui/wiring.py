@@ -26,7 +26,13 @@ own function with the same arguments, G6), and undone by ``Runtime.abort`` /
   An "everything" request (ComfyUI's ``1e30`` sentinel: ``unload_all_models``) hides
   nothing, and neither does ComfyUI's ``--disable-smart-memory``.
   ``load_models_gpu(models, ...)`` declares the run (``ResidencyManager.use``) and
-  holds strong references to its dynamic patchers (:mod:`.keepwarm`).
+  holds strong references to its dynamic patchers (:mod:`.keepwarm`). It also names each dynamic
+  model after its ComfyUI model class (the status and the per-load lines use the name) and notes when it
+  was last loaded.
+* **One line per load.** ``vbars_reset_watermark_limits`` (after every node) closes the loads that
+  ``load_models_gpu`` opened (``ResidencyManager.loads_done``); :meth:`Runtime.on_load` logs one line per
+  model saying why it loaded what it did (kept / reloaded after an eviction / cold) and keeps it for the
+  status.
 * **Full unload (G1) and the Hook delegate (G5).** After ``free_memory`` returns, every
   dynamic model it removed whose nn.Module no loaded model still uses (clones share
   one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from typing import Any
 
 from . import buffers
@@ -212,6 +219,7 @@ def wire(rt: Runtime) -> None:
             vbars = [v for m in models for v in _vbars_of(m)]
             for v in vbars:
                 rt.cancel_put_off(v)
+            _name(rt, models)
             if vbars:
                 rt.residency.use([v._model for v in vbars])
             rt.keep.hold([m for m in models if _vbars_of(m)])
@@ -236,6 +244,25 @@ def wire(rt: Runtime) -> None:
         p.replace(queue_cls, "task_done", rt.guard("task_done", original_done, task_done))
     else:
         p.skipped.append("execution.PromptQueue.task_done")
+
+
+def _name(rt: Runtime, patchers: list[Any]) -> None:
+    """Each dynamic model's name (its ComfyUI model class: ``SDXL``, ``AutoencoderKL``, ``SD1ClipModel``) and
+    when ComfyUI last loaded it, for the status and the per-load lines."""
+    now = time.time()
+    for patcher in patchers:
+        module = getattr(patcher, "model", None)
+        for v in _vbars_of(patcher):
+            mid = v._model.id
+            if mid not in rt.names:
+                base = type(module).__name__ if module is not None else mid
+                taken = set(rt.names.values())
+                name, n = base, 1
+                while name in taken:
+                    n += 1
+                    name = f"{base} #{n}"
+                rt.names[mid] = name
+            rt.last_used[mid] = now
 
 
 def _retire(rt: Runtime, removed: list[Any], loaded: list[Any], sizes: dict[int, int]) -> None:

@@ -1,4 +1,5 @@
-"""The four built-in scenarios: one per seed report, with the report's sizes, order and figures.
+"""The built-in scenarios: one per seed report, with the report's sizes, order and figures, and the
+run-to-run guard (the same workflow run three times, another workflow between runs 2 and 3).
 
 Each scenario builds its workload as trace events (the same events ``MEMBACKEND_TRACE``
 records, see ``docs/trace-format.md``) for a seed, names the simulated profile it runs on, the
@@ -250,6 +251,72 @@ def _gb10_reproduces(side) -> bool:
     return last is not None and last["loaded"] > 0
 
 
+# --------------------------------------------------------------------------- run-to-run
+
+#: the workflow run three times (a Flux-class text-to-image set: T5-XXL fp16, the fp16 transformer, its VAE)
+#: and the one run between runs 2 and 3 (an SDXL set); both fit a 141 GB H200 together
+RUN_TO_RUN = {"txt2img": (("t5xxl_text_encoder", int(9.79 * GB)), ("flux_transformer", int(23.8 * GB)),
+                          ("flux_vae", 167_666_902)),
+              "sdxl": (("sdxl_unet", int(5.14 * GB)), ("sdxl_clip", int(1.62 * GB)), ("sdxl_vae", 167_335_342))}
+RUN_TO_RUN_ORDER = ("txt2img", "txt2img", "sdxl", "txt2img")
+RUN_TO_RUN_COPY = 25e9  # bytes/s host to device (PCIe 4.0 x16 class); a report gives none
+RUN_TO_RUN_STEP = 2.0  # seconds of compute per run (sampling), the same on both sides
+
+
+def _run_label(n: int, workflow: str) -> str:
+    return f"{workflow} #{n}"
+
+
+def _run_to_run_labels() -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for workflow in RUN_TO_RUN_ORDER:
+        seen[workflow] = seen.get(workflow, 0) + 1
+        out.append(_run_label(seen[workflow], workflow))
+    return out
+
+
+def _run_to_run_build(seed: int):
+    events = [_register(n, size, ["cuda:0"]) for models in RUN_TO_RUN.values() for n, size in models]
+    for workflow, label in zip(RUN_TO_RUN_ORDER, _run_to_run_labels()):
+        models = RUN_TO_RUN[workflow]
+        events.append(_use(*(n for n, _ in models), workflow=label))  # a new prompt: ComfyUI's load_models_gpu
+        for n, size in models:
+            events += layered_run(n, size, "cuda:0", 256 * MiB, RUN_TO_RUN_COPY)
+        events.append({"event": "compute", "seconds": RUN_TO_RUN_STEP})
+        events.append({"event": "idle"})  # the prompt queue empties between runs
+    events += [{"event": "unload_all"}, {"event": "idle"}]  # POST /free, as ComfyUI's Unload Models button
+    return events, {}
+
+
+def run_to_run_loaded(side) -> list[tuple[str, int | None]]:
+    """``(run label, bytes that run loaded)`` for every run of the scenario, in order (None: it did not run)."""
+    by_label = {r["workflow"]: r["loaded"] for r in side.runs}
+    return [(label, by_label.get(label)) for label in _run_to_run_labels()]
+
+
+def _run_to_run_key(side) -> list[tuple[str, str, Any]]:
+    return [(f"loaded_{label.replace(' #', '_')}", f"bytes loaded by {label} (GB)",
+             None if loaded is None else loaded / GB) for label, loaded in run_to_run_loaded(side)]
+
+
+def _run_to_run_holds(side) -> list[str]:
+    """G4 run to run: every run of the repeated workflow after its first loads nothing (the budget allows)."""
+    out = []
+    for label, loaded in run_to_run_loaded(side)[1:]:
+        if not label.startswith("txt2img"):
+            continue
+        if loaded is None:
+            out.append(f"G4: {label} did not run")
+        elif loaded:
+            out.append(f"G4: {label} loaded {loaded:,} bytes again although every model fits the budget")
+    return out + _rocm_holds(side)
+
+
+def _run_to_run_reproduces(side) -> bool:
+    return any(loaded for label, loaded in run_to_run_loaded(side)[1:] if label.startswith("txt2img"))
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(
         name="full-unload-rocm", report="ComfyUI #15993",
@@ -285,6 +352,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                                               "are calibrated on these; what is measured is what reloads)",
                   "second_image_run_loaded": "everything reloaded (stock)"},
         key_figures=_gb10_key, plugin_holds=_gb10_holds, stock_reproduces=_gb10_reproduces),
+    Scenario(
+        name="run-to-run", report="ComfyUI users: the second run is slower than the first",
+        title="The same workflow three times, another between runs 2 and 3: what each run loads",
+        profile="h200", plugin=None, guarantee="G4",
+        build=_run_to_run_build,
+        reported={"loaded_txt2img_3": "users: the run after a workflow switch loads its models again (stock); "
+                                      "every model fits the budget, so nothing needs to"},
+        key_figures=_run_to_run_key, plugin_holds=_run_to_run_holds, stock_reproduces=_run_to_run_reproduces),
 )}
 
 

@@ -1,0 +1,321 @@
+"""The adapter's routes and the live VRAM cap: ``GET /membackend/status``, ``POST /membackend/headroom``
+(validated like the settings, typed errors with the accepted range), the headroom changed under load
+(threads faulting and unpinning) with nothing pinned freed and the ledger equal to the simulated driver
+afterwards, and one line per load that says why (kept / reloaded after an eviction / cold)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import threading
+import types
+
+import pytest
+
+from membackend._comfyui import runtime as adapter
+from membackend._comfyui import status as routes
+from membackend._comfyui.runtime import LIVE_SOURCE, Runtime, describe_load
+from membackend._drivers.open import machine_for
+from membackend._manager import BackendManager
+from membackend._settings import SIZE_ACCEPTED, load_settings
+
+MiB = 1 << 20
+PS = 2 * MiB  # the vmm backend's page on the simulated H200
+
+
+@pytest.fixture
+def rt():
+    """A running adapter on the simulated H200 (vmm backend), no ComfyUI patches; 0 bytes of headroom set at
+    start-up (as ``MEMBACKEND_HEADROOM=0``)."""
+    settings = load_settings(sim_profile="h200", headroom=0)
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+    runtime.start([(0, 0)])
+    runtime.started = True
+    adapter.decided("armed", "test", "membackend test: using vmm", runtime)
+    yield runtime
+    runtime.stop()
+    adapter.decided("stock", "test over", "", None)
+
+
+def _model(rt, name, size):
+    return rt.residency.register(name, size, rt.devices[0], "diffusion")
+
+
+def _ledger_matches_driver(rt):
+    d = rt.devices[0]
+    acct, state = rt.session.ledger.account(d), rt.session.inspect(d)
+    assert (acct.reserved, acct.resident) == (state.reserved, state.resident), (acct, state)
+    stats = rt.residency.stats(d)
+    assert sum(v["resident"] for v in stats.values()) == acct.resident, (stats, acct)
+
+
+# ---------------------------------------------------------------------------------------------- the route
+
+
+def test_headroom_route_changes_the_budget_and_says_where_it_came_from(rt):
+    d = str(rt.devices[0])
+    st = routes.status()
+    assert st["headroom"][d]["bytes"] == 0 and "start-up setting" in st["headroom"][d]["source"]
+    assert st["headroom"][d]["max"] == st["budgets"][d]["total"]
+    code, answer = routes.change_headroom({"device": d, "headroom": "2GiB"})
+    assert code == 200, answer
+    assert answer["headroom"] == 2 << 30 and answer["source"] == LIVE_SOURCE and answer["previous"] == 0
+    assert rt.session.budget_query(rt.devices[0]).headroom == 2 << 30  # the next budget query sees it
+    st = routes.status()
+    assert st["budgets"][d]["headroom"] == 2 << 30
+    assert st["headroom"][d] == {**st["headroom"][d], "bytes": 2 << 30, "source": LIVE_SOURCE, "live": True}
+    code, answer = routes.change_headroom({"headroom": 5 * 10**8})  # no device: the first served; bytes as int
+    assert code == 200 and answer["headroom"] == 5 * 10**8
+    code, answer = routes.change_headroom({"device": d, "headroom": None})  # back to the start-up value
+    assert code == 200 and answer["headroom"] == 0 and "start-up setting" in answer["source"]
+    assert rt.session.budget_query(rt.devices[0]).headroom == 0
+
+
+@pytest.mark.parametrize("body,kind,says", [
+    ({"headroom": -1}, "InvalidSize", "negative"),
+    ({"headroom": "-1GiB"}, "InvalidSize", "-1GiB"),
+    ({"headroom": "lots"}, "InvalidSize", "lots"),
+    ({"headroom": True}, "InvalidSize", "boolean"),
+    ({"headroom": float("nan")}, "InvalidSize", "not a number"),
+    ({"headroom": [1]}, "InvalidSize", "[1]"),
+    ({"headroom": "200TB"}, "InvalidSize", "above the total"),
+    ({"device": "cuda:7", "headroom": "1GiB"}, "WrongDevice", "cuda:7"),
+    ({"device": "gpu please", "headroom": "1GiB"}, "WrongDevice", "gpu please"),
+    ({"device": "cuda:0"}, "ConfigError", "headroom"),
+    ({"headroom": "1GiB", "extra": 1}, "ConfigError", "extra"),
+    ("1GiB", "ConfigError", "JSON object"),
+])
+def test_bad_values_are_refused_with_the_accepted_range_and_change_nothing(rt, body, kind, says):
+    d = rt.devices[0]
+    before = rt.session.budget_query(d)
+    code, answer = routes.change_headroom(body)
+    assert code == 400, answer
+    assert answer["error"] == kind and says in answer["message"], answer
+    total = before.total
+    assert f"from 0 to {total} bytes" in answer["accepted"] and SIZE_ACCEPTED in answer["accepted"], answer
+    assert rt.session.budget_query(d).headroom == before.headroom
+    assert "start-up setting" in rt.headroom_in_force(d)[1]
+
+
+def test_headroom_route_when_membackend_does_not_run():
+    adapter.decided("stock", "ComfyUI's dynamic VRAM is off (--cpu)", "membackend x: ComfyUI runs stock", None)
+    code, answer = routes.change_headroom({"headroom": "1GiB"})
+    assert code == 409 and answer["error"] == "WrongDevice" and "--cpu" in answer["message"], answer
+    st = routes.status()
+    assert st["state"] == "stock" and st["line"] == "membackend x: ComfyUI runs stock" and st["how_to"]
+
+
+def test_routes_register_on_the_server_and_answer_json(rt, monkeypatch):
+    handlers = {}
+
+    class Routes:
+        def get(self, path):
+            return lambda fn: handlers.setdefault(("GET", path), fn)
+
+        def post(self, path):
+            return lambda fn: handlers.setdefault(("POST", path), fn)
+
+    def json_response(data, status=200):
+        return types.SimpleNamespace(status=status, body=json.dumps(data))
+
+    server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=types.SimpleNamespace(routes=Routes())),
+                                   web=types.SimpleNamespace(json_response=json_response))
+    monkeypatch.setitem(sys.modules, "server", server)
+    assert routes.register_routes()
+
+    class Request:
+        def __init__(self, body):
+            self.body = body
+
+        async def json(self):
+            if isinstance(self.body, Exception):
+                raise self.body
+            return self.body
+
+    got = asyncio.run(handlers[("GET", routes.ROUTE)](Request(None)))
+    assert got.status == 200 and json.loads(got.body)["state"] == "running"
+    got = asyncio.run(handlers[("POST", routes.HEADROOM_ROUTE)](Request({"headroom": "1GB"})))
+    assert got.status == 200 and json.loads(got.body)["headroom"] == 10**9
+    got = asyncio.run(handlers[("POST", routes.HEADROOM_ROUTE)](Request(ValueError("Expecting value"))))
+    assert got.status == 400 and json.loads(got.body)["error"] == "ConfigError"
+
+
+def test_web_directory_holds_the_panel():
+    from pathlib import Path
+
+    js = Path(routes.web_directory()) / "membackend_panel.js"
+    text = js.read_text(encoding="utf-8")
+    assert Path(routes.web_directory()).is_absolute()
+    assert "registerExtension" in text and "/membackend/status" in text and "/membackend/headroom" in text
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")  # no network but this server
+
+
+# ---------------------------------------------------------------------------------------------- the live cap
+
+
+def test_lowering_the_free_room_evicts_idle_models_whole_never_a_pinned_page(rt):
+    d = rt.devices[0]
+    idle, busy = _model(rt, "idle", 32 * MiB), _model(rt, "busy", 32 * MiB)
+    rt.residency.use([idle])
+    assert rt.residency.fault(idle, 0, 32 * MiB, d).ok
+    rt.residency.unpin(idle, 0, 32 * MiB, d)
+    rt.residency.use([busy])
+    assert rt.residency.fault(busy, 0, 32 * MiB, d).ok  # stays pinned: a layer in use now
+    b = rt.session.budget_query(d)
+    answer = rt.set_headroom_live(d, b.free + 40 * MiB)  # 40 MiB must go: all of idle, then busy's unpinned
+    assert answer["freed"] == 32 * MiB, answer
+    assert rt.residency.stats(d)["idle"]["resident"] == 0
+    assert rt.residency.stats(d)["busy"]["resident"] == 32 * MiB  # pinned: never freed
+    assert all(bit == 3 for bit in rt.residency.residency(busy, d))
+    lost = rt.status()["evictions"]["idle"]
+    assert lost["bytes"] == 32 * MiB and "headroom raised" in lost["reason"] and lost["for"] == ["busy"]
+    rt.residency.unpin(busy, 0, 32 * MiB, d)
+    _ledger_matches_driver(rt)
+
+
+def test_raising_and_lowering_the_cap_under_load_keeps_pins_and_the_ledger(rt):
+    """Four threads fault and unpin layers of their own model while the main thread moves the headroom
+    between "everything fits" and "almost nothing fits"; a pinned layer is never freed under its thread."""
+    d = rt.devices[0]
+    layer, layers = 4 * MiB, 6
+    models = [_model(rt, f"m{i}", layer * layers) for i in range(4)]
+    rt.residency.use(models)
+    stop = threading.Event()
+    problems: list[str] = []
+    faults = [0] * len(models)
+
+    def work(i, m):
+        n = 0
+        while not stop.is_set() and len(problems) < 5:
+            off = (n % layers) * layer
+            n += 1
+            try:
+                f = rt.residency.fault(m, off, layer, d)
+                if not f.ok:
+                    continue  # out of memory under a tight cap: ComfyUI streams the layer
+                faults[i] += 1
+                # pinned now: every page of the layer stays resident and pinned until the unpin
+                for _ in range(3):
+                    bits = rt.residency.residency(m, d)[off // PS:(off + layer) // PS]
+                    if any(b != 3 for b in bits):
+                        problems.append(f"{m.id}: a pinned layer lost its pages: {bits}")
+                rt.residency.unpin(m, off, layer, d)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{m.id}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=work, args=(i, m)) for i, m in enumerate(models)]
+    for t in threads:
+        t.start()
+    total = rt.session.budget_query(d).total
+    try:
+        for step in range(40):
+            tight = step % 2 == 0
+            value = total - 3 * layer if tight else 0  # room for ~3 layers of 4 threads: eviction under pins
+            answer = rt.set_headroom_live(d, value)
+            assert answer["headroom"] == value
+            assert rt.session.budget_query(d).headroom == value
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not problems, problems
+    assert all(faults), faults  # every thread got layers in
+    assert not any(any(b & 2 for b in rt.residency.residency(m, d)) for m in models)  # every pin went
+    _ledger_matches_driver(rt)
+    rt.set_headroom_live(d, None)
+    assert rt.session.budget_query(d).headroom == 0
+
+
+def test_a_failed_shed_puts_the_previous_headroom_back(rt, monkeypatch):
+    from membackend.types import PartialFailure
+
+    d = rt.devices[0]
+    m = _model(rt, "m", 8 * MiB)
+    rt.residency.use([m])
+    assert rt.residency.fault(m, 0, 8 * MiB, d).ok
+    rt.residency.unpin(m, 0, 8 * MiB, d)
+
+    def broken(*a, **k):
+        raise PartialFailure("keep_warm", [("model 'm'", OSError("driver said no"))])
+
+    monkeypatch.setattr(rt.residency, "keep_warm", broken)
+    total = rt.session.budget_query(d).total
+    code, answer = routes.change_headroom({"headroom": total})
+    assert code == 500 and answer["error"] == "PartialFailure", answer
+    assert rt.session.budget_query(d).headroom == 0 and "start-up setting" in rt.headroom_in_force(d)[1]
+
+
+# ---------------------------------------------------------------------------------------------- per-load lines
+
+
+def test_one_line_per_load_says_kept_reloaded_or_cold(rt, caplog):
+    d = rt.devices[0]
+    unet, vae = _model(rt, "unet", 16 * MiB), _model(rt, "vae", 16 * MiB)
+    rt.names.update(unet="SDXL", vae="AutoencoderKL")
+
+    def run(model):
+        rt.residency.use([model])
+        for off in range(0, model.size, 4 * MiB):
+            assert rt.residency.fault(model, off, 4 * MiB, d).ok
+            rt.residency.unpin(model, off, 4 * MiB, d)
+        rt.quiescent()  # the node is done: its loads are closed
+
+    with caplog.at_level(logging.INFO, logger="membackend"):
+        run(unet)
+        run(unet)
+        # the VAE needs the room: the headroom leaves space for it alone, so the UNet is evicted for it
+        rt.set_headroom_live(d, rt.session.budget_query(d).free - 8 * MiB)
+        run(vae)
+        rt.set_headroom_live(d, None)
+        run(unet)
+    loads = rt.status()["loads"]
+    texts = [(x["name"], x["kind"], x["text"]) for x in loads]
+    assert texts[0] == ("SDXL", "cold", "loaded 16.8 MB (cold)"), texts
+    assert texts[1][:2] == ("SDXL", "kept") and texts[1][2].startswith("kept: 0 bytes loaded"), texts
+    assert texts[2][:2] == ("AutoencoderKL", "cold"), texts
+    name, kind, text = texts[3]
+    assert (name, kind) == ("SDXL", "reloaded") and text.startswith("reloaded 16.8 MB: ") and " at " in text, texts
+    assert "evicted at " in text and text.endswith("for AutoencoderKL (to keep the headroom free)"), text
+    lines = [r.getMessage() for r in caplog.records if "load of " in r.getMessage()]
+    assert len(lines) == 4 and "load of SDXL (16.8 MB): reloaded 16.8 MB" in lines[3], lines
+    assert rt.status()["load_count"] == 4
+
+
+def test_load_records_reach_the_trace(tmp_path):
+    from membackend._residency import ResidencyManager
+    from membackend._session import Session
+    from membackend._trace import TraceObserver
+
+    settings = load_settings(sim_profile="h200", headroom=0)
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    base = mgr.session(machine, selection=mgr.select(machine))
+    tracer = TraceObserver(tmp_path / "t.jsonl")
+    session = Session(base.backend, machine=base.machine, ledger=base.ledger, tracer=tracer)
+    policy = ResidencyManager(session)
+    d = session.devices()[0]
+    m = policy.register("m", 8 * MiB, d, "vae")
+    for _ in range(2):
+        policy.use([m])
+        assert policy.fault(m, 0, 8 * MiB, d).ok
+        policy.unpin(m, 0, 8 * MiB, d)
+    policy.on_idle()
+    session.close()
+    tracer.close()
+    loads = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    loads = [e for e in loads if e["event"] == "load"]
+    assert [(e["model"], e["kind"], e["loaded"]) for e in loads] == [("m", "cold", 8 * MiB), ("m", "kept", 0)]
+
+
+def test_describe_load_words():
+    lost = {"time": 0.0, "bytes": 3_200_000_000, "reason": "out of memory", "for": ["vae"]}
+    assert describe_load({"kind": "kept", "loaded": 0, "resident_before": 10**9}) == "kept: 0 bytes loaded " \
+                                                                                     "(1.0 GB resident)"
+    said = describe_load({"kind": "reloaded", "loaded": 3_200_000_000, "lost": lost}, {"vae": "the VAE"}.get)
+    assert said.startswith("reloaded 3.2 GB: evicted at ") and said.endswith(" for the VAE (the device was out of "
+                                                                              "memory)"), said
+    assert describe_load({"kind": "cold", "loaded": 5 * 10**9}) == "loaded 5.0 GB (cold)"
