@@ -20,7 +20,10 @@ virtual-memory backend, named after the platform).
 ``membackend_probe`` scores on one scale (:class:`membackend.types.Score`):
 0 does not fit; the built-in ``host`` is 1; generic GPU backends 10–49;
 platform plugins 50–99, a more specific fit higher. ``Candidate(...,
-opt_in=True)`` fits but is selected only when forced by name.
+opt_in=True)`` fits but is selected only when forced by name. A third-party
+backend should take 30 when it serves any device of a vendor with its own
+mechanism (above the built-in ``aimdo`` 10 and ``vmm`` 20, below every platform
+plugin), 60 as a platform plugin (higher only for a more specific fit).
 
 Every verb except ``membackend_probe`` is called on the selected backend only,
 through a :class:`membackend._session.Session`. The session has already checked
@@ -95,7 +98,9 @@ def membackend_fault(reservation: Reservation, offset: int, size: int) -> Fault:
     generation per page of the range; a page's generation changes whenever it
     gets new physical memory. Out of memory is ``Fault(ok=False)``, not an
     exception, and the pages this call mapped are rolled back.
-    Errors: ``DriverError`` for failures other than out-of-memory, after rollback.
+    Errors: ``DriverError`` for failures other than out-of-memory, after rollback;
+    pages the rollback could not unmap stay resident, and their bytes go on the
+    error as ``mapped`` so the session's ledger counts them.
     """
 
 
@@ -107,7 +112,14 @@ def membackend_free(reservation: Reservation, offset: int, size: int) -> int:
     the reservation's end); the session has fenced the reservation.
     Post: returns the number of bytes that were resident and are now dropped
     (0 when nothing was resident); those pages get new generations when faulted again.
-    Errors: ``DriverError``.
+    Errors: ``DriverError``. A free that fails part-way must leave: the
+    reservation alive with its whole address range; every page it dropped
+    dropped (its memory given back or kept for reuse, a new generation when
+    faulted again); every page it did not reach resident with its contents and
+    generation unchanged; and the bytes it dropped on the error as
+    ``dropped`` (0 when none), so the session's ledger keeps matching the
+    driver. A free is not rolled back (a dropped page is not backed again);
+    the caller may free again, and the retry drops what is left.
     """
 
 
@@ -118,7 +130,10 @@ def membackend_release_reservation(reservation: Reservation) -> int:
     Pre: alive; the session has fenced the reservation.
     Post: returns the bytes that were resident; the address range is returned
     to the platform. The session then marks the reservation released.
-    Errors: ``DriverError``; the backend frees what it can before raising.
+    Errors: ``DriverError``; the backend frees what it can before raising and
+    puts the bytes it dropped on the error as ``dropped``. The reservation then
+    stays alive (the session does not mark it released), holding what could not
+    be given back, so a later release (or ``Session.close``) tries again.
     """
 
 

@@ -4,6 +4,22 @@ Nothing here imports anything else from membackend: these records are the
 vocabulary of the contract (see ``hookspec.py``) and of the error hierarchy.
 All sizes and offsets are in bytes; offsets are relative to a reservation's
 base address.
+
+**Who raises which error.** The session checks every argument before a
+backend is called and raises the :class:`ReservationError` family itself
+(``InvalidSize``, ``OutOfRange``, ``Misaligned``, ``WrongDevice``,
+``ReservationReleased``, ``ForeignReservation``, ``TensorAlive``) and
+``InvalidToken``, with the ledger unchanged. From its verbs a backend raises
+only :class:`DriverError` when a driver call fails (after rolling back, see
+``membackend.hookspec``) and :class:`WrongDevice` from ``membackend_reserve``
+or ``membackend_budget_query`` for a device the machine facts do not list and
+the backend cannot serve; from ``from_settings`` or its probe,
+:class:`ConfigError` for a setting of its own it cannot use (the plugin is then
+listed as broken with that message). Out of memory in a fault is a result,
+``Fault(ok=False)``, never an error. Anything else a backend raises reaches
+the caller as :class:`PluginError`. The errors without a constructor of their
+own take one argument, the message (``WrongDevice("...")``): say what was
+given and what is accepted.
 """
 
 from __future__ import annotations
@@ -51,15 +67,19 @@ DEVICE_KINDS = ("cpu", "cuda", "hip")
 
 
 class MembackendError(Exception):
-    """Root of every error membackend raises on purpose."""
+    """Root of every error membackend raises on purpose; ``MembackendError(message)``."""
 
 
 class ReservationError(MembackendError, ValueError):
-    """A verb was called with arguments that do not fit the reservation."""
+    """A verb was called with arguments that do not fit the reservation; nothing was changed.
+
+    Raised by the session before the backend is called (a backend raises only
+    the :class:`WrongDevice` subclass itself); ``ReservationError(message)``.
+    """
 
 
 class ReservationReleased(ReservationError):
-    """The reservation was released; it cannot be used or released again."""
+    """The reservation was released; it cannot be used or released again (raised by the session)."""
 
 
 class ForeignReservation(ReservationError):
@@ -90,23 +110,31 @@ class TensorAlive(ReservationError):
 
 
 class InvalidToken(MembackendError, TypeError):
-    """A fence token without callable ``done()`` and ``wait()``."""
+    """``Session.record`` got neither a fence token (callable ``done()`` and ``wait()``) nor a
+    ``concurrent.futures.Future``; nothing was recorded."""
 
 
 class OutOfRange(ReservationError):
-    """An offset or byte range falls outside the reservation."""
+    """An offset or byte range falls outside the reservation (raised by the session)."""
 
 
 class InvalidSize(ReservationError):
-    """A size is not a positive integer."""
+    """A size (or offset) is not a positive integer, or too large (raised by the session)."""
 
 
 class Misaligned(ReservationError):
-    """A range that must cover whole pages does not start or end on a page boundary."""
+    """A free range does not start on a page boundary, or ends inside a page before the end of
+    what was requested (raised by the session)."""
 
 
 class WrongDevice(ReservationError):
-    """A device the backend does not serve, or one that does not match the reservation."""
+    """A device the backend does not serve, or one that does not match the reservation.
+
+    The session raises it for a device kind outside the backend's
+    ``device_kinds`` and for an index the machine facts do not list; a backend
+    raises ``WrongDevice(message)`` from ``membackend_reserve`` or
+    ``membackend_budget_query`` for any other device it cannot serve.
+    """
 
 
 class BackendNotFound(MembackendError, LookupError):
@@ -131,7 +159,9 @@ class BackendDisabled(MembackendError):
 
 
 class PluginError(MembackendError):
-    """A plugin is broken: it failed to load, to validate or to probe."""
+    """A plugin is broken: it failed to load, to validate or to probe, broke a verb's contract
+    (``reserve`` returned something that is not a fitting ``Reservation``), or raised an error
+    that is not a ``MembackendError`` (the original is its ``__cause__``). A backend never raises it."""
 
 
 class ConfigError(MembackendError, ValueError):
@@ -152,10 +182,16 @@ class ConfigError(MembackendError, ValueError):
 
 
 class DriverError(MembackendError, OSError):
-    """A driver call returned a failure code.
+    """A driver call returned a failure code: what a backend raises when the platform fails.
 
-    ``code`` is the driver's own code (an errno, a ``CUresult``, a ``hipError_t``),
-    ``call`` the name of the failing function.
+    ``DriverError(code, call, detail="")``: ``code`` is the driver's own code (an
+    errno, a ``CUresult``, a ``hipError_t``), ``call`` the name of the failing
+    function, ``detail`` words for the user; the message reads ``"{call} failed
+    with {code}: {detail}"``. A verb that fails after changing something says how
+    much, so the session's ledger keeps matching the driver: set ``mapped`` (a
+    fault whose rollback could not unmap: bytes still backed) or ``dropped`` (a
+    free or release that stopped part-way: bytes already dropped) on the error
+    before raising it; both default to 0.
     """
 
     def __init__(self, code: Any, call: str, detail: str = ""):
@@ -286,6 +322,24 @@ class Reservation:
     asked for). ``handle`` is private to the backend that made it. A
     reservation is compared by identity; ``released`` turns true once it has
     been given back, after which every verb on it raises ``ReservationReleased``.
+
+    A backend builds one in ``membackend_reserve`` as
+    ``Reservation(device, base, size, page_size, backend, handle=..., requested=size_asked)``:
+
+    * ``device``: the :class:`Device` it was asked for;
+    * ``base``: the range's first address (a process address for ``cpu``
+      devices, which the conformance kit checks against the kernel; a device
+      virtual address for GPUs);
+    * ``size``: the size asked for rounded up to whole pages (``size % page_size == 0``);
+    * ``page_size``: the backend's page in bytes, > 0; fault and free work in these pages;
+    * ``backend``: the backend's own ``name`` (the session refuses any other);
+    * ``handle``: anything the backend needs later (a file, a page table); membackend never reads it;
+    * ``requested``: the size asked for, so a free may end at the last requested byte inside the tail page.
+
+    ``id`` and ``released`` are membackend's: leave them at their defaults.
+    The session checks the result (a ``Reservation``, at least the size asked,
+    the same device, whole pages, this backend's name, not released) and
+    gives a wrong one back, raising ``PluginError``.
     """
 
     device: Device
@@ -317,6 +371,13 @@ class Fault(NamedTuple):
     that page gets new physical memory, so the caller knows to copy again.
     ``mapped`` is the number of bytes newly backed by this call.
 
+    A backend returns ``Fault(True, generations, first_page, mapped)``, where
+    ``first_page`` is ``offset // page_size`` and ``generations`` has one int
+    per page from ``first_page`` through the page holding the range's last
+    byte (a page already resident keeps its generation and adds nothing to
+    ``mapped``), or ``Fault(False, (), first_page, 0)`` for out of memory after
+    unmapping what this call mapped. The session adds ``mapped`` to its ledger.
+
     A named tuple, not a dataclass: it is built once per weight per step, and
     a frozen dataclass cost more than twice as much to construct.
     """
@@ -333,6 +394,14 @@ class Budget:
 
     ``usable`` is ``free - headroom`` clamped at zero; ``unified`` is true when
     the device shares one pool with the host (so host copies count too).
+
+    Build it with :meth:`of`, which computes ``usable`` and clamps ``free`` to
+    ``[0, total]``: ``Budget.of(total, free, headroom, source, unified=False)``.
+    ``source`` names where the figures came from in words the doctor prints
+    (``"cuMemGetInfo"``, ``"psutil MemAvailable"``). The conformance kit checks
+    ``total > 0``, ``0 <= usable <= free <= total``, ``usable == max(0, free -
+    headroom)`` and a non-empty source. The direct constructor takes
+    ``usable`` as given and checks nothing.
     """
 
     total: int
@@ -344,6 +413,7 @@ class Budget:
 
     @classmethod
     def of(cls, total: int, free: int, headroom: int, source: str, unified: bool = False) -> "Budget":
+        """The budget of a device of ``total`` bytes with ``free`` bytes free, keeping ``headroom`` free."""
         free = max(0, min(free, total))
         return cls(total, free, headroom, max(0, free - headroom), source, unified)
 
@@ -360,6 +430,16 @@ class Score:
 
     A candidate with ``opt_in=True`` fits but is selected only when forced by
     name. Ties at the top are broken by name (alphabetical), with one warning.
+
+    The built-in scores: ``host`` 1, ``aimdo`` 10, ``vmm`` 20; the platform
+    plugins in this repository 60-90. **Suggested for a third-party backend**:
+    30 when it serves any device of a vendor with its own mechanism (above the
+    built-in generic backends, below every platform plugin, so a plugin made
+    for the machine still wins); 60 for a platform plugin, higher only as the
+    fit gets more specific (one device model, one driver version); ``FALLBACK``
+    with ``opt_in=True`` for an alternative that should never be chosen on its
+    own. Scores are plain ints: the bands are ``range`` objects to test
+    against (``score in Score.GENERIC``), not values to return.
     """
 
     NONE = 0
@@ -372,7 +452,11 @@ class Score:
 class Candidate:
     """A plugin's answer to ``membackend_probe``: score 0 means "does not fit", reason says why.
 
-    ``opt_in`` true: the backend fits but wants to be chosen only when forced
+    ``Candidate(name, score, reason, opt_in=False)``: ``name`` is the backend's
+    own (another is replaced by it), ``score`` an int >= 0 on the
+    :class:`Score` scale (anything else marks the plugin broken), ``reason``
+    one line the doctor prints, naming what was found. ``opt_in`` true: the
+    backend fits but wants to be chosen only when forced
     (``MEMBACKEND_BACKEND=name``); automatic selection passes it over.
     """
 
@@ -389,6 +473,16 @@ PAGE_IN_SYNC = ("always", "wddm", "never")
 @dataclass(frozen=True)
 class Capabilities:
     """What a platform tells the mechanism and the policy; the defaults suit a discrete GPU.
+
+    ``Capabilities(**fields)``: keyword arguments for the fields below, each
+    optional; an unknown ``fence_granularity`` or ``page_in_sync``, or a
+    ``reserve_churn_limit`` that is not None or an int >= 1, raises
+    ``ValueError`` naming what is accepted. A backend exposes it as its
+    ``capabilities`` attribute (a platform in its ``Platform`` record); a
+    backend with its own mechanism needs only ``release_on_full_unload``,
+    which the residency manager reads of every backend (say one pool in the
+    budget instead: ``Budget.unified``); the other fields tune
+    :mod:`membackend._backends.vmm`.
 
     * ``release_on_full_unload``: a full unload returns the reservation (G1);
       false keeps it, as stock comfy-aimdo does (read by the residency manager).
@@ -478,7 +572,11 @@ class FailureInjection(Protocol):
 
 @runtime_checkable
 class FenceToken(Protocol):
-    """Asynchronous work on a range: a CUDA/HIP event wrapper, a copy thread's future."""
+    """Asynchronous work on a range: a CUDA/HIP event wrapper, a copy thread's future.
+
+    ``done()`` says whether the work finished; ``wait()`` blocks until it has and raises if it
+    failed. ``Session.record`` also takes a bare ``concurrent.futures.Future`` and wraps it.
+    """
 
     def done(self) -> bool: ...
 
