@@ -1,4 +1,4 @@
-"""Every target platform installs from the package index (issue 17, deliver 4).
+"""Every distribution installs whole, and every target platform installs from the package index.
 
 The core and each platform plugin are built into wheels (offline: setuptools from this
 environment, no build isolation), then their installs are resolved for the platform each
@@ -18,20 +18,34 @@ platform, and pip (``--no-deps``, one call per level of the dependency tree) cho
 version and wheel of each third-party requirement for the target's tags. membackend's own
 distributions come from the wheels built here (pure Python: they install everywhere).
 
-The resolving tests ask the package index, so they carry the ``network`` marker (deselect
-with ``-m "not network"``); where the index cannot be reached they are skipped with pip's
-reason. Every pip call has a timeout and all of them together a budget (``FILE_BUDGET``): the
-file takes about a minute. Run with ``-s`` to see each target's dependency list.
+Offline, the wheels and sdists are checked for what an index page and an install need: the
+GPL-3.0 ``LICENSE`` file (``license-files``), the SPDX licence, the project URLs, classifiers,
+each distribution's README as its description, every file of the package (data files included),
+and the plugins' compatible range of membackend. Every link in the README (which the index
+renders alone, so a relative link would break there) and in each plugin's README must be
+absolute on the repository's address and name a file or folder of this repository (a picture:
+its ``/raw/main/`` address, which serves the file itself).
+
+The resolving tests and the fresh install ask the package index, so they carry the ``network``
+marker (deselect with ``-m "not network"``); where the index cannot be reached they are skipped
+with pip's reason. Every pip call of the resolving tests has a timeout and all of them together a
+budget (``FILE_BUDGET``). The fresh install builds a virtual environment from the wheels, with
+their dependencies, and runs ``membackend doctor``, a replay and the conformance kit from a folder
+outside the repository (about two minutes). Run with ``-s`` to see each target's dependency list.
 """
 
 from __future__ import annotations
 
 import email.parser
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
+import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +59,12 @@ from packaging.version import Version  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ("cuda_wddm", "rocm_windows", "unified_gb10")
+#: the repository's public address (a placeholder until the repository is published): every project URL
+#: and every README link is absolute on it
+BASE = "https://github.com/membackend/membackend"
+#: the folder of every distribution in this repository: the core, the platform plugins, the example backend
+DISTRIBUTIONS = {"membackend": ROOT, **{f"membackend-{p.replace('_', '-')}": ROOT / "plugins" / p for p in PLUGINS},
+                 "membackend-memfd": ROOT / "docs" / "examples" / "memfd_backend"}
 PIP_TIMEOUT = 90  # seconds for one pip call (a cold index cache fetches every wheel's metadata)
 FILE_BUDGET = 170  # seconds for every pip call of this file together; past it the rest is skipped
 _deadline: list[float] = []
@@ -95,6 +115,7 @@ class Dist:
     version: str
     requires: list[str]
     source: str
+    path: Path | None = None  # the wheel file, for the ones built here
 
 
 class Unreachable(Exception):
@@ -112,20 +133,26 @@ def _metadata(wheel: Path) -> Dist:
     with zipfile.ZipFile(wheel) as z:
         name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         msg = email.parser.Parser().parsestr(z.read(name).decode())
-    return Dist(canonicalize_name(msg["Name"]), msg["Version"], msg.get_all("Requires-Dist") or [], wheel.name)
+    return Dist(canonicalize_name(msg["Name"]), msg["Version"], msg.get_all("Requires-Dist") or [], wheel.name, wheel)
+
+
+def _copy_sources(dest: Path) -> Path:
+    """The core and every plugin, copied without build leftovers or tests (the tree stays clean)."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "tests", ".pytest_cache")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / f, dest / f)
+    shutil.copytree(ROOT / "membackend", dest / "membackend", ignore=skip)
+    for p in PLUGINS:
+        shutil.copytree(ROOT / "plugins" / p, dest / "plugins" / p, ignore=skip)
+    return dest
 
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict[str, Dist]:
     """membackend and every plugin as wheels, built from a copy of the sources (the tree stays clean)."""
     pytest.importorskip("setuptools")
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheels")
-    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "tests", ".pytest_cache")
-    for f in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / f, src / f)
-    shutil.copytree(ROOT / "membackend", src / "membackend", ignore=skip)
-    for p in PLUGINS:
-        shutil.copytree(ROOT / "plugins" / p, src / "plugins" / p, ignore=skip)
+    src, out = _copy_sources(tmp_path_factory.mktemp("src")), tmp_path_factory.mktemp("wheels")
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "--quiet",
            "-w", str(out), str(src)] + [str(src / "plugins" / p) for p in PLUGINS]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -251,12 +278,16 @@ def closure(root: str, chosen: dict[str, Dist], env: dict[str, str]) -> dict[str
 # --------------------------------------------------------------------------- offline: the declared markers
 
 
+def _plain(reqs: list[Requirement]) -> set[str]:
+    """Each requirement as ``name[extras]``, without its version range."""
+    return {r.name + (f"[{','.join(sorted(r.extras))}]" if r.extras else "") for r in reqs}
+
+
 def test_the_plugins_depend_on_their_platform_extra_and_hip_python_only_where_it_installs(wheels):
     core = wheels["membackend"]
-    assert {str(r) for r in _wanted(wheels["membackend-rocm-windows"].requires, set(), WINDOWS.env)} == \
-        {"membackend[hip]"}
+    assert _plain(_wanted(wheels["membackend-rocm-windows"].requires, set(), WINDOWS.env)) == {"membackend[hip]"}
     for plugin in ("membackend-cuda-wddm", "membackend-unified-gb10"):
-        assert {str(r) for r in _wanted(wheels[plugin].requires, set(), WINDOWS.env)} == {"membackend[cuda]"}
+        assert _plain(_wanted(wheels[plugin].requires, set(), WINDOWS.env)) == {"membackend[cuda]"}
 
     def names(extra: str, target: Target) -> set[str]:
         reqs = [r for r in _wanted(core.requires, {extra}, target.env) if r.marker is not None]
@@ -270,6 +301,263 @@ def test_the_plugins_depend_on_their_platform_extra_and_hip_python_only_where_it
         cuda = next(r for r in _wanted(core.requires, {"cuda"}, target.env) if r.name == "cuda-python")
         assert cuda.specifier.contains("12.6.0") and cuda.specifier.contains("13.4.4") and \
             not cuda.specifier.contains("14.0.0") and not cuda.specifier.contains("12.5.0"), cuda
+
+
+def test_the_plugins_depend_on_a_compatible_range_of_membackend(wheels):
+    """Any 0.1.x membackend, nothing older, not 0.2 (whose hookspec may differ)."""
+    core = Version(wheels["membackend"].version)
+    for p in PLUGINS:
+        name = canonicalize_name(f"membackend-{p}")
+        req = next(r for r in map(Requirement, wheels[name].requires) if canonicalize_name(r.name) == "membackend")
+        assert req.specifier.contains(core) and req.specifier.contains("0.1.9"), (name, str(req))
+        assert not req.specifier.contains("0.2.0") and not req.specifier.contains("0.0.9"), (name, str(req))
+
+
+# --------------------------------------------------------------------------- offline: what every distribution carries
+
+
+def _gpl3(text: str) -> bool:
+    return text.lstrip().startswith("GNU GENERAL PUBLIC LICENSE") and "Version 3, 29 June 2007" in text[:200] \
+        and "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
+def test_every_distribution_declares_its_licence_urls_classifiers_and_readme(dist):
+    folder = DISTRIBUTIONS[dist]
+    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+    assert project["name"] == dist
+    assert project["license"] == "GPL-3.0-or-later" and project["license-files"] == ["LICENSE"], project.get("license")
+    licence = (folder / "LICENSE").read_text()
+    assert _gpl3(licence) and licence == (ROOT / "LICENSE").read_text(), f"{folder / 'LICENSE'} is not the GPL-3.0 text"
+    debian = Path("/usr/share/common-licenses/GPL-3")  # the text as Debian ships it, where it does
+    if debian.exists():
+        assert licence == debian.read_text(), "LICENSE differs from the GPL-3.0 text Debian ships"
+    assert project["readme"] == "README.md" and (folder / "README.md").read_text().strip()
+    assert any(c.startswith("Programming Language :: Python :: 3") for c in project["classifiers"]), project
+    assert not any(c.startswith("License ::") for c in project["classifiers"]), "the SPDX licence replaces these"
+    urls = project["urls"]
+    assert set(urls) == {"Homepage", "Documentation", "Source", "Issues"}, urls
+    for url in urls.values():
+        assert url == BASE or url == f"{BASE}/issues" or _target(url), url
+
+
+def _members(archive: Path) -> dict[str, bytes]:
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as z:
+            return {n: z.read(n) for n in z.namelist() if not n.endswith("/")}
+    with tarfile.open(archive) as tar:
+        return {m.name.split("/", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def test_every_wheel_carries_the_licence_the_urls_and_its_readme(wheels):
+    licence = (ROOT / "LICENSE").read_bytes()
+    folders = {canonicalize_name(d): f for d, f in DISTRIBUTIONS.items()}
+    for name, dist in wheels.items():
+        files = _members(dist.path)
+        info = next(n.split("/")[0] for n in files if n.endswith(".dist-info/METADATA"))
+        assert files.get(f"{info}/licenses/LICENSE") == licence, f"{dist.source} has no LICENSE: {sorted(files)}"
+        msg = email.parser.Parser().parsestr(files[f"{info}/METADATA"].decode())
+        assert msg["License-Expression"] == "GPL-3.0-or-later" and msg["License-File"] == "LICENSE", dist.source
+        urls = dict(u.split(", ", 1) for u in msg.get_all("Project-URL") or [])
+        assert {"Homepage", "Documentation", "Source", "Issues"} <= set(urls), (dist.source, urls)
+        assert all(u.startswith(BASE) for u in urls.values()), urls
+        assert len(msg.get_all("Classifier") or []) >= 5, dist.source
+        assert msg["Description-Content-Type"] == "text/markdown", dist.source
+        readme = (folders[name] / "README.md").read_text()
+        assert msg.get_payload().strip() == readme.strip(), f"{dist.source}: the description is not its README"
+
+
+def test_every_sdist_carries_the_licence_and_the_readme(tmp_path):
+    src = _copy_sources(tmp_path / "src")
+    for folder in [src, *(src / "plugins" / p for p in PLUGINS)]:
+        out = tmp_path / "sdists" / folder.name
+        code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+        p = subprocess.run([sys.executable, "-c", code, str(out)], cwd=folder, capture_output=True, text=True,
+                           timeout=180)
+        assert p.returncode == 0, f"building the sdist of {folder.name} failed:\n{p.stderr[-2000:]}"
+        sdist = out / p.stdout.strip().splitlines()[-1]
+        files = _members(sdist)
+        assert files.get("LICENSE") == (ROOT / "LICENSE").read_bytes(), f"{sdist.name}: {sorted(files)[:20]}"
+        assert files.get("README.md") == (folder / "README.md").read_bytes(), sdist.name
+        assert not [n for n in files if n.endswith(".pyc") or "__pycache__" in n], sdist.name
+
+
+def _package_files(folder: Path) -> set[str]:
+    return {p.relative_to(folder.parent).as_posix() for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+
+
+def test_the_wheels_hold_every_file_of_their_packages(wheels):
+    """Data files too (the ComfyUI panel's web files): a wheel that drops one breaks an install, not a test."""
+    core = set(_members(wheels["membackend"].path))
+    missing = _package_files(ROOT / "membackend") - core
+    assert not missing, f"the membackend wheel lacks {sorted(missing)}"
+    assert not [n for n in core if n.endswith(".pyc") or "__pycache__" in n]
+    for p in PLUGINS:
+        package = next((ROOT / "plugins" / p).glob("membackend_*/__init__.py")).parent
+        missing = _package_files(package) - set(_members(wheels[canonicalize_name(f"membackend-{p}")].path))
+        assert not missing, f"the {p} wheel lacks {sorted(missing)}"
+
+
+def test_package_data_takes_any_file_under_membackend_and_no_bytecode(tmp_path):
+    """The rule in pyproject.toml itself, on files that need not exist today: a file of any kind in a
+    folder without ``__init__.py``, nested, ships; a bytecode cache does not."""
+    src = _copy_sources(tmp_path / "src")
+    for p in PLUGINS:
+        shutil.rmtree(src / "plugins" / p)
+    data = src / "membackend" / "_comfyui" / "web" / "assets" / "deep" / "probe.woff2"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_bytes(b"\x00font")
+    (src / "membackend" / "__pycache__").mkdir(exist_ok=True)
+    (src / "membackend" / "__pycache__" / "stale.cpython-311.pyc").write_bytes(b"pyc")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "--quiet", "-w", str(out), str(src)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    files = _members(next(out.glob("membackend-*.whl")))
+    assert files.get("membackend/_comfyui/web/assets/deep/probe.woff2") == b"\x00font", sorted(files)[:40]
+    assert not [n for n in files if n.endswith(".pyc")], [n for n in files if n.endswith(".pyc")]
+
+
+# --------------------------------------------------------------------------- offline: links on the index's page
+
+#: every README an index page shows: the core's, each plugin's, the example backend's
+READMES = ["README.md", *(f"plugins/{p}/README.md" for p in PLUGINS), "docs/examples/memfd_backend/README.md"]
+_LINK = re.compile(r"(!?)\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HTML_LINK = re.compile(r"""\b(href|src)\s*=\s*["']([^"']+)["']""")
+
+
+def _links(text: str, images: bool | None = None) -> list[str]:
+    """Every link target of a Markdown text, outside code blocks and code spans; ``images`` True: only
+    pictures (``![..](..)``, ``src=``), False: only the others, None: all."""
+    text = re.sub(r"(?ms)^(```|~~~).*?^\1", "", text)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    found = [(bang == "!", url) for bang, url in _LINK.findall(text)]
+    found += [(attr == "src", url) for attr, url in _HTML_LINK.findall(text)]
+    return [url for picture, url in found if images is None or picture == images]
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchor of every heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"(?ms)^(```|~~~).*?^\1", "", markdown)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"(?m)^#{1,6}\s+(.+?)\s*#*$", text.replace("`", ""))}
+
+
+def _target(url: str, image: bool = False) -> tuple[Path, str]:
+    """The file or folder of this repository a link names, and its anchor; AssertionError when it names none.
+
+    A picture must come from ``/raw/main/`` (the file itself: a ``/blob/`` address is a web page, which
+    the index cannot show as an image); a link names a file with ``/blob/main/``, a folder with ``/tree/main/``.
+    """
+    for kind in (("raw",) if image else ("blob", "tree")):
+        prefix = f"{BASE}/{kind}/main/"
+        if url.startswith(prefix):
+            path, _, anchor = url[len(prefix):].partition("#")
+            target = ROOT / path
+            assert target.exists(), f"{url} names {path}, which is not in this repository"
+            assert (kind != "tree") == target.is_file(), f"{url}: use /blob/ for a file and /tree/ for a folder"
+            return target, anchor
+    where = f"{BASE}/raw/main/" if image else f"{BASE}/blob/main/ or /tree/main/"
+    raise AssertionError(f"{url} is not absolute on {where} (the index shows the README alone, so a relative "
+                         "link breaks there)")
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_every_readme_link_is_absolute_and_names_a_file_of_this_repository(readme):
+    text = (ROOT / readme).read_text()
+    for image in (False, True):
+        for url in _links(text, images=image):
+            if url.startswith(("https://", "http://")) and not url.startswith(BASE):
+                assert url.startswith("https://"), f"{readme}: {url} is not https"
+                continue
+            target, anchor = _target(url, image)
+            if anchor and target.suffix == ".md":
+                assert anchor in _anchors(target.read_text()), f"{readme}: {url}: no heading #{anchor} in {target.name}"
+    if readme == "README.md":
+        assert len(_links(text)) >= 10, _links(text)
+
+
+def test_the_link_check_refuses_what_breaks_on_the_index():
+    text = "see [a](docs/a.md), ![p](x.png), `[code](no.md)`, <a href='y.md'>y</a> <img src=\"z.png\">"
+    assert _links(text) == ["docs/a.md", "x.png", "y.md", "z.png"]
+    assert _links(text, images=True) == ["x.png", "z.png"] and _links(text, images=False) == ["docs/a.md", "y.md"]
+    for bad in ("docs/architecture.md", f"{BASE}/blob/main/docs/no-such-page.md", f"{BASE}/tree/main/README.md",
+                f"{BASE}/blob/main/docs", f"{BASE}/raw/main/LICENSE"):
+        with pytest.raises(AssertionError):
+            _target(bad)
+    with pytest.raises(AssertionError):
+        _target(f"{BASE}/blob/main/docs/replays/churn-wddm.png", image=True)  # a web page, not the picture
+    assert _target(f"{BASE}/raw/main/docs/replays/churn-wddm.png", image=True)[0].is_file()
+    assert _target(f"{BASE}/blob/main/docs/comfyui.md#start-up-cost") == (ROOT / "docs" / "comfyui.md", "start-up-cost")
+    assert "the-two-commands" in _anchors((ROOT / "README.md").read_text())
+
+
+def test_the_readme_indexes_every_page_of_docs():
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    missing = [p for p in pages if f"{BASE}/blob/main/docs/{p}" not in readme]
+    assert not missing, f"docs/ pages missing from the README's index: {missing}"
+
+
+# --------------------------------------------------------------------------- through the package index: a fresh install
+
+
+def _venv_pip(python: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """This environment's pip installing into the virtual environment of ``python`` (which has none)."""
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", *args]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"the package index answered too slowly: pip took more than {timeout} s")
+    text = p.stdout + p.stderr
+    if p.returncode and any(s in text for s in _UNREACHABLE) and "No matching distribution" not in text:
+        pytest.skip(f"the package index cannot be reached: {text.strip().splitlines()[-1]}")
+    assert p.returncode == 0, f"pip install {' '.join(args)} failed:\n{text[-3000:]}"
+    return p
+
+
+@pytest.mark.network
+def test_a_fresh_venv_from_the_wheels_runs_doctor_a_replay_and_the_kit_from_another_folder(wheels, tmp_path):
+    """``pip install membackend`` (no extras; ``[kit]`` only for the kit's pytest and hypothesis), then the
+    three plugins, into a virtual environment made here; every command runs in a folder outside the
+    repository, with no ``PYTHONPATH`` and no ``MEMBACKEND_*`` variable."""
+    venv, elsewhere = tmp_path / "venv", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    bindir = venv / ("Scripts" if os.name == "nt" else "bin")
+    python, cli = bindir / "python", bindir / "membackend"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MEMBACKEND_") and k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+    def run(*cmd: str | Path, timeout: int = 300) -> str:
+        p = subprocess.run([str(c) for c in cmd], cwd=elsewhere, env=env, capture_output=True, text=True,
+                           timeout=timeout)
+        shown = " ".join(map(str, cmd))
+        assert p.returncode == 0, f"{shown} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}"
+        return p.stdout
+
+    _venv_pip(python, f"{wheels['membackend'].path}[kit]")
+    where = run(python, "-c", "import membackend, sys; print(membackend.__file__); print(sys.prefix)").split()
+    assert Path(where[0]).is_relative_to(venv) and not Path(where[0]).is_relative_to(ROOT), where
+    bare = run(python, "-c", "import importlib.util as u; print([m for m in ('cuda', 'hip', 'numpy', 'torch') "
+                             "if u.find_spec(m)])")
+    assert bare.strip() == "[]", f"the plain install brought GPU bindings: {bare}"  # else it proves nothing
+
+    doctor = run(cli, "doctor")
+    assert "self-test: passed" in doctor and "selected: host" in doctor, doctor[-2000:]
+    replay = run(cli, "replay", "churn-wddm", "--profile", "wddm-6gb", "--seeds", "1")
+    assert "stock reproduces the reported failure: yes" in replay, replay[-2000:]
+    kit = run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "membackend.testing.conformance",
+              "--membackend-backend", "host", "--membackend-examples", "5")
+    assert "membackend kit: host: checked:" in kit and "not checked" not in kit, kit[-2000:]
+
+    _venv_pip(python, *(str(wheels[canonicalize_name(f"membackend-{p}")].path) for p in PLUGINS))
+    found = {row["name"]: row for row in json.loads(run(cli, "backends", "--json"))["backends"]}
+    for p in PLUGINS:
+        assert found.get(p, {}).get("origin", "").startswith(f"entry point {p} = "), (p, found.get(p))
+    replay = run(cli, "replay", "churn-wddm", "--profile", "wddm-6gb", "--seeds", "1")
+    assert "plugin (cuda_wddm)" in replay and "plugin holds G2: yes" in replay, replay[-2000:]
 
 
 # --------------------------------------------------------------------------- through the package index
