@@ -1,8 +1,7 @@
-"""Shared fixtures: isolated settings (no stray MEMBACKEND_* env or config files) and a host session."""
+"""Shared fixtures: isolated settings for every test (the kit's ``membackend_clean_env``: no stray
+MEMBACKEND_* variable or config file, an empty working directory) and host sessions."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -13,12 +12,8 @@ from membackend._session import Session
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch, tmp_path):
+def _clean_env(membackend_clean_env):
     """Every test starts with no MEMBACKEND_* variables, in an empty directory."""
-    for key in list(os.environ):
-        if key.startswith("MEMBACKEND_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture

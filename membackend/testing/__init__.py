@@ -1,11 +1,47 @@
-"""The conformance kit every backend must pass (a pytest plugin) and its harness.
+"""The conformance kit every backend must pass (a pytest plugin), its harness, and the fixtures it ships.
 
     pytest --pyargs membackend.testing.conformance --membackend-backend NAME
     pytest --pyargs membackend.testing.conformance --membackend-plugin package.module:MyBackend
 
 Needs the ``kit`` extra (``pip install membackend[kit]``: pytest and hypothesis).
+
+The property-based sequences (marker ``kit_long``) run from one seed per run:
+``--membackend-seed N`` repeats a run, and a failed sequence prints the one
+command that runs it again.
+
+For a backend's, a platform's or membackend's own tests, the kit's plugin
+registers these fixtures (none is autouse):
+
+* ``membackend_clean_env`` — no ``MEMBACKEND_*`` variable in the environment
+  and an empty temporary working directory, so no ``membackend.toml``,
+  ``pyproject.toml`` or ``$MEMBACKEND_CONFIG`` reaches the settings. A
+  ``conftest.py`` applies it to every test of its folder::
+
+      @pytest.fixture(autouse=True)
+      def _clean_env(membackend_clean_env):
+          pass
+
+* ``membackend_simulated`` — :func:`simulated_session`, each session it made
+  closed after the test;
+* ``membackend_seed`` — this run's seed of the property-based sequences.
+
+and these functions:
+
+* :func:`simulated_session` ``(profile, platform=None, *, capabilities=None,
+  observers=(), **settings)`` — a session on ``VmmBackend(platform, driver)``
+  over a fresh simulation of a profile (``wddm-6gb``, ``rocm-win-2gpu``,
+  ``gb10-128gb``, ``h200``), with its own ledger; ``ResidencyManager(session)``
+  puts the residency policy on it;
+* :func:`clean_environment` ``(monkeypatch, directory, also=())`` — what
+  ``membackend_clean_env`` does, for a platform that also clears variables of
+  its own;
+* :func:`build_session`, :func:`checker_for`, :func:`driver_view`,
+  :func:`inject_failures`, :func:`async_work`, :func:`parse_target` — the
+  harness the kit's rules run on (see :mod:`membackend.testing.harness`).
 """
 
+from .fixtures import clean_environment, simulated_session
 from .harness import Target, async_work, build_session, checker_for, driver_view, inject_failures, parse_target
 
-__all__ = ["Target", "async_work", "build_session", "checker_for", "driver_view", "inject_failures", "parse_target"]
+__all__ = ["Target", "async_work", "build_session", "checker_for", "clean_environment", "driver_view",
+           "inject_failures", "parse_target", "simulated_session"]

@@ -1,15 +1,11 @@
-"""Every test starts with no MEMBACKEND_* variables and no OCL_SET_SVM_SIZE, in an empty directory."""
+"""Every test starts with no MEMBACKEND_* variables and no OCL_SET_SVM_SIZE, in an empty directory
+(the kit's ``membackend_clean_env``, plus the one variable of ROCm's own that this plugin reads)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith("MEMBACKEND_") or key == "OCL_SET_SVM_SIZE":
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
+def _clean_env(membackend_clean_env, monkeypatch):
+    monkeypatch.delenv("OCL_SET_SVM_SIZE", raising=False)

@@ -7,8 +7,6 @@ distribution installed (``scripts/test`` and ``tox`` install every
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from membackend_unified_gb10.workload import Workload, gb10_session, stock_session
@@ -17,12 +15,8 @@ from membackend._replay.stock import StockPolicy
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch, tmp_path):
-    """No MEMBACKEND_* variables (this plugin's own included), in an empty directory."""
-    for key in list(os.environ):
-        if key.startswith("MEMBACKEND_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
+def _clean_env(membackend_clean_env):
+    """No MEMBACKEND_* variables (this plugin's own included), in an empty directory: the kit's fixture."""
 
 
 @pytest.fixture

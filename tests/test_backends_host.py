@@ -1,12 +1,20 @@
-"""The contract on the host backend, including every bad input: typed error, ledger unchanged."""
+"""The host backend (``membackend._backends.host``): the contract, including every bad input (typed error,
+ledger unchanged); the resident count under threads; trim; injected failures."""
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
 
+import pluggy
 import pytest
 
+from membackend import hookspec
+from membackend._backends.host import HostBackend
+from membackend._drivers.host import resident_bytes
 from membackend.types import (
+    ConfigError,
     Device,
     Fault,
     InvalidSize,
@@ -19,7 +27,10 @@ from membackend.types import (
 )
 
 MiB = 1 << 20
+PS = 2 * MiB
 CPU = Device("cpu", 0)
+
+posix_only = pytest.mark.skipif(sys.platform == "win32", reason="POSIX host driver")
 
 
 def snapshot(session):
@@ -280,3 +291,182 @@ def test_close_releases_everything_alive(host_session):
         host_session.fault(host_session.reserve(CPU, 4 * MiB), 0, MiB)
     assert host_session.close() == 3
     assert host_session.ledger.account(CPU).reserved == 0
+
+
+# --------------------------------------------------------------------------- trim
+
+
+def test_trim_is_a_hook_and_names_the_device_it_serves():
+    backend = HostBackend(page_size=PS)
+    pm = pluggy.PluginManager(hookspec.PROJECT)
+    pm.add_hookspecs(hookspec)
+    pm.register(backend)
+    assert pm.hook.membackend_trim(device=CPU) == 0
+    with pytest.raises(WrongDevice, match="serves only cpu:0, not cuda:0"):
+        backend.membackend_trim(Device("cuda", 0))
+
+
+# --------------------------------------------------------------------------- threads on distinct reservations
+
+
+def kernel_resident(reservations) -> int:
+    return sum(resident_bytes(r.base, r.size) for r in reservations)
+
+
+@posix_only
+def test_concurrent_faults_never_take_more_than_the_capacity():
+    """Eight threads fault at once into a capacity that fits two: the check and the charge are one step."""
+    for _ in range(5):
+        backend = HostBackend(page_size=PS, capacity=4 * PS)
+        rs = [backend.membackend_reserve(CPU, 2 * PS) for _ in range(8)]
+        barrier = threading.Barrier(len(rs))
+        faults = [None] * len(rs)
+
+        def fault(k):
+            barrier.wait()
+            faults[k] = backend.membackend_fault(rs[k], 0, 2 * PS)
+
+        threads = [threading.Thread(target=fault, args=(k,)) for k in range(len(rs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        granted = sum(f.mapped for f in faults if f.ok)
+        assert granted == 4 * PS, f"capacity {4 * PS}, granted {granted} ({[f.ok for f in faults]})"
+        assert backend.resident == granted == sum(r.handle.resident.count(1) * PS for r in rs)
+        assert kernel_resident(rs) == granted
+        for r in rs:
+            backend.membackend_release_reservation(r)
+        assert backend.resident == 0
+        backend.driver.shutdown_pool()
+
+
+@posix_only
+def test_random_verbs_from_threads_keep_the_resident_count_exact():
+    backend = HostBackend(page_size=PS, capacity=24 * PS)
+    rs = [backend.membackend_reserve(CPU, 6 * PS) for _ in range(8)]
+
+    def work(k):
+        rng = random.Random(k)
+        r = rs[k]
+        for _ in range(200):
+            first = rng.randrange(6)
+            pages = rng.randint(1, 6 - first)
+            if rng.random() < 0.6:
+                backend.membackend_fault(r, first * PS, pages * PS)
+            else:
+                backend.membackend_free(r, first * PS, pages * PS)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(rs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counted = sum(r.handle.resident.count(1) * PS for r in rs)
+    assert backend.resident == counted == kernel_resident(rs)
+    assert counted <= 24 * PS
+    generations = [g for r in rs for p, g in enumerate(r.handle.generations) if r.handle.resident[p]]
+    assert len(set(generations)) == len(generations), "every backed page has its own generation"
+    for r in rs:
+        backend.membackend_release_reservation(r)
+    assert backend.resident == 0
+    backend.driver.shutdown_pool()
+
+
+# --------------------------------------------------------------------------- failure injection
+
+
+def run_faults(backend, count=40, seed=3):
+    rng = random.Random(seed)
+    r = backend.membackend_reserve(CPU, 8 * PS)
+    outcomes = []
+    try:
+        for _ in range(count):
+            first = rng.randrange(8)
+            f = backend.membackend_fault(r, first * PS, rng.randint(1, 8 - first) * PS)
+            outcomes.append(f.ok)
+            assert backend.resident == r.handle.resident.count(1) * PS
+            if sys.platform != "win32":
+                assert resident_bytes(r.base, r.size) == backend.resident, "a failed fault must roll back"
+            if rng.random() < 0.5:
+                backend.membackend_free(r, 0, r.size)
+    finally:
+        backend.membackend_release_reservation(r)
+    return outcomes
+
+
+@posix_only
+def test_injected_failures_are_out_of_memory_and_stop_restores_the_driver():
+    backend = HostBackend(page_size=PS)
+    real = backend.driver
+    injection = backend.membackend_inject_failures(0.3, 11)
+    outcomes = run_faults(backend)
+    assert injection.injected == outcomes.count(False) > 0 and any(outcomes)
+    injection.stop()
+    injection.stop()
+    assert backend.driver is real
+    assert all(run_faults(backend))
+    assert injection.injected == outcomes.count(False)
+
+
+@posix_only
+def test_a_seed_gives_the_same_failures():
+    a, b = HostBackend(page_size=PS), HostBackend(page_size=PS)
+    a.membackend_inject_failures(0.3, 5)
+    b.membackend_inject_failures(0.3, 5)
+    assert run_faults(a) == run_faults(b)
+
+
+@posix_only
+def test_injected_failures_from_threads_are_counted_and_rolled_back():
+    backend = HostBackend(page_size=PS)
+    injection = backend.membackend_inject_failures(0.2, 1)
+    rs = [backend.membackend_reserve(CPU, 4 * PS) for _ in range(8)]
+    failed = [0] * len(rs)
+
+    def work(k):
+        for _ in range(50):
+            if not backend.membackend_fault(rs[k], 0, 4 * PS).ok:
+                failed[k] += 1
+            backend.membackend_free(rs[k], 0, 4 * PS)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(rs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    injection.stop()
+    assert injection.injected == sum(failed) > 0
+    assert backend.resident == 0 == kernel_resident(rs)
+    for r in rs:
+        backend.membackend_release_reservation(r)
+
+
+@posix_only
+def test_injections_nest_and_stop_in_any_order():
+    backend = HostBackend(page_size=PS)
+    real = backend.driver
+    outer = backend.membackend_inject_failures(1.0, 0)
+    inner = backend.membackend_inject_failures(0.0, 0)
+    outer.stop()  # the outer one stops injecting at once, though the inner one still wraps it
+    assert all(run_faults(backend, count=5))
+    inner.stop()
+    assert backend.driver is real
+
+    outer = backend.membackend_inject_failures(0.0, 0)
+    inner = backend.membackend_inject_failures(1.0, 0)
+    inner.stop()
+    assert backend.driver is outer._driver
+    outer.stop()
+    assert backend.driver is real
+
+
+@pytest.mark.parametrize("probability,seed,key", [(1.5, 0, "probability"), (True, 0, "probability"),
+                                                  ("0.1", 0, "probability"), (0.1, 1.5, "seed")])
+def test_bad_injection_arguments_are_typed(probability, seed, key):
+    backend = HostBackend(page_size=PS)
+    real = backend.driver
+    with pytest.raises(ConfigError) as info:
+        backend.membackend_inject_failures(probability, seed)
+    assert info.value.key == key and info.value.accepted
+    assert backend.driver is real

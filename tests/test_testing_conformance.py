@@ -1,0 +1,204 @@
+"""The conformance kit (``membackend.testing.conformance``, with its plugin and harness).
+
+Mutation proof: a memfd-backed host backend written from the docs alone
+(docs/examples/memfd_backend) passes the kit, and each of its mutants
+(tests/fixtures/memfd_mutants.py) fails it, for the reason its bug deserves. The kit runs exactly
+as a third party runs it: pytest in a subprocess, the backend named by import path (not installed;
+tests/test_examples.py checks it installed). Then the random sequences' seed: the same seed draws
+the same sequences, a failure prints the seed and the one command that fails it again, and a bad
+``--membackend-seed`` is a usage error."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import membackend.testing.conformance as conformance
+from membackend.testing import Target
+
+FIXTURE = Path(__file__).parent.parent / "docs" / "examples" / "memfd_backend"
+TESTS = Path(__file__).parent
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and /proc/self/maps are Linux's")
+
+#: mutant (module:attr) -> what the kit must say about it
+MUTANTS = {
+    "memfd_mutants:ReleaseKeepsMapping": "but the range is still mapped (/proc/self/maps",
+    "memfd_mutants:FreeKeepsPages": "are still resident (mincore; expected 0)",
+    "memfd_mutants:FaultBacksNothing": "returned ok but page(s) [0, 1] are not resident (mincore",
+}
+CORRECT = "membackend_memfd:MemfdBackend"
+
+
+def _kit(target: str, cwd: Path, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    paths = [str(FIXTURE), str(TESTS / "fixtures"), str(TESTS / "fixtures" / "example_backend"),
+             env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "membackend.testing.conformance",
+           "--membackend-plugin", target, "--membackend-examples", "5", *extra]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def kit_runs(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """The kit against the correct backend and every mutant, two at a time."""
+    targets = [CORRECT, *MUTANTS]
+    results = {}
+    for i in range(0, len(targets), 2):
+        procs = {t: _kit(t, tmp_path_factory.mktemp("kit"), *(["-x"] if t in MUTANTS else [])) for t in targets[i:i + 2]}
+        for t, p in procs.items():
+            out, _ = p.communicate(timeout=300)
+            results[t] = (p.returncode, out)
+    return results
+
+
+@pytest.mark.kit_long  # the whole kit, four times over, in subprocesses
+def test_the_backend_written_from_the_readme_passes_the_kit_fully(kit_runs):
+    rc, out = kit_runs[CORRECT]
+    assert rc == 0, out[-4000:]
+    assert "not checked" not in out, out[-2000:]
+    checked = next(line for line in out.splitlines() if line.startswith(f"membackend kit: {CORRECT}: checked:"))
+    for check in ("ledger vs kernel", "out-of-memory rollback (capacity)", "out-of-memory rollback (injected)",
+                  "rollback under injected driver failures"):
+        assert check in checked, checked
+
+
+@pytest.mark.kit_long
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_each_mutant_fails_the_kit_for_its_bug(kit_runs, mutant):
+    rc, out = kit_runs[mutant]
+    assert rc == 1, f"the kit passed the mutant {mutant} (rc {rc}):\n{out[-4000:]}"
+    assert MUTANTS[mutant] in out, f"the kit failed {mutant} for another reason:\n{out[-4000:]}"
+
+
+def test_every_rule_of_the_kit_is_collected_by_the_repositorys_suite():
+    """tests/test_conformance.py star-imports the kit: every test_* rule, including one added later."""
+    rules = {name for name in vars(conformance) if name.startswith("test_")}
+    collected = set(runpy.run_path(str(TESTS / "test_conformance.py")))
+    assert rules and rules <= collected, f"not collected: {sorted(rules - collected)}"
+    assert set(conformance.__all__) == rules
+
+
+def test_a_target_that_does_not_load_fails_the_kit_with_the_reason(tmp_path):
+    p = _kit("membackend_memfd:NoSuchBackend", tmp_path, "-x")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 1 and "the backend did not load" in out and "NoSuchBackend" in out, out[-3000:]
+
+
+def test_the_summary_names_the_checks_a_backend_gives_no_way_to_run(tmp_path):
+    """The example fixture has no membackend_inject_failures and ignores host_capacity: never a silent pass."""
+    p = _kit("membackend_example:ExampleBackend", tmp_path, "-k", "out_of_memory")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("membackend kit: membackend_example:ExampleBackend: not checked:"))
+    assert "rollback under injected driver failures (no membackend_inject_failures)" in line, line
+    assert "out-of-memory rollback (capacity) (does not honour host_capacity" in line, line
+    assert "out-of-memory rollback (injected) (no membackend_inject_failures)" in line, line
+
+
+def test_the_kit_extra_brings_exactly_what_the_kit_imports_and_test_includes_it():
+    import tomllib
+
+    extras = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {e: {req.split(">")[0].split("=")[0].split("[")[0].strip() for req in reqs} for e, reqs in extras.items()}
+    assert names["kit"] == {"pytest", "hypothesis"}, names["kit"]
+    assert names["kit"] <= names["test"], names["test"]
+
+
+def test_the_pytest_plugin_works_in_an_install_without_hypothesis(tmp_path):
+    (tmp_path / "test_plain.py").write_text("def test_plain():\n    assert True\n")
+    code = ("import sys\n"
+            "class NoHypothesis:\n"  # as if not installed: importing it raises ModuleNotFoundError
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'hypothesis': raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, NoHypothesis())\n"
+            "import pytest; rc = pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:hypothesispytest', "
+            "'test_plain.py'])\n"
+            "assert 'membackend.testing.plugin' in sys.modules and 'membackend.testing.conformance' not in sys.modules\n"
+            "sys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout + p.stderr
+
+
+# --------------------------------------------------------------------------- the random sequences' seed
+
+
+class Journal(conformance.VerbSequences):
+    """The kit's sequences, each one's steps and outcomes kept (reservations named by their order)."""
+
+    journal: list[tuple[str, ...]] = []
+
+
+def sequences_drawn(target: Target, seed: int) -> list[tuple[str, ...]]:
+    Journal.journal = []
+    conformance.run_verb_sequences(target, 4, seed, Journal, steps=12)
+    return Journal.journal
+
+
+@pytest.mark.parametrize("target", [Target("host"), Target("vmm", "wddm-6gb")], ids=str)
+def test_the_same_seed_draws_the_same_sequences_and_another_seed_others(target):
+    first = sequences_drawn(target, 1234)
+    assert len(first) >= 4 and any(len(steps) > 3 for steps in first), first
+    assert sequences_drawn(target, 1234) == first, "the same seed drew other sequences"
+    assert sequences_drawn(target, 4321) != first, "another seed drew the same sequences: the seed is not used"
+
+
+def _rerun_line(out: str) -> str:
+    return next(line for line in out.splitlines() if "membackend kit: seed " in line and "run this sequence again" in line)
+
+
+def _falsifying_steps(out: str) -> list[str]:
+    """The rule calls of the minimal failing program hypothesis prints (``state.reserve(pages=1)``, ...)."""
+    steps = [line.lstrip("E").strip() for line in out.splitlines()]
+    return [line for line in steps if line.startswith("state")]
+
+
+@pytest.mark.kit_long  # two kit runs that shrink a failure: a minute on a busy machine
+def test_a_failed_sequence_prints_its_seed_and_the_command_that_fails_it_again(tmp_path):
+    """A mutant that fails only inside random sequences: the failure names the seed and one command; that
+    command, run as printed, fails with the same minimal sequence."""
+    target = "memfd_mutants:FaultBacksNothing"
+    first = _kit(target, tmp_path, "-k", "random_verb_sequences", "--membackend-seed", "77")
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 1, out[-4000:]
+    line = _rerun_line(out)
+    assert "membackend kit: seed 77; run this sequence again: (from " in line, line
+    command = line.split(") ", 1)[1]
+    assert command.startswith("python -m pytest ") and command.endswith("--membackend-seed=77"), command
+    assert f"--membackend-plugin={target}" in command and "--membackend-examples=5" in command, command
+    summary = [x for x in out.splitlines() if x.startswith("membackend kit: a property-based sequence failed")]
+    assert summary and summary[0].endswith(command), summary
+
+    # the command as printed (python: this interpreter), from the folder it names
+    where = line.split("(from ", 1)[1].split(") ", 1)[0]
+    argv = [sys.executable, *shlex.split(command)[1:], "-p", "no:cacheprovider"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(FIXTURE), str(TESTS / "fixtures")])
+    again = subprocess.run(argv, cwd=where, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1, again.stdout[-4000:]
+    assert _falsifying_steps(again.stdout) == _falsifying_steps(out)
+    assert _rerun_line(again.stdout) == line
+
+
+def test_without_a_seed_each_run_draws_one_and_the_summary_prints_it(tmp_path):
+    p = _kit(CORRECT, tmp_path, "-k", "random_verb_sequences", "--membackend-examples", "1")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    figures = next(x for x in out.splitlines() if x.startswith("membackend kit: ") and "property-based sequences" in x)
+    drawn = int(figures.split("; seed ")[1].split()[0])
+    assert f"(--membackend-seed={drawn} repeats them)" in figures, figures
+
+
+@pytest.mark.parametrize("value", ["-1", "x", str(2**32), "1.5"])
+def test_a_seed_that_is_no_whole_number_in_range_is_a_usage_error_naming_what_is_accepted(tmp_path, value):
+    p = _kit(CORRECT, tmp_path, "--membackend-seed", value)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 4, out[-2000:]  # pytest's usage error
+    assert f"{value!r} is not a seed; accepted: a whole number from 0 to {2**32 - 1}" in out, out[-2000:]
