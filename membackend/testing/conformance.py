@@ -14,6 +14,11 @@ and ``mincore`` after every verb), for GPU backends against the optional hook
 and checks that nothing leaked. Checks that could not run are named in the
 terminal summary.
 
+The property-based sequences are the kit's long part (marker ``kit_long``).
+They run from one seed per pytest run (``--membackend-seed N``, else drawn and
+printed in the summary); the same seed gives the same sequences, and a failed
+one prints the command that runs it again.
+
 Every ``test_*`` function of this module is collected wherever the module is
 star-imported (``__all__`` is computed from the names), so a new rule cannot
 be left out of a hand-kept list.
@@ -21,8 +26,11 @@ be left out of a hand-kept list.
 
 from __future__ import annotations
 
+import re
+
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
@@ -41,7 +49,8 @@ from ..types import (
     SanitizerError,
     WrongDevice,
 )
-from .harness import async_work, build_session, checker_for, inject_failures, kit_device, note
+from .harness import Target, async_work, build_session, checker_for, inject_failures, kit_device, note
+from .plugin import RERUNS_KEY, rerun_command
 
 MiB = 1 << 20
 
@@ -313,6 +322,8 @@ class VerbSequences(RuleBasedStateMachine):
     """
 
     target = None
+    #: when a list, every sequence's :attr:`trail` is appended to it at teardown (the kit's own tests read it)
+    journal: list[tuple[str, ...]] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -327,22 +338,37 @@ class VerbSequences(RuleBasedStateMachine):
         self.injector = None
         self.step = "start"
         self.steps = 0
+        self.trail: list[str] = []  # every step with its outcome, for :attr:`journal`
+        self.order: dict[int, int] = {}  # reservation id -> its place among this sequence's reservations
         SEQUENCES["runs"] += 1
 
     @initialize(p=st.sampled_from([0.0, 0.05, 0.2]), seed=st.integers(0, 2**16))
     def start_injecting(self, p, seed):
+        self.trail.append(f"inject(probability={p}, seed={seed})")
         if p:
             self.injector = self.checker.start_injection(p, seed)
+
+    def _note(self, what: str, outcome: str) -> None:
+        """Add a step to :attr:`trail`, reservations named by their order in this sequence (ids are global)."""
+        self.trail.append(re.sub(r"#(\d+)", lambda m: f"#{self.order.get(int(m.group(1)), '?')}", what)
+                          + f" -> {outcome}")
 
     def _call(self, what: str, fn, *args):
         self.steps += 1
         self.step = f"step {self.steps}: {what}"
         SEQUENCES["steps"] += 1
         try:
-            return fn(*args)
-        except DriverError:  # an injected failure surfaces as a typed error; state must stay consistent
+            result = fn(*args)
+        except DriverError as exc:  # an injected failure surfaces as a typed error; state must stay consistent
             SEQUENCES["typed_errors"] += 1
+            self._note(what, f"{type(exc).__name__}")
             return None
+        if isinstance(result, Reservation):
+            self.order[result.id] = len(self.order)
+        # what the verb decided, never what the machine happens to have free (budgets differ run to run)
+        self._note(what, f"ok={result.ok}" if isinstance(result, Fault) else
+                   str(result) if isinstance(result, int) else "done")
+        return result
 
     @rule(pages=st.integers(1, 6))
     def reserve(self, pages):
@@ -385,9 +411,11 @@ class VerbSequences(RuleBasedStateMachine):
         self.step = f"step {self.steps}: record(#{r.id}, copy into page {p})"
         try:
             token = async_work(self.session, r, p * self.ps, self.ps, seconds=0.0005)
-        except DriverError:  # the kit's own copy call can meet an injected failure too: no work started
+        except DriverError as exc:  # the kit's own copy call can meet an injected failure too: no work started
             SEQUENCES["typed_errors"] += 1
+            self._note(f"record(#{r.id}, copy into page {p})", type(exc).__name__)
             return
+        self._note(f"record(#{r.id}, copy into page {p})", "started")
         self.session.record(r, token)
         if data.draw(st.booleans()):
             self.known[r.id].discard(p)
@@ -416,6 +444,8 @@ class VerbSequences(RuleBasedStateMachine):
         self.checker.verify(self.device, self.step)
 
     def teardown(self):
+        if self.journal is not None:
+            self.journal.append(tuple(self.trail))
         if self.injector is not None:
             self.injector.stop()
             SEQUENCES["injected"] += self.injector.injected
@@ -427,11 +457,28 @@ class VerbSequences(RuleBasedStateMachine):
                 r.released = True
 
 
-def test_random_verb_sequences_keep_the_ledger_equal_to_the_driver(membackend_target, membackend_examples):
-    machine = type(f"VerbSequences[{membackend_target}]", (VerbSequences,), {"target": membackend_target})
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=membackend_examples, stateful_step_count=25, deadline=None,
+def run_verb_sequences(target: Target, examples: int, seed_value: int, machine: type[VerbSequences] = VerbSequences,
+                       steps: int = 25) -> None:
+    """Run ``examples`` sequences of up to ``steps`` verbs of ``machine`` on ``target``, drawn from ``seed_value``:
+    the same arguments draw the same sequences (no example database is read or written)."""
+    bound = type(f"{machine.__name__}[{target}]", (machine,), {"target": target})
+    run_state_machine_as_test(hypothesis_seed(seed_value)(bound), settings=settings(
+        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+        # no "explain" phase: it reruns a failure hundreds of times to annotate lines, each on a fresh session
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
         suppress_health_check=list(HealthCheck)))
+
+
+@pytest.mark.kit_long
+def test_random_verb_sequences_keep_the_ledger_equal_to_the_driver(membackend_target, membackend_examples,
+                                                                   membackend_seed, request):
+    try:
+        run_verb_sequences(membackend_target, membackend_examples, membackend_seed)
+    except Exception as failure:
+        command = rerun_command(request.node, membackend_seed)
+        request.config.stash[RERUNS_KEY].append(command)
+        failure.add_note(f"membackend kit: seed {membackend_seed}; run this sequence again: {command}")
+        raise
 
 
 #: every rule above: ``from membackend.testing.conformance import *`` collects them all
