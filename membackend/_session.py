@@ -21,11 +21,13 @@ import itertools
 import logging
 import operator
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, NoReturn
 
 import pluggy
 
 from . import hookspec
+from ._fences import FutureToken
 from ._ledger import Ledger, still_running
 from .types import (
     Budget,
@@ -404,21 +406,31 @@ class Session:
         if held:
             raise TensorAlive(verb, reservation, offset, size, held)
 
-    def record(self, reservation: Reservation, token: FenceToken) -> None:
+    def record(self, reservation: Reservation, token: FenceToken | Future) -> None:
         """Note asynchronous work (a copy, a kernel) on the reservation; fences wait for it.
+
+        ``token`` is a fence token (callable ``done()`` and ``wait()``: a GPU event token, a
+        ``FutureToken``) or a :class:`concurrent.futures.Future` of the work, e.g. a copy thread's
+        ``executor.submit(copy)``: it is wrapped in a :class:`membackend._fences.FutureToken`, finished
+        when ``done()`` is true and waited for with ``result()``, so a copy that raised makes the next
+        fence raise ``DriverError`` once instead of passing for finished. Anything else is
+        ``InvalidToken`` and nothing is recorded.
 
         Serialised with the reservation's other verbs: a record that loses a
         race with ``release_reservation`` raises ``ReservationReleased`` and
         keeps nothing.
         """
         lock = self._lock_of(reservation, "record")
+        if isinstance(token, Future):  # has done() but no wait(): result() is its wait
+            token = FutureToken(token)
         try:
             ok = callable(getattr(token, "done", None)) and callable(getattr(token, "wait", None))
         except Exception:
             ok = False
         if not ok:
             raise InvalidToken(f"a fence token needs done() and wait(); got {type(token).__name__} {token!r}; "
-                               f"accepted: an object with callable done() and wait() (an event token, a FutureToken)")
+                               f"accepted: an object with callable done() and wait() (an event token, a FutureToken) "
+                               f"or a concurrent.futures.Future")
         with lock:
             if reservation.released:
                 self.ledger.check_alive(reservation, "record")
