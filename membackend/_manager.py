@@ -4,7 +4,9 @@ Backends come from the built-ins (``host``, the generic ``vmm`` platform,
 ``aimdo``) and the entry-point group ``membackend.backends``, whose entries
 name a backend object, a class (built with ``from_settings(settings)`` when it
 has one, else with no arguments) or a :class:`~membackend.platform.Platform`
-(built into a :class:`~membackend._backends.vmm.VmmBackend`). Each is
+(built into a :class:`~membackend._backends.vmm.VmmBackend`, which reads the
+settings the platform declares from the same sources as the settings: a bad
+value leaves the plugin broken with the ``ConfigError`` as its reason). Each is
 validated (a unique name; the six verbs and ``membackend_probe`` as
 hookimpls with the contract's parameter names; optional hooks checked the
 same way when present). A plugin that fails to import, to construct, to
@@ -307,8 +309,10 @@ class BackendManager:
                                    devices=[{"device": str(d.device), "name": d.name,
                                              "total_memory": d.total_memory} for d in machine.devices])
             obs.append(tracer)
+        source_of = getattr(self.settings, "source_of", None)  # the session owns the headroom setting
         return Session(sel.record.plugin, machine=machine, ledger=Ledger(sanitize=self.settings.sanitize),
                        observers=obs, headroom=self.settings.headroom,
+                       headroom_source=source_of("headroom") if callable(source_of) else None,
                        candidate=sel.candidates.get(sel.record.name), how=sel.how, tracer=tracer)
 
 

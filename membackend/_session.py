@@ -33,6 +33,7 @@ from .types import (
     Budget,
     Candidate,
     Capabilities,
+    ConfigError,
     Device,
     DriverError,
     DriverState,
@@ -54,7 +55,12 @@ from .types import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Session", "MAX_RESERVATION"]
+__all__ = ["Session", "MAX_RESERVATION", "HEADROOM_LIVE"]
+
+#: the ``source`` of :meth:`Session.set_headroom` for a change while running (the ComfyUI memory panel's
+#: VRAM cap): it wins over every other source of the headroom
+HEADROOM_LIVE = "live"
+_LIVE, _FLAGS = 0, 1  # the levels a caller sets per device, highest first
 
 #: The largest reservation a session passes to a backend: 2**48 bytes (256 TiB).
 #: That is the whole user address space of x86-64 and AArch64 with 4-level page
@@ -104,13 +110,35 @@ class Session:
     reservation's other verbs; with no view on a reservation its frees pay one
     dict lookup.
 
+    **The headroom** (the bytes every budget keeps free) has one owner, the
+    session, and one precedence, highest first (:meth:`headroom_in_force`
+    names the one in force on a device):
+
+    1. a live change, ``set_headroom(device, n, source="live")`` (or any
+       source starting with ``"live "``; the ComfyUI memory panel's VRAM cap);
+    2. the caller's start-up flags, ``set_headroom(device, n, source=...)``
+       with any other source (the adapter passes ComfyUI's
+       ``--reserve-vram``/``--vram-headroom``);
+    3. the ``headroom`` setting (``headroom=``, with ``headroom_source``
+       naming where it came from: env, a file, kwargs);
+    4. the backend's own rule (``own_headroom(device, total)``: a platform's
+       rule with its declared settings, the host backend's default);
+    5. what the backend's budget reports, for a backend without one.
+
+    A backend that takes decisions on the headroom itself (the VMM backend
+    refuses a fault past a unified pool up front) offers
+    ``follow_headroom(decide)``: the session hands it its decision when it is
+    built, so that backend never keeps a headroom of its own. The per-device
+    table is guarded by one lock: :meth:`set_headroom` may race budget
+    queries from any thread.
+
     ``tracer`` (a :class:`membackend._trace.TraceObserver` or None) wraps the
     verbs like any observer and is exposed as :attr:`tracer` for the layers
     above (the residency manager logs its decisions to it).
     """
 
     def __init__(self, backend: Any, *, machine: Machine, ledger: Ledger | None = None,
-                 observers: Iterable[Any] = (), headroom: int | None = None,
+                 observers: Iterable[Any] = (), headroom: int | None = None, headroom_source: str | None = None,
                  candidate: Candidate | None = None, how: str = "forced", tracer: Any = None):
         self.backend = backend
         self.name: str = backend.name
@@ -120,8 +148,17 @@ class Session:
         self.ledger = ledger or Ledger()
         self._pending_ids = self.ledger.pending_ids  # membership tests on the hot path
         self._sanitize = self.ledger.sanitize
-        self.headroom = headroom
-        self._headrooms: dict[Device, int] = {}  # per device, set by the caller (ComfyUI's memory flags)
+        if headroom is not None:
+            headroom = _int(headroom, "the headroom setting", "an int >= 0, or None")
+            if headroom < 0:
+                raise InvalidSize(f"the headroom setting must be >= 0 bytes, got {headroom}; accepted: an int >= 0")
+        self.headroom = headroom  # the ``headroom`` setting, level 3 of the precedence (None: not set)
+        self._headroom_setting = f"start-up setting headroom (from {headroom_source or 'Session(headroom=...)'})"
+        #: device -> {level (_LIVE, _FLAGS): (bytes, source)}; read and written under _headroom_lock
+        self._headrooms: dict[Device, dict[int, tuple[int, str]]] = {}
+        self._headroom_lock = threading.Lock()
+        self._backend_follows = callable(getattr(backend, "follow_headroom", None)) and \
+            callable(getattr(backend, "own_headroom", None))
         self.candidate = candidate
         self.how = how
         self.tracer = tracer
@@ -139,6 +176,8 @@ class Session:
         self._known_kinds = frozenset(d.kind for d in known)
         self.observers: list[Any] = []
         self._bind(observers)
+        if self._backend_follows:  # last: a session that failed to build leaves the backend as it was
+            backend.follow_headroom(self._decided_headroom)
 
     # ------------------------------------------------------------------ binding
 
@@ -478,31 +517,98 @@ class Session:
             raise untyped from exc
 
     def budget_query(self, device: Any) -> Budget:
-        """The backend's budget; a session-wide ``headroom`` setting replaces the backend's own."""
+        """The backend's budget, with the headroom in force on ``device`` (:meth:`headroom_in_force`)."""
         device = self._device(device)
+        b = self._checked_budget(self._budget_query, device)
+        chosen = self._chosen_headroom(device)
+        if chosen is not None:
+            room = chosen[0]
+        elif self._backend_follows:  # its own rule, whichever session the backend follows now
+            room = self.backend.own_headroom(device, b.total)[0]
+        else:
+            room = b.headroom
+        if room != b.headroom:  # a following backend asked this session already: no change then
+            b = Budget.of(b.total, b.free, room, b.source, b.unified)
+        return b
+
+    def headroom_in_force(self, device: Any) -> tuple[int, str]:
+        """``(bytes kept free on device, where that value comes from, in words)``, by the precedence of
+        the class docstring: the ``source`` given to :meth:`set_headroom` (``live``, ComfyUI's flags),
+        ``start-up setting headroom (from env MEMBACKEND_HEADROOM)``, the backend's or platform's own
+        (``platform unified_gb10's own rule``), or ``backend X's own budget``."""
+        device = self._device(device)
+        chosen = self._chosen_headroom(device)
+        if chosen is not None:
+            return chosen
+        b = self._checked_budget(self.backend.membackend_budget_query, device)  # not traced: no caller asked
+        own = getattr(self.backend, "own_headroom", None)
+        if callable(own):
+            room, source = own(device, b.total)
+            return int(room), str(source)
+        return b.headroom, f"backend {self.name}'s own budget"
+
+    def set_headroom(self, device: Any, headroom: int | None, source: str = HEADROOM_LIVE) -> None:
+        """Keep ``headroom`` bytes free on ``device`` from the next budget query on, as ``source``.
+
+        ``source`` is :data:`HEADROOM_LIVE` (``"live"``, or words starting with ``"live "``: a change
+        while running, the memory panel's) or the start-up flags the value comes from (the ComfyUI
+        adapter passes ``"comfyui --reserve-vram/--vram-headroom"``); :meth:`headroom_in_force` names it
+        with these very words. Each level holds one value per device, and a live value wins (see the
+        class docstring). ``headroom`` None takes that source's value away: the next source in the
+        precedence applies again. Thread-safe.
+
+        Raises ``InvalidSize`` (nothing changes) for a headroom that is not an int from 0 to the device's
+        total bytes (the message gives the range), ``ConfigError`` for a ``source`` that is no text.
+        """
+        device = self._device(device)
+        if not isinstance(source, str) or not source.strip():
+            raise ConfigError("source", "Session.set_headroom", f"{source!r} names no source",
+                              f"{HEADROOM_LIVE!r}, or the start-up flags the value comes from, e.g. "
+                              "'comfyui --reserve-vram/--vram-headroom'")
+        level = _LIVE if source == HEADROOM_LIVE or source.startswith(HEADROOM_LIVE + " ") else _FLAGS
+        if headroom is None:
+            with self._headroom_lock:
+                levels = self._headrooms.get(device)
+                if levels is not None:
+                    levels.pop(level, None)
+                    if not levels:
+                        del self._headrooms[device]
+            return
+        total = self._checked_budget(self.backend.membackend_budget_query, device).total
+        accepted = f"an int from 0 to {total} (the total bytes of {device})"
+        n = _int(headroom, "headroom", accepted)
+        if not 0 <= n <= total:
+            raise InvalidSize(f"headroom {n} bytes on {device} is outside 0 to {total} bytes, the device's total; "
+                              f"accepted: {accepted}")
+        with self._headroom_lock:
+            self._headrooms.setdefault(device, {})[level] = (n, source)
+
+    def _chosen_headroom(self, device: Device) -> tuple[int, str] | None:
+        """Levels 1-3 of the precedence: a live change, the start-up flags, the setting; None: none is set."""
+        with self._headroom_lock:
+            levels = self._headrooms.get(device)
+            if levels:
+                return levels[min(levels)]
+        if self.headroom is not None:
+            return self.headroom, self._headroom_setting
+        return None
+
+    def _decided_headroom(self, device: Device, total: int) -> int:
+        """The headroom in force, for a backend that follows the session (``follow_headroom``)."""
+        chosen = self._chosen_headroom(device)
+        return chosen[0] if chosen is not None else self.backend.own_headroom(device, total)[0]
+
+    def _checked_budget(self, query: Callable[[Device], Any], device: Device) -> Budget:
+        """A budget from ``query`` (the bound verb, or the backend itself), typed as every verb is."""
         try:
-            b = self._budget_query(device)
+            b = query(device)
         except Exception as exc:
             if (untyped := self._failed("budget_query", exc)) is None:
                 raise
             raise untyped from exc
         if not isinstance(b, Budget):
             raise PluginError(f"backend {self.name!r} broke the contract: budget_query returned {b!r}")
-        headroom = self._headrooms.get(device, self.headroom)
-        if headroom is not None and headroom != b.headroom:
-            b = Budget.of(b.total, b.free, headroom, b.source, b.unified)
         return b
-
-    def set_headroom(self, device: Any, headroom: int | None) -> None:
-        """Keep ``headroom`` bytes free on ``device`` from the next budget query on; None: back to the
-        session-wide ``headroom`` setting, or the backend's own."""
-        device = self._device(device)
-        if headroom is None:
-            self._headrooms.pop(device, None)
-            return
-        if not isinstance(headroom, int) or isinstance(headroom, bool) or headroom < 0:
-            raise InvalidSize(f"headroom must be a whole number of bytes >= 0, got {headroom!r}")
-        self._headrooms[device] = headroom
 
     def reservations(self) -> list[Reservation]:
         """Every reservation of this session that is still alive."""

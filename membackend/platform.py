@@ -15,18 +15,47 @@ the ``membackend.backends`` group naming it::
     my_platform = "my_package:PLATFORM"
 
 The built-in generic platform is :data:`GENERIC` (backend name ``vmm``).
+
+**Settings a platform declares.** A platform that needs settings of its own
+declares them, and never reads the environment itself::
+
+    PLATFORM = Platform(name="my_platform", ..., headroom=headroom,
+                        settings=(PlatformSetting("headroom", parse=size, default=512 * MiB,
+                                                  doc="bytes kept free under the budget"),))
+
+membackend reads each under the platform's name, from the same sources and in
+the same order as its own settings (``docs/settings.md``): a keyword argument
+``my_platform={"headroom": "1GiB"}``, the variable
+``MEMBACKEND_MY_PLATFORM_HEADROOM``, a ``[my_platform]`` table in
+``membackend.toml``, ``[tool.membackend.my_platform]`` in ``pyproject.toml``,
+then the default. It reads them once, when the backend is built, through the
+setting's ``parse`` (membackend's own rules: :data:`size`, :data:`flag`,
+:data:`seconds`, or any function that raises ``ValueError`` saying what is
+wrong): a bad value is a :class:`~membackend.types.ConfigError` naming
+``my_platform.headroom``, its source and what is accepted, and the plugin is
+listed as broken with that message. The values, a :class:`PlatformValues`
+(``settings["headroom"]``, ``settings.source("headroom")``), reach the
+platform's functions that take a parameter named ``settings``:
+``probe(machine, settings)``, ``headroom(total, settings)`` and
+``capabilities(settings)`` (``capabilities`` may be such a function when a
+knob depends on a setting). ``membackend doctor`` shows every value with its
+source.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ._drivers.gpu import BUDGET_SOURCES
+from ._settings.rules import FIELD_NAMES, SIZE_ACCEPTED, Rule, RuleError, flag, format_bytes, seconds, size
+from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
 from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
 
-__all__ = ["Platform", "GENERIC", "vmm_unsupported", "KEPT_WINDOWS_PER_DEVICE", "CHURN_MARGIN"]
+__all__ = ["Platform", "PlatformSetting", "PlatformValues", "GENERIC", "vmm_unsupported", "KEPT_WINDOWS_PER_DEVICE",
+           "CHURN_MARGIN", "size", "flag", "seconds", "Rule", "RuleError", "SIZE_ACCEPTED", "format_bytes"]
 
 MiB = 1 << 20
 #: kept address windows per device under a reserve-churn limit, at least this bound (more where the device
@@ -35,6 +64,70 @@ KEPT_WINDOWS_PER_DEVICE = 4
 #: large frees left unspent under a reserve-churn limit (the limit is one reproducer's count, rocm-systems #6191)
 CHURN_MARGIN = 2
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]*$"
+SETTING_NAME = re.compile(r"[a-z][a-z0-9_]*", re.ASCII)
+
+
+class PlatformSetting:
+    """One setting a platform declares (see the module docstring).
+
+    * ``name``: lower-case letters, digits and ``_``, starting with a letter;
+      the key in the platform's tables and, upper-cased, the end of its
+      variable ``MEMBACKEND_<PLATFORM>_<NAME>``.
+    * ``parse(raw) -> value``: takes the value as a source gives it (text from
+      the environment, a TOML value, a keyword argument) and returns it parsed,
+      or raises ``ValueError`` saying what is wrong. membackend's rules
+      (:data:`size`, :data:`flag`, :data:`seconds`) say what they accept.
+    * ``default``: the value (already parsed) when no source gives one; None
+      may mean "not set" to the platform's functions.
+    * ``doc``: what it means, for the doctor and the plugin's documentation.
+    * ``accepted``: what ``parse`` accepts, for every error message; by
+      default the rule's own text (a plain function must say it here).
+
+    Read-only; equal when every part is. (A plain class rather than a
+    dataclass: defining one costs about 2 ms on the ComfyUI adapter's start-up.)
+    """
+
+    __slots__ = ("name", "parse", "default", "doc", "accepted")
+
+    def __init__(self, name: str, parse: Callable[[Any], Any], default: Any = None, doc: str = "",
+                 accepted: str = ""):
+        if not isinstance(name, str) or not SETTING_NAME.fullmatch(name):
+            raise ValueError(f"setting name {name!r}: accepted: lower-case letters, digits and '_', "
+                             "starting with a letter")
+        if not callable(parse):
+            raise ValueError(f"setting {name!r}: parse must be callable(raw value) -> value")
+        accepted = accepted or getattr(parse, "accepted", "")
+        if not isinstance(accepted, str) or not accepted:
+            raise ValueError(f"setting {name!r}: say what parse accepts (accepted=...), for its error messages")
+        for attr, value in (("name", name), ("parse", parse), ("default", default), ("doc", doc),
+                            ("accepted", accepted)):
+            object.__setattr__(self, attr, value)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        raise AttributeError(f"PlatformSetting {self.name!r} is read-only")
+
+    def _parts(self) -> tuple[Any, ...]:
+        return self.name, self.parse, self.default, self.doc, self.accepted
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PlatformSetting, self._parts()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PlatformSetting) and self._parts() == other._parts()
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.doc, self.accepted))
+
+    def __repr__(self) -> str:
+        return f"PlatformSetting({self.name!r}, parse={self.parse!r}, default={self.default!r})"
+
+
+def _takes_settings(fn: Any) -> bool:
+    """Whether ``fn`` has a parameter named ``settings`` (then it is handed the platform's values)."""
+    try:
+        return "settings" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 @dataclass(frozen=True)
@@ -48,22 +141,37 @@ class Platform:
       which follows the machine's torch build.
     * ``budget_source``: ``device`` (mem-get-info), ``wddm`` (the DXGI
       video-memory budget) or ``unified`` (MemAvailable capped by the cgroup).
+    * ``capabilities``: a :class:`~membackend.types.Capabilities`, or
+      ``capabilities(settings) -> Capabilities`` when a knob depends on a
+      setting the platform declares; the record then keeps the function's
+      answer for the defaults as ``capabilities`` (what the platform is
+      unless configured), and :meth:`capabilities_for` asks it again with the
+      values read.
     * ``page_size``: rounded up to the driver's granularity per device.
     * ``headroom``: bytes kept free on every device (for activations, and
       what the OS needs), or a function of the device's total bytes (e.g. a
-      fraction of a unified pool within bounds); a ``headroom`` setting
-      replaces it.
+      fraction of a unified pool within bounds). It is the platform's own
+      rule, below the session's other sources (``Session.headroom_in_force``:
+      a live change, ComfyUI's flags and the ``headroom`` setting win over it).
+    * ``settings``: the :class:`PlatformSetting` records the platform
+      declares; ``probe``, a callable ``headroom`` and a callable
+      ``capabilities`` that take a parameter named ``settings`` receive their
+      values (a :class:`PlatformValues`).
     """
 
     name: str
-    probe: Callable[[Machine], Candidate]
+    probe: Callable[..., Candidate]
     vendor: str | None = None
     budget_source: str = "device"
-    capabilities: Capabilities = field(default_factory=Capabilities)
+    capabilities: Capabilities | Callable[..., Capabilities] = field(default_factory=Capabilities)
     page_size: int = 2 * MiB
-    headroom: int | Callable[[int], int] = 256 * MiB  # comfy-aimdo keeps this much VRAM free (VRAM_HEADROOM)
+    headroom: int | Callable[..., int] = 256 * MiB  # comfy-aimdo keeps this much VRAM free (VRAM_HEADROOM)
     description: str = ""
     version: str | None = None
+    settings: tuple[PlatformSetting, ...] = ()
+    #: ``capabilities`` when it was given as a function of the settings (see :meth:`capabilities_for`)
+    capabilities_rule: Callable[..., Capabilities] | None = field(default=None, init=False, repr=False,
+                                                                  compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.match(NAME_PATTERN, self.name):
@@ -78,13 +186,93 @@ class Platform:
         if self.page_size <= 0 or (not callable(self.headroom) and self.headroom < 0):
             raise ValueError(f"platform {self.name!r}: page_size must be > 0 and headroom >= 0 "
                              "(or a function of the device's total bytes)")
+        if not (isinstance(self.capabilities, Capabilities) or callable(self.capabilities)):
+            raise ValueError(f"platform {self.name!r}: capabilities must be a Capabilities or "
+                             "capabilities(settings) -> Capabilities")
+        self._check_settings()
+        if callable(self.capabilities):
+            object.__setattr__(self, "capabilities_rule", self.capabilities)
+            object.__setattr__(self, "capabilities", self.capabilities_for(self.default_values()))
 
-    def headroom_for(self, total: int) -> int:
-        """The headroom in bytes on a device of ``total`` bytes."""
-        value = self.headroom(total) if callable(self.headroom) else self.headroom
-        if not isinstance(value, int) or value < 0:
+    def _check_settings(self) -> None:
+        declared = tuple(self.settings)
+        object.__setattr__(self, "settings", declared)
+        names = [s.name for s in declared if isinstance(s, PlatformSetting)]
+        if len(names) != len(declared):
+            raise ValueError(f"platform {self.name!r}: settings must be PlatformSetting records")
+        if len(set(names)) != len(names):
+            raise ValueError(f"platform {self.name!r}: a setting is declared twice: {', '.join(names)}")
+        if declared and self.name in FIELD_NAMES:
+            raise ValueError(f"platform {self.name!r}: a platform named like one of membackend's own settings "
+                             "cannot declare settings (its table would be that setting)")
+        for n in names:  # MEMBACKEND_HOST_CAPACITY stays membackend's own, never platform host's 'capacity'
+            if platform_env_name(self.name, n).removeprefix("MEMBACKEND_").lower() in FIELD_NAMES:
+                raise ValueError(f"platform {self.name!r}: setting {n!r} would be read from "
+                                 f"{platform_env_name(self.name, n)}, one of membackend's own settings")
+
+    # ------------------------------------------------------------------ the declared settings
+
+    def env_name(self, setting: str) -> str:
+        """The variable that sets one of this platform's settings: ``MEMBACKEND_<PLATFORM>_<NAME>``."""
+        return platform_env_name(self.name, setting)
+
+    def default_values(self) -> PlatformValues:
+        """Every declared setting at its default (no source read)."""
+        return PlatformValues(self.name, {s.name: s.default for s in self.settings},
+                              kinds={s.name: getattr(s.parse, "kind", "value") for s in self.settings})
+
+    def setting_values(self, settings: Any = None) -> PlatformValues:
+        """The declared settings' values, from the sources ``settings`` (a loaded ``Settings`` or
+        ``QuickSettings``) were read from, or, without them, from the sources as they are now.
+
+        Raises :class:`~membackend.types.ConfigError` for a value its ``parse``
+        refuses or a key the platform does not declare in one of its tables.
+        """
+        snapshot = getattr(settings, "snapshot", None)
+        sources = snapshot() if callable(snapshot) else None
+        return resolve_platform(self.name, self.settings, sources if sources is not None else Sources.read())
+
+    def _values(self, values: PlatformValues | None) -> PlatformValues:
+        return values if values is not None else self.default_values()
+
+    # ------------------------------------------------------------------ the functions, with the values
+
+    def probe_for(self, machine: Machine, values: PlatformValues | None = None) -> Candidate:
+        """The probe's answer; ``values``: this platform's settings (None: the defaults)."""
+        if _takes_settings(self.probe):
+            return self.probe(machine, settings=self._values(values))
+        return self.probe(machine)
+
+    def capabilities_for(self, values: PlatformValues | None = None) -> Capabilities:
+        """The capabilities, with this platform's settings where they depend on them (None: the defaults)."""
+        rule = self.capabilities_rule
+        if rule is None:
+            return self.capabilities  # type: ignore[return-value]
+        caps = rule(settings=self._values(values)) if _takes_settings(rule) else rule()
+        if not isinstance(caps, Capabilities):
+            raise ValueError(f"platform {self.name!r}: capabilities() gave {caps!r}; accepted: a Capabilities")
+        return caps
+
+    def headroom_for(self, total: int, values: PlatformValues | None = None) -> int:
+        """The platform's own headroom in bytes on a device of ``total`` bytes (``values``: its settings;
+        None: the defaults)."""
+        rule = self.headroom
+        if callable(rule):
+            value = rule(total, settings=self._values(values)) if _takes_settings(rule) else rule(total)
+        else:
+            value = rule
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"platform {self.name!r}: headroom({total}) gave {value!r}; accepted: an int >= 0")
         return value
+
+    def headroom_source(self, values: PlatformValues | None = None) -> str:
+        """Where :meth:`headroom_for` comes from, in words (``Session.headroom_in_force``, the doctor)."""
+        values = self._values(values)
+        if "headroom" in values and values.source("headroom") != "default":
+            return f"platform {self.name}'s own ({self.name}.headroom from {values.source('headroom')})"
+        if callable(self.headroom):
+            return f"platform {self.name}'s own rule"
+        return f"platform {self.name}'s own ({format_bytes(self.headroom)})"
 
 
 _VMM_ATTRIBUTE = {"cuda": "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",

@@ -22,6 +22,7 @@ from membackend._session import MAX_RESERVATION, Session
 from membackend._settings import load_settings
 from membackend._trace import TraceObserver
 from membackend.types import (
+    ConfigError,
     Device,
     DriverError,
     DriverState,
@@ -101,12 +102,6 @@ def test_trace_records_errors_by_type(tmp_path):
     assert events[2]["event"] == "fault" and events[2]["result"] == "oom"
 
 
-def test_headroom_setting_replaces_the_backends_own():
-    session = BackendManager(load_settings(headroom="1GiB")).session()
-    b = session.budget_query("cpu")
-    assert b.headroom == 1 << 30 and b.usable == max(0, b.free - (1 << 30))
-
-
 def test_a_backend_breaking_the_reserve_contract_is_a_plugin_error():
     class Liar(HostBackend):
         @hookimpl
@@ -137,6 +132,179 @@ def test_a_backend_raising_an_untyped_error_surfaces_as_a_plugin_error():
         s.budget_query("cpu")
     assert s.ledger.resident(r) == 0
     s.close()
+
+
+# --------------------------------------------------------------------------- the headroom: one owner, one precedence
+
+CPU = Device("cpu", 0)
+GiB = 1 << 30
+FLAGS = "comfyui --reserve-vram/--vram-headroom"
+
+
+def test_headroom_setting_replaces_the_backends_own():
+    session = BackendManager(load_settings(headroom="1GiB")).session()
+    b = session.budget_query("cpu")
+    assert b.headroom == 1 << 30 and b.usable == max(0, b.free - (1 << 30))
+    assert session.headroom_in_force("cpu") == (1 << 30, "start-up setting headroom (from kwargs)")
+    session.close()
+
+
+def test_each_source_of_the_headroom_wins_over_the_next_and_is_named():
+    s = Session(HostBackend(), machine=gather_machine(), headroom=256 * MiB, headroom_source="env MEMBACKEND_HEADROOM")
+    s.set_headroom(CPU, 64 * MiB, source="live")  # set before the flags: the order of the calls does not matter
+    s.set_headroom(CPU, 128 * MiB, source=FLAGS)
+    in_order = [(64 * MiB, "live"), (128 * MiB, FLAGS),
+                (256 * MiB, "start-up setting headroom (from env MEMBACKEND_HEADROOM)")]
+    for room, source in in_order:
+        assert s.headroom_in_force(CPU) == (room, source)
+        b = s.budget_query(CPU)
+        assert b.headroom == room and b.usable == max(0, b.free - room)
+        s.set_headroom(CPU, None, source=source)  # that source gives its value up: the next one applies
+    own = Session(HostBackend(), machine=gather_machine())
+    assert own.headroom_in_force(CPU) == (512 * MiB, f"the host backend's own ({512 * MiB} bytes)")
+    assert own.budget_query(CPU).headroom == 512 * MiB
+
+    class Plain(HostBackend):  # a backend with no own_headroom: what its budget says is the last word
+        own_headroom = None
+
+    assert Session(Plain(headroom=32 * MiB), machine=gather_machine()).headroom_in_force(CPU) == (
+        32 * MiB, "backend host's own budget")
+
+
+def test_a_platform_s_rule_is_the_level_below_the_setting():
+    s = BackendManager(load_settings(sim_profile="h200", backend="vmm")).session()
+    try:
+        assert s.headroom_in_force("cuda:0") == (256 * MiB, "platform vmm's own (256MiB)")
+        s.set_headroom("cuda:0", GiB, source=FLAGS)
+        assert s.budget_query("cuda:0").headroom == GiB == s.backend.membackend_budget_query(Device("cuda", 0)).headroom
+    finally:
+        s.close()
+
+
+def test_a_backend_that_decides_on_the_headroom_uses_the_session_s():
+    """The VMM backend refuses a fault past a unified pool before the driver is asked: with the headroom in
+    force, whichever source set it, not a headroom of its own."""
+    from membackend._backends.vmm import VmmBackend
+    from membackend._drivers.sim import sim_driver
+    from membackend.platform import Platform
+    from membackend.types import Candidate, Capabilities
+
+    pool = Platform(name="pool", vendor="cuda", probe=lambda m: Candidate("pool", 60, "-"), budget_source="unified",
+                    capabilities=Capabilities(unified_pool=True), page_size=32 * MiB, headroom=GiB)
+    s = Session(VmmBackend(pool, sim_driver("gb10-128gb")), machine=gather_machine())
+    try:
+        cuda0 = Device("cuda", 0)
+        total = s.budget_query(cuda0).total
+        r = s.reserve(cuda0, 40 * GiB)
+        s.set_headroom(cuda0, total - 20 * GiB, source="live")
+        assert not s.fault(r, 0, 40 * GiB).ok  # 20 GiB left above the headroom: refused up front
+        assert s.backend.membackend_budget_query(cuda0).headroom == total - 20 * GiB
+        s.set_headroom(cuda0, None, source="live")
+        assert s.fault(r, 0, 40 * GiB).ok
+    finally:
+        s.close()
+
+
+def test_a_session_that_fails_to_build_leaves_the_backend_following_the_last_one():
+    from membackend._backends.vmm import VmmBackend
+    from membackend._drivers.sim import sim_driver
+
+    backend = VmmBackend(driver=sim_driver("h200"))
+    first = Session(backend, machine=gather_machine(), headroom=GiB)
+
+    class Answers:  # a plain hookimpl could answer in the backend's place: the session refuses it
+        @hookimpl
+        def membackend_fault(self, reservation, offset, size):
+            return None
+
+    with pytest.raises(PluginError):
+        Session(backend, machine=gather_machine(), headroom=2 * GiB, observers=[Answers()])
+    assert backend.membackend_budget_query(Device("cuda", 0)).headroom == GiB == first.budget_query("cuda:0").headroom
+
+
+def test_two_sessions_on_one_backend_each_report_their_own_headroom():
+    from membackend._backends.vmm import VmmBackend
+    from membackend._drivers.sim import sim_driver
+
+    backend = VmmBackend(driver=sim_driver("h200"))
+    first = Session(backend, machine=gather_machine(), headroom=GiB)
+    second = Session(backend, machine=gather_machine())  # the backend follows the latest session built on it
+    assert first.budget_query("cuda:0").headroom == GiB and second.budget_query("cuda:0").headroom == 256 * MiB
+    second.set_headroom("cuda:0", 2 * GiB, source="live")
+    assert first.budget_query("cuda:0").headroom == GiB and second.budget_query("cuda:0").headroom == 2 * GiB
+
+
+@pytest.mark.parametrize("bad, match", [(-1, "outside 0 to"), ("total+1", "outside 0 to"), (1.5, "integer number"),
+                                        (True, "integer number"), ("1GiB", "integer number")])
+def test_set_headroom_refuses_what_is_not_a_byte_count_within_the_device(bad, match):
+    s = Session(HostBackend(), machine=gather_machine())
+    total = s.budget_query(CPU).total
+    before = s.headroom_in_force(CPU)
+    with pytest.raises(InvalidSize, match=match) as info:
+        s.set_headroom(CPU, total + 1 if bad == "total+1" else bad, source="live")
+    assert f"accepted: an int from 0 to {total}" in str(info.value)
+    assert s.headroom_in_force(CPU) == before  # nothing changed
+    s.set_headroom(CPU, total, source="live")  # the device's total itself is accepted: nothing usable
+    assert s.budget_query(CPU).usable == 0
+
+
+@pytest.mark.parametrize("source", ["", "  ", 3, None])
+def test_set_headroom_refuses_a_source_that_names_nothing(source):
+    s = Session(HostBackend(), machine=gather_machine())
+    with pytest.raises(ConfigError, match="names no source") as info:
+        s.set_headroom(CPU, MiB, source=source)
+    assert "'live'" in info.value.accepted
+
+
+def test_the_headroom_setting_itself_must_be_a_byte_count():
+    with pytest.raises(InvalidSize, match="the headroom setting"):
+        Session(HostBackend(), machine=gather_machine(), headroom=-1)
+
+
+def test_concurrent_set_headroom_keeps_one_value_per_source_and_budgets_see_only_values_set():
+    s = Session(HostBackend(), machine=gather_machine(), headroom=8 * MiB, headroom_source="kwargs")
+    live = {(k + 1) * MiB for k in range(0, 400, 2)}
+    flags = {(k + 1) * MiB for k in range(1, 400, 2)}
+    barrier = threading.Barrier(6)
+    seen: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+
+    def setter(values, source):
+        barrier.wait()
+        try:
+            for v in sorted(values):
+                s.set_headroom(CPU, v, source=source)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def reader():
+        barrier.wait()
+        try:
+            for _ in range(300):
+                seen.append(s.headroom_in_force(CPU))
+                seen.append((s.budget_query(CPU).headroom, "budget"))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=setter, args=(set(sorted(live)[i::2]), "live")) for i in range(2)]
+    threads += [threading.Thread(target=setter, args=(set(sorted(flags)[i::2]), FLAGS)) for i in range(2)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for room, source in seen:  # every answer is a value some caller set, under that caller's source
+        assert room in {"live": live, FLAGS: flags, "budget": live | flags | {8 * MiB}}.get(
+            source, {8 * MiB}), (room, source)
+        assert source in ("live", FLAGS, "budget", "start-up setting headroom (from kwargs)")
+    room, source = s.headroom_in_force(CPU)
+    assert source == "live" and room in {max(sorted(live)[0::2]), max(sorted(live)[1::2])}
+    s.set_headroom(CPU, None, source="live")
+    room, source = s.headroom_in_force(CPU)
+    assert source == FLAGS and room in {max(sorted(flags)[0::2]), max(sorted(flags)[1::2])}
+    s.set_headroom(CPU, None, source=FLAGS)
+    assert s.headroom_in_force(CPU) == (8 * MiB, "start-up setting headroom (from kwargs)")
 
 
 # --------------------------------------------------------------------------- observers only wrap

@@ -357,6 +357,10 @@ class AimdoBackend:
                 self._drivers[kind] = driver
             return driver
 
+    def own_headroom(self, device: Device, total: int) -> tuple[int, str]:
+        """What comfy-aimdo keeps free (the lowest level of ``Session.headroom_in_force``)."""
+        return self._headroom(), "comfy-aimdo's own (the larger of its 256 MiB floor and its simple headroom)"
+
     def _headroom(self) -> int:
         """aimdo keeps the larger of its compile-time floor and the process-wide simple headroom free."""
         try:

@@ -25,6 +25,7 @@ from .._version import __version__
 from .._drivers.host import FailingHostDriver, HostDriver, host_driver
 from ..hookspec import hookimpl
 from .._hostmem import host_memory, os_page_size
+from .._settings.rules import HOST_PAGE_SIZE
 from ..types import (
     Budget,
     Candidate,
@@ -42,7 +43,7 @@ from ..types import (
 __all__ = ["HostBackend", "HostFailures"]
 
 CPU = Device("cpu", 0)
-DEFAULT_PAGE_SIZE = 2 << 20
+DEFAULT_PAGE_SIZE = HOST_PAGE_SIZE  # the page_size setting's default: one number for both
 DEFAULT_HEADROOM = 512 << 20
 
 
@@ -92,7 +93,13 @@ class HostBackend:
 
     @classmethod
     def from_settings(cls, settings) -> "HostBackend":
-        return cls(page_size=settings.page_size or DEFAULT_PAGE_SIZE, capacity=settings.host_capacity)
+        """``page_size`` (always a size: 2 MiB unless set) and ``host_capacity`` from the settings; the
+        ``headroom`` setting is the session's to apply, not this backend's (see ``Session``)."""
+        return cls(page_size=settings.page_size, capacity=settings.host_capacity)
+
+    def own_headroom(self, device: Device, total: int) -> tuple[int, str]:
+        """The headroom this backend keeps of its own (the lowest level of ``Session.headroom_in_force``)."""
+        return self.headroom, f"the host backend's own ({self.headroom} bytes)"
 
     # ------------------------------------------------------------------ contract
 

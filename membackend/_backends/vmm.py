@@ -28,7 +28,10 @@ Mechanism only, per device:
   from :meth:`VmmBackend.fence_token` (the session waits for those); a
   device-wide fence synchronizes the device;
 * budget: the platform's budget source (``device``, ``wddm``, ``unified``)
-  minus headroom;
+  minus the headroom in force: the session's decision once a session follows
+  this backend (:meth:`VmmBackend.follow_headroom`), else the platform's own
+  rule (:meth:`VmmBackend.own_headroom`); the up-front refusal on a unified
+  pool uses the same value;
 * inspect / inject_failures: the driver's own tables and random driver
   failures, where the driver offers them (the simulated drivers do).
 
@@ -199,17 +202,27 @@ class VmmBackend:
     None with ``driver_factory`` to open one lazily; ``capabilities``, ``headroom`` and ``page_size``
     replace the platform's own (for tests and comparisons). ``machine`` (a function returning the
     :class:`~membackend.types.Machine`, asked once, on first use of a device) says which devices run under
-    WDDM where ``page_in_sync`` is ``wddm``; without it this process's OS and the driver's answer decide."""
+    WDDM where ``page_in_sync`` is ``wddm``; without it this process's OS and the driver's answer decide.
+    ``platform_values`` (a :class:`~membackend.platform.PlatformValues`) are the values of the settings
+    the platform declares, handed to its probe, headroom and capabilities functions (None: their defaults;
+    :meth:`from_settings` reads them).
+
+    **The headroom has one owner, the session.** The backend never reads the ``headroom`` setting: its own
+    rule (:meth:`own_headroom`: the ``headroom`` override, else the platform's) is the lowest level of the
+    session's precedence, and the session that owns the backend hands it its decision
+    (:meth:`follow_headroom`), which every budget and the up-front refusal of a unified pool then use."""
 
     def __init__(self, platform: Platform = GENERIC, driver: GpuDriver | None = None, *,
                  capabilities: Capabilities | None = None, headroom: int | None = None,
                  page_size: int | None = None, driver_factory: LazyDriver | None = None,
-                 machine: Callable[[], Machine] | None = None):
+                 machine: Callable[[], Machine] | None = None, platform_values: Any = None):
         self.platform = platform
         self.name = platform.name
         self.version = platform.version or __version__
-        self.capabilities = capabilities or platform.capabilities
+        self.platform_values = platform_values if platform_values is not None else platform.default_values()
+        self.capabilities = capabilities or platform.capabilities_for(self.platform_values)
         self._headroom = headroom  # None: the platform's own, per device
+        self._decide_headroom: Callable[[Device, int], int] | None = None  # the owning session's decision
         self.requested_page_size = page_size or platform.page_size
         self._driver = driver
         self._driver_factory = driver_factory
@@ -226,9 +239,27 @@ class VmmBackend:
             raise ValueError("VmmBackend needs a driver or a driver_factory")
         self.device_kinds = (vendor,)
 
-    def headroom_for(self, total: int) -> int:
-        """Bytes kept free on a device of ``total`` bytes: the override, else the platform's."""
-        return self._headroom if self._headroom is not None else self.platform.headroom_for(total)
+    def own_headroom(self, device: Device, total: int) -> tuple[int, str]:
+        """This backend's own headroom on ``device`` of ``total`` bytes, and its source in words: the
+        ``headroom`` override given to the constructor, else the platform's rule with its declared
+        settings. The lowest level of ``Session.headroom_in_force``."""
+        if self._headroom is not None:
+            return self._headroom, f"backend {self.name}'s override ({self._headroom} bytes)"
+        return (self.platform.headroom_for(total, self.platform_values),
+                self.platform.headroom_source(self.platform_values))
+
+    def follow_headroom(self, decide: Callable[[Device, int], int] | None) -> None:
+        """Take the headroom in force from ``decide(device, total)`` from now on: the session that owns
+        this backend calls it when it is built, so the budget it reports and the up-front refusal of a
+        unified pool keep the headroom the session decided (None: back to :meth:`own_headroom`). A backend
+        follows one session: the latest one built on it."""
+        self._decide_headroom = decide
+
+    def _room(self, index: int, total: int) -> int:
+        """The headroom in force on device ``index`` of ``total`` bytes (see :meth:`follow_headroom`)."""
+        device = Device(self.device_kinds[0], index)
+        decide = self._decide_headroom
+        return decide(device, total) if decide is not None else self.own_headroom(device, total)[0]
 
     @property
     def headroom(self) -> int | Any:
@@ -238,12 +269,14 @@ class VmmBackend:
     @classmethod
     def from_settings(cls, settings: Any, platform: Platform = GENERIC) -> "VmmBackend":
         """Over the driver the settings pick (a simulated profile's twin, or the real bindings), opened
-        on first use; the generic platform takes the vendor of the torch build or the profile."""
+        on first use; the generic platform takes the vendor of the torch build or the profile. The
+        platform's declared settings are read here, from the sources ``settings`` were read from
+        (``Platform.setting_values``: a bad value raises ``ConfigError``). The ``headroom`` setting is not
+        the backend's: the session applies it (``Session.headroom_in_force``)."""
         vendor = resolve_vendor(platform.vendor, settings)
-        # the headroom setting replaces the platform's here too, so the up-front refusal of a unified
-        # pool keeps the same headroom as the budget the session reports
-        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile), headroom=settings.headroom,
-                   machine=lambda: machine_for(settings))
+        values = platform.setting_values(settings)
+        return cls(platform, driver_factory=LazyDriver(vendor, settings.sim_profile),
+                   machine=lambda: machine_for(settings), platform_values=values)
 
     # ------------------------------------------------------------------ driver access
 
@@ -338,7 +371,7 @@ class VmmBackend:
 
     @hookimpl
     def membackend_probe(self, machine: Machine) -> Candidate:
-        c = self.platform.probe(machine)
+        c = self.platform.probe_for(machine, self.platform_values)
         if not isinstance(c, Candidate):
             raise TypeError(f"platform {self.name!r} probe returned {c!r}, not a Candidate")
         if c.score > Score.NONE and self._driver is None:
@@ -490,7 +523,7 @@ class VmmBackend:
             return True
         _total, free, _source = self.driver.budget(self.platform.budget_source if self.platform.budget_source
                                                    == "unified" else "device", rng.index)
-        return need * state.page_size <= free - self.headroom_for(_total)
+        return need * state.page_size <= free - self._room(rng.index, _total)
 
     def _not_ready_retried(self, state: _DeviceState, call: Any, *args: Any) -> None:
         """Run a map or set-access; a "not ready" answer (the driver still evicting, as WDDM can after
@@ -643,7 +676,7 @@ class VmmBackend:
         with self._lock:
             state = self._use(index)
             total, free, source = self.driver.budget(self.platform.budget_source, index)
-            room = self.headroom_for(total)
+            room = self._room(index, total)
             if self.capabilities.recycle_handles:
                 # kept handles are usage to the driver, but the next fault maps them without asking it: free
                 # to the policy. When the driver's own free falls below the headroom they go back first

@@ -210,9 +210,6 @@ class Runtime:
         #: per device: (time, reserved, resident, committed or None) samples, the last HISTORY_SECONDS
         self.history: dict[str, collections.deque[tuple[float, int, int, int | None]]] = {}
         self._sampled = 0.0
-        self._flag_headroom: dict[Device, str] = {}  # devices whose start-up headroom ComfyUI's flags set: the flags
-        self._flag_values: dict[Device, int] = {}  # and the bytes they set
-        self._live_headroom: set[Device] = set()  # devices whose headroom a live change set (the fallback's record)
         self._headroom_lock = threading.Lock()  # one live change at a time
         self._wire = wire
         self._ids = itertools.count(1)
@@ -266,8 +263,6 @@ class Runtime:
         self.session = self.manager.session(self.machine, selection=self.selection)
         self.devices = list(dict.fromkeys(self.device_for(index) for index, _ in pairs))
         self._apply_headroom({self.device_for(index): int(extra) for index, extra in pairs})
-        self._flag_headroom = self._headroom_flags(pairs)
-        self._flag_values = {d: self.session.budget_query(d).headroom for d in self._flag_headroom}
         self.residency = ResidencyManager(self.session)
         self.residency.load_listeners.append(self.on_load)
         self.fences = CopyFences(self.residency)
@@ -290,18 +285,7 @@ class Runtime:
             if not (reserve or more):
                 continue
             own = self.session.budget_query(dev).headroom
-            self.session.set_headroom(dev, max(own, reserve) + more)
-
-    def _headroom_flags(self, pairs: list[tuple[Any, Any]]) -> dict[Device, str]:
-        """The ComfyUI flags that set each device's start-up headroom (what :meth:`_apply_headroom` read)."""
-        reserve = getattr(self.comfy_args, "reserve_vram", None)
-        out = {}
-        for index, extra in pairs:
-            words = ([f"--reserve-vram {reserve}"] if reserve else []) + \
-                    ([f"--vram-headroom {int(extra) / 1024 ** 3:g}"] if extra and int(extra) > 0 else [])
-            if words:
-                out[self.device_for(index)] = " ".join(words)
-        return out
+            self.session.set_headroom(dev, max(own, reserve) + more, source="comfyui --reserve-vram/--vram-headroom")
 
     # ------------------------------------------------------------------ the live headroom (VRAM cap)
 
@@ -322,19 +306,8 @@ class Runtime:
         return dev
 
     def headroom_in_force(self, device: Device) -> tuple[int, str]:
-        """``(bytes kept free on device, where that value came from, in words)``."""
-        ask = getattr(self.session, "headroom_in_force", None)
-        if callable(ask):
-            got, source = ask(device)
-            return int(got), str(source)
-        b = self.session.budget_query(device)
-        if device in self._live_headroom:
-            return b.headroom, LIVE_SOURCE
-        if device in self._flag_headroom:
-            return b.headroom, f"ComfyUI flag {self._flag_headroom[device]}"
-        if getattr(self.session, "headroom", None) is not None:
-            return b.headroom, "start-up setting (MEMBACKEND_HEADROOM or membackend.toml)"
-        return b.headroom, f"the backend's own default ({self.name})"
+        """``(bytes kept free on device, where that value came from, in words)``: the session's answer."""
+        return self.session.headroom_in_force(device)
 
     def headroom_range(self, device: Device) -> tuple[int, int]:
         """The live headroom accepted on ``device``: 0 to the device's total, in bytes."""
@@ -377,12 +350,12 @@ class Runtime:
         n = self.parse_headroom(dev, value)
         with self._headroom_lock:
             before, before_source = self.headroom_in_force(dev)
-            was_live = dev in self._live_headroom
-            self._put_headroom(dev, n)
+            was_live = before_source == LIVE_SOURCE
+            self.session.set_headroom(dev, n, source=LIVE_SOURCE)  # None: back to the start-up value
             try:
                 freed = self._fit(dev, n)
             except Exception:
-                self._put_headroom(dev, before, restore=(was_live, before_source))
+                self.session.set_headroom(dev, before if was_live else None, source=LIVE_SOURCE)
                 raise
             now, source = self.headroom_in_force(dev)
         b = self.session.budget_query(dev)
@@ -393,21 +366,6 @@ class Runtime:
                 "previous_source": before_source, "freed": freed,
                 "budget": {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
                            "source": b.source}}
-
-    def _put_headroom(self, dev: Device, n: int | None, restore: tuple[bool, str] | None = None) -> None:
-        """Set the live headroom (None: back to the start-up value); ``restore``: put back the value in force
-        before, ``(it was a live change, its source)``."""
-        setter = self.session.set_headroom
-        live = n is not None if restore is None else restore[0]
-        if callable(getattr(self.session, "headroom_in_force", None)):  # the session owns the headroom
-            setter(dev, n if live else None, source="live")
-            return
-        if live:
-            setter(dev, n)
-            self._live_headroom.add(dev)
-        else:  # ComfyUI's flags' value, else the settings' or the backend's own
-            self._live_headroom.discard(dev)
-            setter(dev, self._flag_values.get(dev))
 
     def _fit(self, dev: Device, headroom: int | None) -> int:
         """Free what no longer fits under the budget of ``dev``: idle models whole, then unpinned pages."""
@@ -657,8 +615,8 @@ class Runtime:
                                "source": b.source}
             value, source = self.headroom_in_force(d)
             lo, hi = self.headroom_range(d)
-            headroom[str(d)] = {"bytes": value, "source": source, "live": source == LIVE_SOURCE or
-                                d in self._live_headroom, "min": lo, "max": hi}
+            headroom[str(d)] = {"bytes": value, "source": source, "live": source == LIVE_SOURCE,
+                                "min": lo, "max": hi}
             state = self.session.inspect(d)  # what the backend keeps for reuse (kept address windows included)
             if state is not None:
                 held[str(d)] = {"held": state.held, "committed": state.committed, "source": state.source}

@@ -26,8 +26,13 @@ What it tells the mechanism and the policy, and why:
   memory (ComfyUI PR #11845), so the policy treats the budget as the end.
 * **Headroom**: 512 MiB by default, the ``WDDM_BUDGET_HEADROOM`` comfy-aimdo
   keeps on Windows "to avoid deadlocked sysmem fallback" (aimdo
-  ``src-win/shmem-detect.c``); ``MEMBACKEND_CUDA_WDDM_HEADROOM`` changes it
-  for this plugin, the generic ``MEMBACKEND_HEADROOM`` for every backend.
+  ``src-win/shmem-detect.c``). The record declares it as its ``headroom``
+  setting (:data:`SETTINGS`): ``MEMBACKEND_CUDA_WDDM_HEADROOM``, ``headroom``
+  in a ``[cuda_wddm]`` table of ``membackend.toml`` or in
+  ``[tool.membackend.cuda_wddm]``, read once when the backend is built. The
+  session's own sources win over it: a live change
+  (``Session.set_headroom(device, n, source="live")``), ComfyUI's
+  ``--reserve-vram``/``--vram-headroom``, the generic ``MEMBACKEND_HEADROOM``.
 * **Less churn** (``recycle_handles``, ``recycle_limit=None``): physical
   handles freed by an eviction are kept, with no count limit, and mapped again
   by the next fault instead of released and created again. The budget bounds
@@ -47,19 +52,21 @@ What it tells the mechanism and the policy, and why:
 from __future__ import annotations
 
 import math
-import os
 
-from membackend.platform import Platform, vmm_unsupported
-from membackend._settings import SIZE_ACCEPTED, parse_bytes
+from membackend.platform import Platform, PlatformSetting, PlatformValues, size, vmm_unsupported
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
-__all__ = ["PLATFORM", "NAME", "HEADROOM_ENV", "DEFAULT_HEADROOM", "headroom", "probe", "score_for"]
+__all__ = ["PLATFORM", "NAME", "HEADROOM_ENV", "DEFAULT_HEADROOM", "SETTINGS", "headroom", "probe", "score_for"]
 
 MiB, GiB = 1 << 20, 1 << 30
 NAME = "cuda_wddm"
+#: the variable of the ``headroom`` setting (membackend reads it: MEMBACKEND_<PLATFORM>_<NAME>)
 HEADROOM_ENV = "MEMBACKEND_CUDA_WDDM_HEADROOM"
 #: comfy-aimdo's WDDM_BUDGET_HEADROOM (src-win/shmem-detect.c): "to avoid deadlocked sysmem fallback"
 DEFAULT_HEADROOM = 512 * MiB
+#: the settings this platform declares; membackend reads them under its name and hands them to probe and headroom
+SETTINGS = (PlatformSetting("headroom", parse=size, default=DEFAULT_HEADROOM,
+                            doc="bytes kept free under the WDDM budget (comfy-aimdo's WDDM_BUDGET_HEADROOM)"),)
 #: cards up to about this size are what the plugin is meant for (the score keeps rising below it)
 MEANT_FOR = 12 * GiB
 SCORE_TOP, SCORE_FLOOR = 90, 60
@@ -74,33 +81,30 @@ def score_for(vram: int) -> int:
     return max(SCORE_FLOOR, min(SCORE_TOP, 96 - 2 * math.ceil(vram / GiB)))
 
 
-def headroom(total: int = 0) -> int:
-    """Bytes kept free under the WDDM budget: ``MEMBACKEND_CUDA_WDDM_HEADROOM`` when set (read at
-    every budget query, so it can change at run time), else :data:`DEFAULT_HEADROOM`.
+def headroom(total: int = 0, settings: PlatformValues | None = None) -> int:
+    """Bytes kept free under a WDDM budget of ``total`` bytes: the ``headroom`` setting (``settings``,
+    the values membackend read; None: the default, :data:`DEFAULT_HEADROOM`).
 
-    Raises ``ConfigError`` (key ``MEMBACKEND_CUDA_WDDM_HEADROOM``) for a value that is not a size,
-    or one that would leave nothing of a ``total``-byte budget.
+    Raises ``ConfigError`` (key ``cuda_wddm.headroom``, the value's source) for a headroom that would
+    leave nothing of the budget. Reads no environment: a change while running goes through the session
+    (``Session.set_headroom(device, n, source="live")``).
     """
-    raw = os.environ.get(HEADROOM_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_HEADROOM
-    try:
-        value = parse_bytes(raw.strip())
-    except ValueError as exc:
-        raise ConfigError(HEADROOM_ENV, "env", str(exc), SIZE_ACCEPTED) from None
+    value = DEFAULT_HEADROOM if settings is None else settings["headroom"]
     if total and value >= total:
-        raise ConfigError(HEADROOM_ENV, "env", f"{value} bytes would leave nothing of the {total} byte WDDM budget",
-                          f"a size below {total} bytes")
+        source = "default" if settings is None else settings.source("headroom")
+        raise ConfigError(f"{NAME}.headroom", source, f"{value} bytes would leave nothing of the {total} byte WDDM "
+                                                      "budget", f"a size below {total} bytes")
     return value
 
 
-def probe(machine: Machine) -> Candidate:
+def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate:
     """Windows, and every NVIDIA device under WDDM (TCC_DRIVER = 0) with virtual memory management
-    support; the score rises as VRAM falls (:func:`score_for`).
+    support; the score rises as VRAM falls (:func:`score_for`). The reason names the headroom
+    (``settings``: the platform's values; None: the default).
 
-    Pure: reads machine facts only, no GPU context. A headroom setting that
-    cannot be parsed is reported here too (``ConfigError``), so the doctor
-    shows it before the first budget query.
+    Pure: reads machine facts only, no GPU context. (A headroom setting that
+    cannot be parsed never gets here: membackend refuses it when it reads the
+    settings, and lists the plugin as broken with the reason.)
     """
     if machine.os != "windows":
         return Candidate(NAME, Score.NONE, f"the OS is {machine.os}, not Windows: WDDM is Windows' display driver "
@@ -124,7 +128,7 @@ def probe(machine: Machine) -> Candidate:
     vram = f"{smallest.total_memory / GiB:.1f} GiB" if smallest.total_memory else "unknown VRAM"
     fit = "a small card, what this plugin is meant for" if 0 < smallest.total_memory <= MEANT_FOR \
         else "more than the ~12 GB this plugin is meant for, so it scores low in the band"
-    room = headroom()
+    room = DEFAULT_HEADROOM if settings is None else settings["headroom"]
     return Candidate(NAME, score,
                      f"Windows, {len(gpus)} NVIDIA device(s) under WDDM (from "
                      f"{smallest.source_of('driver_model') or smallest.source or 'the machine facts'}); smallest "
@@ -146,6 +150,7 @@ PLATFORM = Platform(
                               page_in_sync="always"),
     page_size=64 * MiB,
     headroom=headroom,
+    settings=SETTINGS,
     description="CUDA on Windows WDDM with little VRAM: DXGI budget, recycled handles, event fences before frees",
     version="0.1.0",
 )

@@ -1,4 +1,5 @@
-"""The cuda_wddm Platform record: probe rule, headroom setting, budget, and the mechanism it asks for."""
+"""The cuda_wddm Platform record: probe rule, its declared headroom setting, budget, and the mechanism it
+asks for."""
 
 from __future__ import annotations
 
@@ -69,29 +70,63 @@ def test_not_windows_or_no_nvidia_device_does_not_fit():
     assert wddm.probe(machine("windows")).score == Score.NONE
 
 
-# ------------------------------------------------------------------ headroom
+# ------------------------------------------------------------------ headroom: a setting the platform declares
 
 
 def test_headroom_default_is_aimdo_s_512_mib_and_the_env_setting_changes_it(monkeypatch):
     assert wddm.headroom(6 * GiB) == wddm.DEFAULT_HEADROOM == 512 * MiB
-    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "1GiB")
-    assert wddm.headroom(6 * GiB) == GiB
-    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "0")
-    assert wddm.headroom(6 * GiB) == 0
+    defaults = wddm.PLATFORM.setting_values()
+    assert defaults["headroom"] == 512 * MiB and defaults.source("headroom") == "default"
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "1GiB")
+    values = wddm.PLATFORM.setting_values()
+    assert values["headroom"] == GiB and values.source("headroom") == "env MEMBACKEND_CUDA_WDDM_HEADROOM"
+    assert wddm.headroom(6 * GiB, values) == wddm.PLATFORM.headroom_for(6 * GiB, values) == GiB
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "0")
+    assert wddm.headroom(6 * GiB, wddm.PLATFORM.setting_values()) == 0
+    assert wddm.PLATFORM.env_name("headroom") == wddm.HEADROOM_ENV
+
+
+def test_the_headroom_setting_is_read_from_the_files_and_kwargs_under_the_platform_s_name(tmp_path, monkeypatch):
+    (tmp_path / "pyproject.toml").write_text('[tool.membackend.cuda_wddm]\nheadroom = "1GiB"\n')
+    values = wddm.PLATFORM.setting_values()
+    assert (values["headroom"], values.source("headroom")) == (GiB, "pyproject.toml [tool.membackend.cuda_wddm]")
+    (tmp_path / "membackend.toml").write_text('[cuda_wddm]\nheadroom = "768MiB"\n')
+    values = wddm.PLATFORM.setting_values()
+    assert (values["headroom"], values.source("headroom")) == (768 * MiB, "membackend.toml [cuda_wddm]")
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "640MiB")
+    assert wddm.PLATFORM.setting_values()["headroom"] == 640 * MiB  # env over the file
+    values = wddm.PLATFORM.setting_values(load_settings(cuda_wddm={"headroom": "2GiB"}))
+    assert (values["headroom"], values.source("headroom")) == (2 * GiB, "kwargs")  # kwargs over everything
+
+
+def test_the_probe_names_the_headroom_in_force():
+    values = wddm.PLATFORM.setting_values(load_settings(cuda_wddm={"headroom": "1GiB"}))
+    assert "1024 MiB headroom" in wddm.PLATFORM.probe_for(machine("windows", gpu()), values).reason
+    assert "512 MiB headroom" in wddm.PLATFORM.probe_for(machine("windows", gpu())).reason
 
 
 @pytest.mark.parametrize("value", ["lots", "-5MiB", "1.5 parsecs"])
 def test_a_headroom_that_is_not_a_size_is_a_config_error_naming_the_key(monkeypatch, value):
-    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", value)
+    monkeypatch.setenv(wddm.HEADROOM_ENV, value)
     with pytest.raises(ConfigError) as err:
-        wddm.headroom(6 * GiB)
-    assert err.value.key == "MEMBACKEND_CUDA_WDDM_HEADROOM" and "MiB" in err.value.accepted
+        wddm.PLATFORM.setting_values()
+    assert (err.value.key, err.value.source) == ("cuda_wddm.headroom", "env MEMBACKEND_CUDA_WDDM_HEADROOM")
+    assert "is not a size" in str(err.value) and "MiB" in err.value.accepted
+
+
+def test_a_key_the_platform_does_not_declare_is_refused_with_what_it_declares(tmp_path):
+    (tmp_path / "membackend.toml").write_text("[cuda_wddm]\nhedroom = 1\n")
+    with pytest.raises(ConfigError) as err:
+        wddm.PLATFORM.setting_values()
+    assert (err.value.key, err.value.source) == ("cuda_wddm.hedroom", "membackend.toml [cuda_wddm]")
+    assert "unknown key" in str(err.value) and err.value.accepted == "one of: headroom"
 
 
 def test_a_headroom_that_leaves_nothing_of_the_budget_is_refused(monkeypatch):
-    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "6GiB")
-    with pytest.raises(ConfigError, match="would leave nothing"):
-        wddm.headroom(5 * GiB)
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "6GiB")
+    with pytest.raises(ConfigError, match="would leave nothing") as err:
+        wddm.headroom(5 * GiB, wddm.PLATFORM.setting_values())
+    assert (err.value.key, err.value.source) == ("cuda_wddm.headroom", "env MEMBACKEND_CUDA_WDDM_HEADROOM")
 
 
 def _session(**settings):
@@ -105,29 +140,56 @@ def test_budget_is_the_dxgi_budget_minus_usage_minus_the_headroom(monkeypatch):
         dxgi = s.backend.driver.sim.wddm_budget(0)  # VRAM minus what the OS keeps
         assert s.backend.name == "cuda_wddm" and "DXGI" in b.source
         assert (b.total, b.free, b.headroom, b.usable) == (dxgi, dxgi, 512 * MiB, dxgi - 512 * MiB)
+        assert s.headroom_in_force(CUDA0) == (512 * MiB, "platform cuda_wddm's own rule")
         r = s.reserve(CUDA0, 256 * MiB)
         s.fault(r, 0, 256 * MiB)
         assert s.budget_query(CUDA0).free == dxgi - 256 * MiB  # current usage counts against it
-        monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "1GiB")  # read at every query
+        monkeypatch.setenv(wddm.HEADROOM_ENV, "1GiB")  # read once, when the backend was built: no change
+        assert s.budget_query(CUDA0).headroom == 512 * MiB
+        s.set_headroom(CUDA0, GiB, source="live")  # a change while running goes through the session
+        assert s.budget_query(CUDA0).headroom == GiB and s.headroom_in_force(CUDA0) == (GiB, "live")
+    finally:
+        s.close()
+
+
+def test_the_env_setting_reaches_the_budget_through_the_platform(monkeypatch):
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "1GiB")
+    s = _session()
+    try:
         assert s.budget_query(CUDA0).headroom == GiB
+        assert s.headroom_in_force(CUDA0) == (
+            GiB, "platform cuda_wddm's own (cuda_wddm.headroom from env MEMBACKEND_CUDA_WDDM_HEADROOM)")
     finally:
         s.close()
 
 
 def test_the_generic_headroom_setting_overrides_the_plugin_s(monkeypatch):
-    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "1GiB")
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "1GiB")
     s = _session(headroom=128 * MiB)
     try:
         assert s.budget_query(CUDA0).headroom == 128 * MiB
+        assert s.headroom_in_force(CUDA0) == (128 * MiB, "start-up setting headroom (from kwargs)")
     finally:
         s.close()
 
 
 def test_a_bad_headroom_shows_as_a_broken_plugin_with_the_reason(monkeypatch):
-    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "lots")
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "lots")
     sel = BackendManager(load_settings(sim_profile="wddm-6gb")).select()
     assert sel.record.name != "cuda_wddm"
-    assert "MEMBACKEND_CUDA_WDDM_HEADROOM" in sel.broken["cuda_wddm"]
+    assert "cuda_wddm.headroom (from env MEMBACKEND_CUDA_WDDM_HEADROOM): 'lots' is not a size" in \
+        sel.broken["cuda_wddm"]
+
+
+def test_the_doctor_shows_the_headroom_setting_with_its_source(monkeypatch, capsys):
+    from membackend._cli import main
+
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "wddm-6gb")
+    monkeypatch.setenv(wddm.HEADROOM_ENV, "1GiB")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda_wddm.headroom: 1GiB  [env MEMBACKEND_CUDA_WDDM_HEADROOM]" in out
+    assert "headroom 1,024 MiB (platform cuda_wddm's own (cuda_wddm.headroom from env" in out
 
 
 # ------------------------------------------------------------------ what the record asks of the mechanism

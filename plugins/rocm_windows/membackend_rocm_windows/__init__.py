@@ -14,10 +14,12 @@ the mechanism and the policy must treat the platform:
   an access violation when the cap is passed: the 16th 16 GiB window (at
   240 GiB) crashed (rocm-systems #9823). Reserves are refused up front with
   ``AddressSpaceExhausted`` (a ``MemoryError``) at the quota minus a margin of
-  1/16. The quota is, first found: ``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA``
-  (a size, e.g. ``512GiB``); ``OCL_SET_SVM_SIZE`` (the runtime's own setting,
-  in MiB: ComfyUI sets ``4194304`` for 4 TB, PR #16199, earlier ``262144``
-  for 256 GB); else 256 GiB, the Windows default #9823 measured.
+  1/16. The quota is, first found: the platform's ``address_quota`` setting
+  (a size, e.g. ``512GiB``: ``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA``, or
+  ``address_quota`` in a ``[rocm_windows]`` table); ``OCL_SET_SVM_SIZE`` (the
+  runtime's own variable, in MiB: ComfyUI sets ``4194304`` for 4 TB, PR
+  #16199, earlier ``262144`` for 256 GB); else 256 GiB, the Windows default
+  #9823 measured.
 * **Reserve/free churn.** The HIP VMM on Windows fails large address reserves
   after repeated reserve/free rounds (the standalone reproducer fails at
   iteration 14, rocm-systems #6191): ``reserve_churn_limit=14`` makes the
@@ -53,36 +55,40 @@ the mechanism and the policy must treat the platform:
 * **Pages** of 32 MiB, comfy-aimdo's VBAR page: fewer mappings per model
   (#9823: 3072 mappings of 32 MiB in one reservation are healthy).
 
-Settings are read from the environment when the entry point is loaded (when a
-``BackendManager`` is built): ``PLATFORM`` is computed from the current
-``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA`` and ``OCL_SET_SVM_SIZE`` on each
-access (cached per value). A bad ``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA``
-raises ``ConfigError`` there, so membackend lists the plugin as broken with
-that message; a bad ``OCL_SET_SVM_SIZE`` (set for the runtime, not for us) is
-logged and the ROCm default used. Importing this module never fails on either.
+**Settings.** ``PLATFORM`` declares one setting, ``address_quota``
+(:data:`SETTINGS`); membackend reads it with its own settings when it builds
+the backend (a ``BackendManager``), and hands it to :func:`capabilities` and
+:func:`probe`. A bad value is a ``ConfigError`` naming
+``rocm_windows.address_quota`` and its source, so membackend lists the plugin
+as broken with that message. ``OCL_SET_SVM_SIZE`` is the HIP runtime's own
+variable, not a membackend setting: it is read from the process environment
+as the runtime reads it, when the capabilities are made (the backend's build)
+and by the probe; a value the runtime could not use is logged and the ROCm
+default used. Nothing reads the environment at a budget query, and importing
+this module never fails.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
 from typing import Any, Mapping
 
 from membackend.platform import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
-from membackend.platform import Platform, vmm_unsupported
-from membackend._settings import SIZE_ACCEPTED, parse_bytes
-from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
+from membackend.platform import (SIZE_ACCEPTED, Platform, PlatformSetting, PlatformValues, Rule, size,
+                                 vmm_unsupported)
+from membackend.types import Candidate, Capabilities, Machine, Score
 
-__all__ = ["PLATFORM", "build_platform", "address_quota", "probe", "NAME", "QUOTA_ENV", "SVM_ENV"]
+__all__ = ["PLATFORM", "SETTINGS", "address_quota", "capabilities", "policy", "probe", "NAME", "QUOTA_ENV",
+           "SVM_ENV"]
 __version__ = "0.1.0"
 
 log = logging.getLogger(__name__)
 
 MiB, GiB = 1 << 20, 1 << 30
 NAME = "rocm_windows"
-QUOTA_ENV = "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA"
+QUOTA_ENV = "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA"  # the variable of the address_quota setting
 SVM_ENV = "OCL_SET_SVM_SIZE"
 SVM_UNIT = MiB  # OCL_SET_SVM_SIZE counts MiB: 4194304 is ComfyUI's "4TB" (PR #16199), 262144 its 256 GB
 SVM_MAX = 2**32 - 1  # the runtime reads it as a 32-bit uint (ROCm CLR flags: "OCL_SET_SVM_SIZE uint")
@@ -106,28 +112,34 @@ def _parse_svm(raw: str) -> int | None:
     return int(text) * SVM_UNIT
 
 
-def address_quota(environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+def _quota(raw: Any) -> int:
+    quota = size(raw)
+    if quota < MIN_QUOTA:
+        raise ValueError(f"{raw!r} is {quota} bytes, below 1 GiB (a unit missing?)")
+    return quota
+
+
+#: the ``address_quota`` setting's rule: a size (membackend's rule), at least 1 GiB (:data:`MIN_QUOTA`)
+quota_rule = Rule("size", _quota, f"{SIZE_ACCEPTED}; at least 1 GiB")
+#: the settings this platform declares (membackend reads them under its name; see the module docstring)
+SETTINGS = (PlatformSetting("address_quota", parse=quota_rule, default=None,
+                            doc="the runtime's per-process GPU address quota (default: OCL_SET_SVM_SIZE, else "
+                                "256 GiB); reserves are refused at the quota minus 1/16"),)
+
+
+def address_quota(settings: PlatformValues | None = None, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
     """The runtime's per-process GPU address quota in bytes, and where it came from.
 
-    First found: ``MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA`` (a size as membackend
-    reads sizes, at least 1 GiB; anything else raises ``ConfigError``),
-    ``OCL_SET_SVM_SIZE`` (MiB; a value the runtime could not use is logged and
-    skipped), the ROCm default (256 GiB). The limit membackend enforces is this
-    minus 1/16 (see :data:`QUOTA_MARGIN`).
+    First found: the ``address_quota`` setting (``settings``, the values
+    membackend read; None: not set), ``OCL_SET_SVM_SIZE`` in ``environ``
+    (default: the process environment; MiB; a value the runtime could not use
+    is logged and skipped), the ROCm default (256 GiB). The limit membackend
+    enforces is this minus 1/16 (see :data:`QUOTA_MARGIN`).
     """
+    configured = None if settings is None else settings["address_quota"]
+    if configured is not None:
+        return configured, f"{NAME}.address_quota from {settings.source('address_quota')}"
     env = os.environ if environ is None else environ
-    raw = env.get(QUOTA_ENV)
-    if raw is not None and raw.strip():
-        try:
-            quota = parse_bytes(raw.strip())
-        except ValueError as exc:
-            raise ConfigError(QUOTA_ENV.lower().removeprefix("membackend_"), f"env {QUOTA_ENV}", str(exc),
-                              f"{SIZE_ACCEPTED}; at least 1 GiB") from None
-        if quota < MIN_QUOTA:
-            raise ConfigError(QUOTA_ENV.lower().removeprefix("membackend_"), f"env {QUOTA_ENV}",
-                              f"{raw!r} is {quota} bytes, below 1 GiB (a unit missing?)",
-                              f"{SIZE_ACCEPTED}; at least 1 GiB")
-        return quota, f"{QUOTA_ENV}={raw.strip()}"
     svm = env.get(SVM_ENV)
     if svm is not None:
         quota = _parse_svm(svm)
@@ -145,12 +157,36 @@ def _size(n: int) -> str:
     return f"{n / GiB:,.0f} GiB" if n % GiB == 0 or n >= 10 * GiB else f"{n / MiB:,.0f} MiB"
 
 
-def probe(machine: Machine, policy: str = "") -> Candidate:
+def policy(settings: PlatformValues | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """What the platform changes, in words, with the quota in force (see :func:`address_quota`)."""
+    quota, source = address_quota(settings, environ)
+    return (f"reservations released on full unload; address quota {_size(enforced(quota))} "
+            f"({_size(quota)} from {source}, 1/{QUOTA_MARGIN} kept as margin); released windows of "
+            f">= {_size(CHURN_WINDOW)} kept per device against the reserve/free churn defect, given back "
+            f"while {CHURN_LIMIT - CHURN_MARGIN} of its {CHURN_LIMIT} large frees last, at most "
+            f"{KEPT_WINDOWS_PER_DEVICE} per device kept after")
+
+
+def capabilities(settings: PlatformValues | None = None) -> Capabilities:
+    """The mechanism and policy knobs, with the address quota in force (see :func:`address_quota`)."""
+    quota, _source = address_quota(settings)
+    return Capabilities(
+        release_on_full_unload=True,
+        address_quota=enforced(quota),
+        reserve_churn_limit=CHURN_LIMIT,
+        reserve_churn_window=CHURN_WINDOW,
+        fence_granularity="reservation",
+        page_in_sync="always",  # a WDDM driver: VidMm pages fresh mappings in (see the module docstring)
+    )
+
+
+def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate:
     """Windows, a ROCm (or no) torch build, and AMD (``gfx``) HIP devices listed, each supporting
     virtual memory management; 0 with the reason elsewhere.
 
-    Pure: reads the machine facts only (no GPU context). ``policy`` is appended to
-    the reason when it fits, so the doctor says what the platform changes.
+    Pure: reads the machine facts only (no GPU context). When it fits, the
+    reason ends with :func:`policy` (``settings``: the platform's values), so
+    the doctor says what the platform changes.
     """
     if machine.os != "windows":
         return Candidate(NAME, Score.NONE, f"not Windows (this machine runs {machine.os}); "
@@ -175,47 +211,19 @@ def probe(machine: Machine, policy: str = "") -> Candidate:
         score, via = SCORE_TORCH, "a ROCm build of torch"
     else:
         score, via = SCORE_LISTED, f"no torch; HIP devices listed by {gpus[0].source or 'the machine facts'}"
-    return Candidate(NAME, score, f"Windows ROCm on {len(gpus)} device(s): {listed}; {via}"
-                                  + (f"; {policy}" if policy else ""))
+    return Candidate(NAME, score, f"Windows ROCm on {len(gpus)} device(s): {listed}; {via}; {policy(settings)}")
 
 
-def build_platform(environ: Mapping[str, str] | None = None) -> Platform:
-    """The ``rocm_windows`` Platform for the settings in ``environ`` (default: the process environment)."""
-    env = os.environ if environ is None else environ
-    return _build(env.get(QUOTA_ENV), env.get(SVM_ENV))
-
-
-@functools.lru_cache(maxsize=8)
-def _build(quota_setting: str | None, svm_setting: str | None) -> Platform:
-    env = {k: v for k, v in ((QUOTA_ENV, quota_setting), (SVM_ENV, svm_setting)) if v is not None}
-    quota, source = address_quota(env)
-    limit = enforced(quota)
-    policy = (f"reservations released on full unload; address quota {_size(limit)} "
-              f"({_size(quota)} from {source}, 1/{QUOTA_MARGIN} kept as margin); released windows of "
-              f">= {_size(CHURN_WINDOW)} kept per device against the reserve/free churn defect, given back "
-              f"while {CHURN_LIMIT - CHURN_MARGIN} of its {CHURN_LIMIT} large frees last, at most "
-              f"{KEPT_WINDOWS_PER_DEVICE} per device kept after")
-    return Platform(
-        name=NAME,
-        vendor="hip",
-        probe=functools.partial(probe, policy=policy),
-        budget_source="device",
-        capabilities=Capabilities(
-            release_on_full_unload=True,
-            address_quota=limit,
-            reserve_churn_limit=CHURN_LIMIT,
-            reserve_churn_window=CHURN_WINDOW,
-            fence_granularity="reservation",
-            page_in_sync="always",  # a WDDM driver: VidMm pages fresh mappings in (see the module docstring)
-        ),
-        page_size=PAGE_SIZE,
-        description=f"ROCm on Windows: {policy}",
-        version=__version__,
-    )
-
-
-def __getattr__(name: str) -> Any:
-    """``PLATFORM``: built from the environment each time the entry point is loaded (cached per value)."""
-    if name == "PLATFORM":
-        return build_platform()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: the platform record (entry point ``rocm_windows = "membackend_rocm_windows:PLATFORM"``)
+PLATFORM = Platform(
+    name=NAME,
+    vendor="hip",
+    probe=probe,
+    budget_source="device",
+    capabilities=capabilities,
+    page_size=PAGE_SIZE,
+    settings=SETTINGS,
+    description="ROCm on Windows: reservations released on full unload, the per-process address quota checked "
+                "before every reserve, large released windows kept against the reserve/free churn defect",
+    version=__version__,
+)

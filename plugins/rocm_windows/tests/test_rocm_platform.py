@@ -8,6 +8,7 @@ import logging
 import pytest
 
 import membackend_rocm_windows as rw
+from membackend._settings import load_settings
 from membackend.platform import Platform
 from membackend.types import ConfigError, Device, DeviceInfo, Machine, Score
 
@@ -56,59 +57,77 @@ def test_an_unknown_architecture_still_fits_and_says_so():
 # --------------------------------------------------------------------------- address quota
 
 
+def values(**quota):
+    """The platform's settings as membackend reads them (kwargs: ``address_quota=...``)."""
+    return rw.PLATFORM.setting_values(load_settings(rocm_windows=quota) if quota else None)
+
+
 def test_default_quota_is_the_rocm_default_with_a_margin_below_the_crash_point():
-    p = rw.build_platform({})
-    assert rw.address_quota({}) == (256 * GiB, "the ROCm default")
-    assert p.capabilities.address_quota == 240 * GiB  # 256 GiB minus 1/16: #9823 crashed on reaching 256
-    assert p.capabilities.address_quota < 256 * GiB
+    caps = rw.PLATFORM.capabilities_for(values())
+    assert rw.address_quota(values(), {}) == (256 * GiB, "the ROCm default")
+    assert caps.address_quota == 240 * GiB  # 256 GiB minus 1/16: #9823 crashed on reaching 256
+    assert caps.address_quota < 256 * GiB
 
 
 @pytest.mark.parametrize("value, quota", [("4194304", 4 * TiB), ("262144", 256 * GiB), (" 65536 ", 64 * GiB)])
-def test_ocl_set_svm_size_counts_mib(value, quota):
+def test_ocl_set_svm_size_counts_mib(monkeypatch, value, quota):
     """ComfyUI sets 4194304 for "4TB" (PR #16199) and earlier 262144 for 256 GB: the unit is MiB."""
-    assert rw.address_quota({"OCL_SET_SVM_SIZE": value})[0] == quota
-    assert rw.build_platform({"OCL_SET_SVM_SIZE": value}).capabilities.address_quota == quota - quota // 16
+    assert rw.address_quota(None, {"OCL_SET_SVM_SIZE": value})[0] == quota
+    monkeypatch.setenv("OCL_SET_SVM_SIZE", value)  # the runtime's own variable, read as the runtime reads it
+    assert rw.PLATFORM.capabilities_for(values()).address_quota == quota - quota // 16
 
 
 @pytest.mark.parametrize("value", ["4TB", "-1", "0", "", "1.5", "0x400000", str(2**32), "lots"])
 def test_an_ocl_set_svm_size_the_runtime_cannot_use_is_logged_and_the_default_kept(value, caplog):
     with caplog.at_level(logging.WARNING, logger="membackend_rocm_windows"):
-        assert rw.address_quota({"OCL_SET_SVM_SIZE": value}) == (256 * GiB, "the ROCm default")
+        assert rw.address_quota(None, {"OCL_SET_SVM_SIZE": value}) == (256 * GiB, "the ROCm default")
     assert "OCL_SET_SVM_SIZE" in caplog.text and "whole number of MiB" in caplog.text
 
 
-def test_the_membackend_setting_wins_over_ocl_set_svm_size():
-    env = {"MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA": "512GiB", "OCL_SET_SVM_SIZE": "4194304"}
-    assert rw.address_quota(env) == (512 * GiB, "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA=512GiB")
-    assert rw.build_platform(env).capabilities.address_quota == 480 * GiB
+def test_the_membackend_setting_wins_over_ocl_set_svm_size(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "512GiB")
+    monkeypatch.setenv("OCL_SET_SVM_SIZE", "4194304")
+    assert rw.address_quota(values()) == (
+        512 * GiB, "rocm_windows.address_quota from env MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA")
+    assert rw.PLATFORM.capabilities_for(values()).address_quota == 480 * GiB
+    assert "512 GiB from rocm_windows.address_quota from env" in rw.policy(values())
+
+
+def test_the_quota_setting_is_read_from_a_file_table_and_from_kwargs(tmp_path):
+    (tmp_path / "membackend.toml").write_text('[rocm_windows]\naddress_quota = "128GiB"\n')
+    got = values()
+    assert (got["address_quota"], got.source("address_quota")) == (128 * GiB, "membackend.toml [rocm_windows]")
+    got = values(address_quota="64GiB")
+    assert (got["address_quota"], got.source("address_quota")) == (64 * GiB, "kwargs")
 
 
 @pytest.mark.parametrize("value, says", [("lots", "is not a size"), ("-5GiB", "not a size"),
                                          ("256", "below 1 GiB"), ("true", "not a size")])
-def test_a_bad_quota_setting_is_a_config_error_naming_the_key_and_what_is_accepted(value, says):
+def test_a_bad_quota_setting_is_a_config_error_naming_the_key_and_what_is_accepted(monkeypatch, value, says):
+    monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", value)
     with pytest.raises(ConfigError) as info:
-        rw.build_platform({"MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA": value})
+        values()
     err = info.value
-    assert err.source == "env MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA" and says in str(err)
-    assert "at least 1 GiB" in err.accepted and "GiB" in err.accepted
+    assert (err.key, err.source) == ("rocm_windows.address_quota", "env MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA")
+    assert says in str(err) and "at least 1 GiB" in err.accepted and "GiB" in err.accepted
 
 
-def test_importing_never_fails_and_platform_follows_the_environment(monkeypatch):
+def test_importing_never_fails_and_the_record_reads_no_environment(monkeypatch):
     monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "nonsense")
-    importlib.reload(rw)  # the module imports with a bad value in the environment ...
+    importlib.reload(rw)  # the module imports with a bad value in the environment, and so does its record
+    assert isinstance(rw.PLATFORM, Platform) and rw.PLATFORM is rw.PLATFORM
     with pytest.raises(ConfigError):
-        rw.PLATFORM  # ... and the entry point's load reports it, typed
+        rw.PLATFORM.setting_values()  # reading the settings (what membackend does when it builds it) says why
     monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "64GiB")
-    assert rw.PLATFORM.capabilities.address_quota == 60 * GiB
-    assert rw.PLATFORM is rw.PLATFORM  # cached per value
+    assert rw.PLATFORM.capabilities_for(values()).address_quota == 60 * GiB
 
 
 # --------------------------------------------------------------------------- the record
 
 
 def test_the_record_tunes_the_mechanism_for_the_documented_defects():
-    p = rw.build_platform({})
-    caps = p.capabilities
+    p = rw.PLATFORM
+    caps = p.capabilities_for(p.default_values())
     assert isinstance(p, Platform) and (p.name, p.vendor, p.budget_source) == ("rocm_windows", "hip", "device")
     assert caps.release_on_full_unload and caps.reserve_churn_limit == 14 and caps.reserve_churn_window == GiB
     assert p.page_size == 32 * MiB and p.headroom_for(16 * GiB) == 256 * MiB

@@ -34,10 +34,14 @@ mechanism is :class:`membackend._backends.vmm.VmmBackend`):
 * **Headroom** (:func:`headroom`): :data:`HEADROOM_FRACTION` of the pool,
   within :data:`HEADROOM_MIN` and :data:`HEADROOM_MAX` (16 GiB on a 128 GB
   GB10 is what a GB10 user in ComfyUI #15285 needed as ``--reserve-vram 16``).
-  ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` (a size: ``12GiB``, ``8000MB``) replaces
-  it; it is read at every budget query, so it can change while running. The
-  generic ``MEMBACKEND_HEADROOM`` setting overrides every backend's headroom,
-  this one's included.
+  The record declares a ``headroom`` setting (:data:`SETTINGS`; a size:
+  ``12GiB``, ``8000MB``) that replaces the rule:
+  ``MEMBACKEND_UNIFIED_GB10_HEADROOM``, ``headroom`` in a ``[unified_gb10]``
+  table of ``membackend.toml`` or in ``[tool.membackend.unified_gb10]``, read
+  once when the backend is built. The session's own sources win over both: a
+  live change (``Session.set_headroom(device, n, source="live")``, the memory
+  panel's), ComfyUI's ``--reserve-vram``/``--vram-headroom``, the generic
+  ``MEMBACKEND_HEADROOM``.
 * **Pages** of :data:`PAGE_SIZE` (comfy-aimdo's 32 MiB VBAR page): a 45 GB
   model is about 1,300 maps instead of about 21,000 at the 2 MiB granularity.
   Freed physical memory is released, not kept for reuse: on one pool a kept
@@ -46,14 +50,11 @@ mechanism is :class:`membackend._backends.vmm.VmmBackend`):
 
 from __future__ import annotations
 
-import os
-
-from membackend.platform import Platform, vmm_unsupported
-from membackend._settings import SIZE_ACCEPTED, parse_bytes
+from membackend.platform import Platform, PlatformSetting, PlatformValues, size, vmm_unsupported
 from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
 
 __all__ = ["PLATFORM", "probe", "headroom", "HEADROOM_ENV", "HEADROOM_FRACTION", "HEADROOM_MIN", "HEADROOM_MAX",
-           "SCORE", "PAGE_SIZE"]
+           "SCORE", "PAGE_SIZE", "SETTINGS"]
 
 __version__ = "0.1.0"
 
@@ -61,7 +62,7 @@ MiB, GiB = 1 << 20, 1 << 30
 
 #: probe score when it fits: platform band, above the generic backends (vmm 20, aimdo 10)
 SCORE = 70
-#: the environment variable that replaces the default headroom
+#: the environment variable of the ``headroom`` setting, which replaces the default rule
 HEADROOM_ENV = "MEMBACKEND_UNIFIED_GB10_HEADROOM"
 #: default headroom: this fraction of the pool, clamped to [HEADROOM_MIN, HEADROOM_MAX]
 HEADROOM_FRACTION = 1 / 8
@@ -74,36 +75,29 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def configured_headroom() -> int | None:
-    """The headroom ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` asks for, or None when it is unset (or empty).
-
-    Raises :class:`~membackend.types.ConfigError` (key: the variable) when it is
-    not a size.
-    """
-    raw = os.environ.get(HEADROOM_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        return parse_bytes(raw)
-    except ValueError as exc:
-        raise ConfigError(HEADROOM_ENV, "env", str(exc), SIZE_ACCEPTED) from None
-
-
-def headroom(total: int) -> int:
+def headroom(total: int, settings: PlatformValues | None = None) -> int:
     """Bytes kept free of a pool of ``total`` bytes.
 
-    ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` when set (it must be smaller than the
-    pool), else ``total * HEADROOM_FRACTION`` clamped to ``[HEADROOM_MIN,
-    HEADROOM_MAX]`` (and never more than half the pool). Raises ``ConfigError``
-    on a value that cannot be used.
+    The ``headroom`` setting when set (``settings``, the values membackend
+    read; it must be smaller than the pool), else ``total * HEADROOM_FRACTION``
+    clamped to ``[HEADROOM_MIN, HEADROOM_MAX]`` (and never more than half the
+    pool). Raises ``ConfigError`` (key ``unified_gb10.headroom``, the value's
+    source) on a headroom the pool cannot leave. Reads no environment.
     """
-    wanted = configured_headroom()
+    wanted = None if settings is None else settings["headroom"]
     if wanted is not None:
         if total > 0 and wanted >= total:
-            raise ConfigError(HEADROOM_ENV, "env", f"{wanted} bytes is not less than the {total} byte pool",
+            raise ConfigError(f"{PLATFORM_NAME}.headroom", settings.source("headroom"),
+                              f"{wanted} bytes is not less than the {total} byte pool",
                               f"a size below the pool ({_gb(total)})")
         return wanted
     return min(max(int(total * HEADROOM_FRACTION), HEADROOM_MIN), HEADROOM_MAX, total // 2)
+
+
+#: the settings this platform declares (membackend reads them under its name and hands them to headroom)
+SETTINGS = (PlatformSetting("headroom", parse=size, default=None,
+                            doc="bytes kept free of the pool, replacing the rule (an eighth of the pool within "
+                                "1-16 GiB)"),)
 
 
 def _pool(machine: Machine, device_total: int) -> tuple[int, str]:
@@ -116,12 +110,9 @@ def _pool(machine: Machine, device_total: int) -> tuple[int, str]:
 
 def probe(machine: Machine) -> Candidate:
     """Fits when every CUDA device is integrated and supports virtual memory management; pure
-    (machine facts only, no GPU context).
-
-    Raises ``ConfigError`` when ``MEMBACKEND_UNIFIED_GB10_HEADROOM`` is set and
-    unusable, so the doctor shows the backend as broken with that message.
+    (machine facts only, no GPU context). (An unusable ``headroom`` setting never gets here: membackend
+    refuses it when it reads the settings, so the doctor shows the backend as broken with that message.)
     """
-    configured_headroom()
     name = PLATFORM_NAME
     cuda = machine.gpus("cuda")
     if not cuda:
@@ -170,6 +161,7 @@ PLATFORM = Platform(
     ),
     page_size=PAGE_SIZE,
     headroom=headroom,
+    settings=SETTINGS,
     description="integrated CUDA (GB10, Jetson): one pool shared with the host, budget from MemAvailable",
     version=__version__,
 )

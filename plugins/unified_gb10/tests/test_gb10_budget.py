@@ -14,6 +14,7 @@ from membackend._backends.vmm import VmmBackend
 from membackend._drivers.gpu import GpuDriver
 from membackend._drivers.open import machine_for, open_gpu_driver
 from membackend._ledger import Ledger
+from membackend._manager import BackendManager
 from membackend._session import Session
 from membackend._settings import load_settings
 from membackend.types import ConfigError
@@ -62,37 +63,77 @@ def test_the_default_headroom_is_an_eighth_of_the_pool_within_bounds(session):
     assert b.total == 128 * GB and b.headroom == 16 * GB  # 128 GB / 8, under the 16 GiB cap
 
 
-def test_the_headroom_variable_replaces_the_default_and_is_read_at_every_query(session, monkeypatch):
+def test_the_headroom_variable_replaces_the_default_read_once_and_a_live_change_goes_through_the_session(
+        monkeypatch):
     monkeypatch.setenv(HEADROOM_ENV, "8GiB")
-    b = session.budget_query(CUDA0)
-    assert b.headroom == 8 * GIB and b.usable == b.free - 8 * GIB
-    monkeypatch.setenv(HEADROOM_ENV, "20GB")  # changed while running: no new session needed
-    assert session.budget_query(CUDA0).headroom == 20 * GB
+    s = gb10_session()
+    try:
+        b = s.budget_query(CUDA0)
+        assert b.headroom == 8 * GIB and b.usable == b.free - 8 * GIB
+        assert s.headroom_in_force(CUDA0) == (
+            8 * GIB, "platform unified_gb10's own (unified_gb10.headroom from env MEMBACKEND_UNIFIED_GB10_HEADROOM)")
+        monkeypatch.setenv(HEADROOM_ENV, "20GB")  # read once, when the backend was built: nothing changes
+        assert s.budget_query(CUDA0).headroom == 8 * GIB
+        s.set_headroom(CUDA0, 20 * GB, source="live")  # changed while running: through the session
+        assert s.budget_query(CUDA0).headroom == 20 * GB and s.headroom_in_force(CUDA0) == (20 * GB, "live")
+    finally:
+        s.close()
 
 
-def test_the_refusal_up_front_follows_the_configured_headroom(session, monkeypatch):
-    monkeypatch.setenv(HEADROOM_ENV, "100GB")
-    r = session.reserve(CUDA0, 40 * GB)
-    assert not session.fault(r, 0, 40 * GB).ok  # 128 GB - 100 GB leaves 28 GB
-    monkeypatch.delenv(HEADROOM_ENV)
-    assert session.fault(r, 0, 40 * GB).ok
-    session.release_reservation(r)
+@pytest.mark.parametrize("source", ["live", "flags", "setting", "platform setting"])
+def test_the_refusal_up_front_follows_the_headroom_in_force_whichever_source_sets_it(monkeypatch, source):
+    """The backend's own decision (a fault past the pool is refused before the driver is asked) uses the
+    session's headroom, not one of its own: one owner for the value the budget reports and the one it acts on."""
+    settings = {}
+    if source == "setting":
+        settings["headroom"] = "100GB"
+    elif source == "platform setting":
+        monkeypatch.setenv(HEADROOM_ENV, "100GB")
+    s = BackendManager(load_settings(sim_profile="gb10-128gb", **settings)).session()
+    try:
+        if source == "live":
+            s.set_headroom(CUDA0, 100 * GB, source="live")
+        elif source == "flags":
+            s.set_headroom(CUDA0, 100 * GB, source="comfyui --reserve-vram/--vram-headroom")
+        assert s.name == "unified_gb10" and s.budget_query(CUDA0).headroom == 100 * GB
+        r = s.reserve(CUDA0, 40 * GB)
+        assert not s.fault(r, 0, 40 * GB).ok  # 128 GB - 100 GB leaves 28 GB
+        if source in ("live", "flags"):
+            s.set_headroom(CUDA0, None, source="live" if source == "live" else "comfyui --reserve-vram")
+            assert s.budget_query(CUDA0).headroom == 16 * GB  # back to the platform's rule
+            assert s.fault(r, 0, 40 * GB).ok
+        s.release_reservation(r)
+    finally:
+        s.close()
 
 
-@pytest.mark.parametrize("value, match", [("lots", "not a size"), ("-1", "not a size|negative"),
-                                          ("200GB", "not less than the 128000000000 byte pool")])
-def test_a_bad_headroom_variable_is_a_config_error_saying_what_is_accepted(session, monkeypatch, value, match):
+@pytest.mark.parametrize("value, match", [("lots", "'lots' is not a size"), ("-1", "not a size .negative")])
+def test_a_bad_headroom_variable_is_a_config_error_saying_what_is_accepted(monkeypatch, value, match):
     monkeypatch.setenv(HEADROOM_ENV, value)
     with pytest.raises(ConfigError, match=match) as info:
-        session.budget_query(CUDA0)
-    assert info.value.key == HEADROOM_ENV and info.value.source == "env" and info.value.accepted
+        PLATFORM.setting_values()
+    assert (info.value.key, info.value.source) == ("unified_gb10.headroom", f"env {HEADROOM_ENV}")
+    assert "GiB" in info.value.accepted
+
+
+def test_a_headroom_not_below_the_pool_is_a_config_error_at_the_budget_query(monkeypatch):
+    monkeypatch.setenv(HEADROOM_ENV, "200GB")
+    s = gb10_session()
+    try:
+        with pytest.raises(ConfigError, match="not less than the 128000000000 byte pool") as info:
+            s.budget_query(CUDA0)
+        assert (info.value.key, info.value.source) == ("unified_gb10.headroom", f"env {HEADROOM_ENV}")
+    finally:
+        s.close()
 
 
 def test_the_generic_headroom_setting_overrides_this_backends(monkeypatch):
     monkeypatch.setenv("MEMBACKEND_HEADROOM", "2GiB")
+    monkeypatch.setenv(HEADROOM_ENV, "8GiB")
     s = gb10_session()
     try:
         assert s.name == "unified_gb10" and s.budget_query(CUDA0).headroom == 2 * GIB
+        assert s.headroom_in_force(CUDA0) == (2 * GIB, "start-up setting headroom (from env MEMBACKEND_HEADROOM)")
     finally:
         s.close()
 

@@ -76,21 +76,24 @@ def test_default_headroom_is_an_eighth_of_the_pool_clamped():
     assert headroom(1 * GIB) == 512 << 20  # never more than half of a tiny pool
 
 
-def test_the_headroom_variable_is_parsed_as_a_size(monkeypatch):
+def test_the_headroom_variable_is_parsed_as_a_size_and_replaces_the_rule(monkeypatch):
     monkeypatch.setenv(HEADROOM_ENV, "12GiB")
-    assert headroom(128 * GB) == 12 * GIB
+    assert headroom(128 * GB, PLATFORM.setting_values()) == 12 * GIB
     monkeypatch.setenv(HEADROOM_ENV, "0")
-    assert headroom(128 * GB) == 0
+    assert headroom(128 * GB, PLATFORM.setting_values()) == 0
     monkeypatch.setenv(HEADROOM_ENV, "  ")
-    assert headroom(128 * GB) == 16 * GB  # empty: the default
+    values = PLATFORM.setting_values()  # empty: not set, the rule
+    assert values["headroom"] is None and headroom(128 * GB, values) == 16 * GB
+    assert PLATFORM.headroom_source(values) == "platform unified_gb10's own rule"
 
 
-def test_a_bad_headroom_variable_makes_the_probe_raise_a_config_error(monkeypatch):
+def test_a_bad_headroom_variable_is_refused_when_the_settings_are_read_not_by_the_probe(monkeypatch):
     monkeypatch.setenv(HEADROOM_ENV, "sixteen")
     with pytest.raises(ConfigError) as info:
-        probe(machine(gpu()))
-    assert info.value.key == HEADROOM_ENV and "'sixteen' is not a size" in str(info.value)
-    assert "GiB" in info.value.accepted
+        PLATFORM.setting_values()
+    assert info.value.key == "unified_gb10.headroom" and "'sixteen' is not a size" in str(info.value)
+    assert info.value.source == f"env {HEADROOM_ENV}" and "GiB" in info.value.accepted
+    assert probe(machine(gpu())).score == SCORE  # the probe reads no environment
 
 
 def test_an_integrated_device_without_virtual_memory_management_does_not_fit():

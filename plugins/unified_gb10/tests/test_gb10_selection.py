@@ -73,6 +73,7 @@ def test_the_doctor_shows_a_bad_headroom_variable_and_forcing_then_names_it(monk
     monkeypatch.setenv(HEADROOM_ENV, "plenty")
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
-    assert f"{HEADROOM_ENV} (from env): 'plenty' is not a size" in out and "selected: unified_gb10" not in out
+    assert f"unified_gb10.headroom (from env {HEADROOM_ENV}): 'plenty' is not a size" in out
+    assert "selected: unified_gb10" not in out
     with pytest.raises(BackendNotFound, match=HEADROOM_ENV):
         BackendManager(load_settings(backend="unified_gb10")).select()

@@ -1,0 +1,450 @@
+"""The rules: one parser per setting, the one table of fields, used by every path that reads settings.
+
+A :class:`Rule` takes a value as any source gives it -- a string from the
+environment, a TOML value, a keyword argument -- and returns the value, or
+raises :class:`RuleError` (a ``ValueError``) saying what is wrong with it. The
+same rule serves the pydantic model (:mod:`.model`), the pydantic-free start-up
+path (:mod:`.quick`) and the settings a platform declares
+(:class:`membackend.platform.PlatformSetting`), so every path accepts and
+refuses the same values with the same words.
+
+:data:`FIELDS` is the table of membackend's own settings (name, rule, default,
+what it means); :data:`MACHINE_FIELDS` and :data:`DEVICE_FIELDS` are the
+tables of the ``machine`` overrides. Nothing here imports pydantic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from ..types import DEVICE_KINDS
+
+__all__ = ["Rule", "RuleError", "Field", "parse_bytes", "format_bytes", "size", "flag", "name", "seconds",
+           "FIELDS", "MACHINE_FIELDS", "DEVICE_FIELDS", "FIELD_NAMES", "SIZE_ACCEPTED", "NAME_PATTERN",
+           "HOST_PAGE_SIZE", "UNITS", "check_appendable"]
+
+NAME_PATTERN = r"^[a-z][a-z0-9_\-]*$"
+_NAME = re.compile(r"[a-z][a-z0-9_\-]*", re.ASCII)
+
+#: every unit a size may carry (any case), and its multiplier
+UNITS: dict[str, int] = {
+    "b": 1,
+    **{u: 1000 ** (i + 1) for i, u in enumerate(("k", "m", "g", "t", "p", "e"))},
+    **{u + "b": 1000 ** (i + 1) for i, u in enumerate(("k", "m", "g", "t", "p", "e"))},
+    **{u + "ib": 1024 ** (i + 1) for i, u in enumerate(("k", "m", "g", "t", "p", "e"))},
+}
+SIZE_ACCEPTED = (
+    "a byte count >= 0: an int, or a number and a unit like '512MiB', '1.5GB', '2 GiB'; units in any case: "
+    "b, k/kb, m/mb, g/gb, t/tb, p/pb, e/eb (powers of 1000), kib, mib, gib, tib, pib, eib (powers of 1024)"
+)
+FLAG_ACCEPTED = "true/false, 1/0, yes/no, on/off (any case)"
+TRACE_ACCEPTED = "a path to a file that can be opened for appending (missing parent directories are created)"
+PROBE_TIMEOUT_ABOVE, PROBE_TIMEOUT_MAX = 0, 600  # probe_timeout: seconds, > 0 and <= 600
+#: the host backend's page size when the ``page_size`` setting is not given
+HOST_PAGE_SIZE = 2 << 20
+OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class RuleError(ValueError):
+    """A value a rule refuses. ``path`` names the part of a table that is wrong (``("devices", 0, "kind")``;
+    empty for the value itself) and ``accepted``, when given, says what that part accepts."""
+
+    def __init__(self, message: str, path: tuple[Any, ...] = (), accepted: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = tuple(path)
+        self.accepted = accepted
+
+
+class Rule:
+    """One parser: ``rule(value)`` is the value in its parsed form, or :class:`RuleError`.
+
+    ``accepted`` says what the rule takes (it ends up in every
+    :class:`~membackend.types.ConfigError`); ``kind`` names it (``size``,
+    ``flag``, ...) for the doctor's display. A ``nullable`` rule passes None
+    through (None: not set, the default's meaning); any other rule refuses it.
+    Applying a rule to its own result gives the same result.
+    """
+
+    __slots__ = ("kind", "accepted", "nullable", "_parse")
+
+    def __init__(self, kind: str, parse: Callable[[Any], Any], accepted: str, *, nullable: bool = False):
+        self.kind, self._parse, self.accepted, self.nullable = kind, parse, accepted, nullable
+
+    def __call__(self, value: Any) -> Any:
+        if value is None:
+            if self.nullable:
+                return None
+            raise RuleError("None is not accepted here")
+        return self._parse(value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rule) and (self.kind, self._parse, self.accepted, self.nullable) == (
+            other.kind, other._parse, other.accepted, other.nullable)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.accepted, self.nullable))
+
+    def or_none(self) -> "Rule":
+        """The same rule, passing None through."""
+        return Rule(self.kind, self._parse, self.accepted, nullable=True)
+
+    def __repr__(self) -> str:
+        return f"<rule {self.kind}{' or None' if self.nullable else ''}>"
+
+
+# --------------------------------------------------------------------------- sizes
+
+_SIZE = re.compile(r"\s*(?P<whole>[0-9]*)(?:\.(?P<frac>[0-9]+))?\s*(?P<unit>[A-Za-z]*)\s*", re.ASCII)
+
+
+def parse_bytes(value: Any) -> int:
+    """``'512MiB'`` → 536870912; ints >= 0 pass through. Raises :class:`RuleError` (a ``ValueError``) on
+    anything else, saying why.
+
+    The grammar (:data:`SIZE_ACCEPTED`): a decimal number (``12``, ``1.5``,
+    ``.5``), optional spaces, an optional unit from :data:`UNITS` in any case,
+    surrounding spaces ignored. The arithmetic is exact (no float): a fraction
+    of a byte is dropped. A whole float (``2.0``, as TOML may write it) is its
+    int; booleans are refused (``headroom = true`` is a mistake, not one
+    byte), and so are negative numbers, exponents and digit separators.
+    """
+    if isinstance(value, bool):
+        raise RuleError(f"{value!r} is not a size (a boolean)")
+    if isinstance(value, int):
+        if value < 0:
+            raise RuleError(f"{value!r} is not a size (negative)")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or not value.is_integer():
+            raise RuleError(f"{value!r} is not a size (not a whole number of bytes >= 0)")
+        return int(value)
+    if not isinstance(value, str):
+        raise RuleError(f"{value!r} is not a size ({type(value).__name__})")
+    m = _SIZE.fullmatch(value)
+    if m is None or not (m["whole"] or m["frac"]):
+        why = "negative" if value.strip().startswith("-") else "not a number and a unit"
+        raise RuleError(f"{value!r} is not a size ({why})")
+    multiplier = UNITS.get(m["unit"].lower() or "b")
+    if multiplier is None:
+        raise RuleError(f"{value!r} is not a size (unknown unit {m['unit']!r})")
+    frac = m["frac"] or ""
+    try:
+        whole, part = int(m["whole"] or "0"), int(frac or "0")
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        raise RuleError(f"{value[:40]!r}... is not a size (too many digits)") from None
+    scale = 10 ** len(frac)
+    return (whole * scale + part) * multiplier // scale
+
+
+def format_bytes(n: int, unit: str | None = None) -> str:
+    """``n`` bytes written so that :func:`parse_bytes` reads back exactly ``n``.
+
+    With ``unit`` (any key of :data:`UNITS`, any case: ``'MiB'``, ``'gb'``) the
+    number is exact in that unit, with as many decimals as it needs
+    (``format_bytes(1536, 'KiB') == '1.5KiB'``); without, the largest binary
+    unit that divides ``n`` (``'512MiB'``), else plain bytes.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{n!r} is not a byte count >= 0")
+    if unit is None:
+        for candidate in ("EiB", "PiB", "TiB", "GiB", "MiB", "KiB"):
+            if n and n % UNITS[candidate.lower()] == 0:
+                return f"{n // UNITS[candidate.lower()]}{candidate}"
+        return str(n)
+    multiplier = UNITS.get(unit.lower())
+    if multiplier is None:
+        raise ValueError(f"unknown unit {unit!r}; accepted: {', '.join(UNITS)}")
+    whole, rest = divmod(n, multiplier)
+    if not rest:
+        return f"{whole}{unit}"
+    digits = 1  # every multiplier is 2^a * 5^b, so some power of ten makes the rest whole
+    while rest * 10 ** digits % multiplier:
+        digits += 1
+    return f"{whole}.{rest * 10 ** digits // multiplier:0{digits}d}{unit}"
+
+
+def _page_size(value: Any) -> int:
+    n = parse_bytes(value)
+    if n < OS_PAGE or n & (n - 1) or n % OS_PAGE:
+        raise RuleError(f"{value!r} is not a power of two multiple of the OS page ({OS_PAGE})")
+    return n
+
+
+# --------------------------------------------------------------------------- other kinds
+
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise RuleError(f"{value!r} is not a boolean")
+
+
+def _name(value: Any) -> str:
+    if isinstance(value, str) and _NAME.fullmatch(value):
+        return value
+    raise RuleError(f"{value!r} is not a name (lower-case letters, digits, '_' and '-', starting with a letter)")
+
+
+def _names(value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise RuleError(f"{value!r} is not a list of backend names")
+    for item in value:
+        if not (isinstance(item, str) and _NAME.fullmatch(item)):
+            raise RuleError(f"{item!r} is not a backend name")
+        if item == "host":
+            raise RuleError("'host' is the fallback and cannot be blocked")
+    return list(value)
+
+
+_NUMBER = re.compile(r"\s*[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?\s*", re.ASCII)
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or \
+            (isinstance(value, str) and not _NUMBER.fullmatch(value)):
+        raise RuleError(f"{value!r} is not a number of seconds")
+    try:
+        x = float(value)
+    except (OverflowError, ValueError):
+        raise RuleError(f"{value!r} is not a number of seconds") from None
+    if not PROBE_TIMEOUT_ABOVE < x <= PROBE_TIMEOUT_MAX:  # NaN fails too
+        raise RuleError(f"{value!r} is not > {PROBE_TIMEOUT_ABOVE} and <= {PROBE_TIMEOUT_MAX} seconds")
+    return x
+
+
+def check_appendable(path: Path) -> None:
+    """Open ``path`` for appending, creating missing parent directories; raise ``OSError`` if it cannot be.
+
+    The file (created empty if absent) and its new directories stay when the
+    check succeeds: the user asked for them. On failure the directories this
+    check created are removed again.
+    """
+    missing = []
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    created: list[Path] = []
+    try:
+        for directory in reversed(missing):
+            directory.mkdir()
+            created.append(directory)
+        with path.open("a"):
+            pass
+    except OSError:
+        for directory in reversed(created):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # something else appeared in it meanwhile: not ours to remove
+        raise
+
+
+def _trace(value: Any) -> Path:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise RuleError(f"{value!r} is not a path")
+    path = Path(value)
+    try:
+        check_appendable(path)
+    except OSError as exc:
+        raise RuleError(f"cannot open {value!r} for appending: {exc.strerror or exc}") from None
+    return path
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise RuleError(f"{value!r} is not text")
+
+
+def _count(minimum: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip(), re.ASCII):
+            value = int(value.strip())
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise RuleError(f"{value!r} is not a whole number >= {minimum}")
+        return value
+    return parse
+
+
+def _one_of(what: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if isinstance(value, str) and value.lower() in choices:
+            return value.lower()
+        raise RuleError(f"unknown {what} {value!r}")
+    return parse
+
+
+def _luid(value: Any) -> str:
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-fA-F]{16}", value):
+        return value.lower()
+    raise RuleError(f"{value!r} is not an adapter LUID")
+
+
+#: the rules a platform may use for the settings it declares (:mod:`membackend.platform` exports them)
+size = Rule("size", parse_bytes, SIZE_ACCEPTED)
+flag = Rule("flag", _flag, FLAG_ACCEPTED)
+name = Rule("name", _name, "lower-case letters, digits, '_' and '-', starting with a letter")
+seconds = Rule("seconds", _seconds, f"a number of seconds, > {PROBE_TIMEOUT_ABOVE} and <= {PROBE_TIMEOUT_MAX}")
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+class Field:
+    """One setting: its name (also its key in a file and, upper-cased after ``MEMBACKEND_``, its variable),
+    its rule, its default (``factory`` makes a fresh one each time), what it means (``doc``), the type the
+    model gives it (``annotation``), and, for a table of settings, the fields of the table (``table``) or of
+    each of its items (``items``). Read-only by convention. (A plain class: a dataclass costs about 2 ms to
+    define, on the ComfyUI adapter's start-up path.)"""
+
+    __slots__ = ("name", "rule", "default", "doc", "annotation", "factory", "table", "items", "accepted_text")
+
+    def __init__(self, name: str, rule: Rule | None, default: Any = None, doc: str = "", annotation: Any = None,
+                 factory: Callable[[], Any] | None = None, table: tuple["Field", ...] | None = None,
+                 items: tuple["Field", ...] | None = None, accepted_text: str = ""):
+        self.name, self.rule, self.default, self.doc, self.annotation = name, rule, default, doc, annotation
+        self.factory, self.table, self.items, self.accepted_text = factory, table, items, accepted_text
+
+    def __repr__(self) -> str:
+        return f"Field({self.name!r}, {self.rule!r}, default={self.default!r})"
+
+    @property
+    def accepted(self) -> str:
+        return self.accepted_text or (self.rule.accepted if self.rule is not None else "")
+
+    def default_value(self) -> Any:
+        return self.factory() if self.factory is not None else self.default
+
+
+def _table_keys(fields: tuple[Field, ...]) -> str:
+    return "one of: " + ", ".join(f.name for f in fields)
+
+
+def _parse_table(fields: tuple[Field, ...], value: Any, what: str) -> dict[str, Any]:
+    """A table's given keys, each through its field's rule (a JSON object in text is decoded first)."""
+    if isinstance(value, str):
+        value = _json(value)
+    if hasattr(value, "model_dump"):  # one of the models themselves
+        value = value.model_dump(exclude_unset=True)
+    if not isinstance(value, dict):
+        raise RuleError(f"{value!r} is not a table of {what}")
+    by_name = {f.name: f for f in fields}
+    out: dict[str, Any] = {}
+    for key, raw in value.items():
+        field = by_name.get(key)
+        if field is None:
+            raise RuleError("unknown key", (key,), _table_keys(fields))
+        try:
+            out[key] = field.rule(raw) if field.rule is not None else raw
+        except RuleError as exc:
+            # what the innermost part accepts: the error's own text, else this field's (for its own value)
+            accepted = exc.accepted if exc.accepted is not None else None if exc.path else field.accepted
+            raise RuleError(exc.message, (key, *exc.path), accepted) from None
+    return out
+
+
+DEVICE_FIELDS: tuple[Field, ...] = (
+    Field("kind", Rule("device kind", _one_of("device kind", DEVICE_KINDS), ", ".join(DEVICE_KINDS)), "cuda",
+          annotation=str),
+    Field("index", Rule("index", _count(0), "a whole number >= 0"), 0, annotation=int),
+    Field("name", Rule("text", _text, "text"), "", annotation=str),
+    Field("total_memory", size, 0, annotation=int),
+    Field("integrated", flag, False, annotation=bool),
+    Field("unified", flag, False, annotation=bool),
+    Field("driver_model", Rule("driver model", _one_of("driver model", ("wddm", "tcc", "mcdm")),
+                               "wddm, tcc, mcdm or unset", nullable=True), None, annotation=str | None),
+    Field("arch", Rule("text", _text, "text", nullable=True), None, annotation=str | None),
+    #: a device the user describes is taken to support virtual memory management unless told otherwise
+    Field("vmm_supported", flag, True, annotation=bool),
+    Field("luid", Rule("LUID", _luid, "16 hex digits (the adapter LUID)", nullable=True), None,
+          annotation=str | None),
+)
+
+
+def _json(text: str) -> Any:
+    import json  # only a JSON value in the environment needs it (about 3 ms on the start-up path)
+
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RuleError(f"cannot be decoded: {exc}") from None
+
+
+def _devices(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        value = _json(value)
+    if not isinstance(value, (list, tuple)):
+        raise RuleError(f"{value!r} is not a list of devices")
+    out = []
+    for i, item in enumerate(value):
+        try:
+            out.append(_parse_table(DEVICE_FIELDS, item, "device facts"))
+        except RuleError as exc:
+            raise RuleError(exc.message, (i, *exc.path), exc.accepted) from None
+    return out
+
+
+_DEVICES_ACCEPTED = ("a list of tables (in the environment: a JSON list) with keys "
+                     + ", ".join(f.name for f in DEVICE_FIELDS))
+
+MACHINE_FIELDS: tuple[Field, ...] = (
+    Field("os", Rule("OS", _one_of("OS", ("linux", "windows", "darwin")), "linux, windows, darwin", nullable=True),
+          annotation=str | None),
+    Field("cpus", Rule("count", _count(1), "a whole number >= 1", nullable=True), annotation=int | None),
+    Field("ram_total", size.or_none(), annotation=int | None),
+    Field("ram_available", size.or_none(), annotation=int | None),
+    Field("cgroup_limit", size.or_none(), annotation=int | None),
+    Field("torch_version", Rule("text", _text, "text", nullable=True), annotation=str | None),
+    Field("torch_vendor", Rule("torch vendor", _one_of("torch vendor", ("cuda", "rocm", "cpu")), "cuda, rocm, cpu",
+                               nullable=True), annotation=str | None),
+    Field("devices", Rule("device list", _devices, _DEVICES_ACCEPTED, nullable=True), annotation="devices",
+          items=DEVICE_FIELDS),
+)
+
+_MACHINE_ACCEPTED = ("a table (in the environment: a JSON object) with keys " + ", ".join(
+    f.name for f in MACHINE_FIELDS) + "; or one variable per key, e.g. MEMBACKEND_MACHINE__OS=linux")
+
+FIELDS: tuple[Field, ...] = (
+    Field("backend", name.or_none(), None, "force this backend by name", str | None,
+          accepted_text="the name of an installed backend (see `membackend backends`)"),
+    Field("disable", flag, False, "switch membackend off: callers use their legacy path", bool),
+    Field("block", Rule("backend names", _names, "a comma-separated list of backend names other than 'host'"),
+          doc="backend names never to select", annotation=list[str], factory=list),
+    Field("headroom", size.or_none(), None,
+          "bytes kept free on every device; replaces the platform's or backend's own (a live change and "
+          "ComfyUI's --reserve-vram/--vram-headroom win over it)", int | None),
+    Field("page_size", Rule("page size", _page_size, "a power of two, a multiple of the OS page size, e.g. '2MiB'"),
+          HOST_PAGE_SIZE, "the host backend's page size in bytes (default 2 MiB); GPU platforms use their own "
+                          "(Platform.page_size)", int),
+    Field("host_capacity", size.or_none(), None, "cap on what the host backend may keep resident (default: no cap)",
+          int | None),
+    Field("sim_profile", name.or_none(), None,
+          "run GPU backends on a simulated machine; the names are checked where the simulation lives, when "
+          "backends are loaded", str | None, accepted_text="wddm-6gb, rocm-win-2gpu, gb10-128gb, h200, mi100-novmm"),
+    Field("probe_timeout", seconds, 10.0, "seconds each backend's probe may take before it is skipped as broken",
+          float),
+    Field("sanitize", flag, False, "check every free/release for pending work and use after release", bool),
+    Field("trace", Rule("path", _trace, TRACE_ACCEPTED, nullable=True), None,
+          "append one JSON line per verb call and policy decision to this file", Path | None),
+    Field("machine", Rule("table", lambda v: _parse_table(MACHINE_FIELDS, v, "machine facts"), _MACHINE_ACCEPTED),
+          doc="facts that replace what discovery finds, so tests can be any machine", annotation="machine",
+          table=MACHINE_FIELDS),
+)
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
+BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
