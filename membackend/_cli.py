@@ -28,6 +28,9 @@ from ._drivers.open import machine_for
 from ._manager import BackendManager, Selection
 from ._session import Session
 from ._settings import load_settings
+from ._settings.rules import FIELDS as SETTING_FIELDS
+from ._settings.rules import format_bytes
+from ._settings.sources import ENV_PREFIX
 from .types import BackendDisabled, Budget, Machine, MembackendError
 
 MiB = 1 << 20
@@ -76,14 +79,80 @@ def backends_report(mgr: BackendManager, sel: Selection) -> list[dict[str, Any]]
 
 
 def budgets_report(session: Session) -> list[dict[str, Any]]:
+    """Each device's budget, with where its headroom comes from (``Session.headroom_in_force``)."""
     rows = []
     for dev in session.devices():
         try:
             b = session.budget_query(dev)
-            rows.append({"device": str(dev), **dataclasses.asdict(b)})
+            rows.append({"device": str(dev), **dataclasses.asdict(b),
+                         "headroom_source": session.headroom_in_force(dev)[1]})
         except MembackendError as exc:
             rows.append({"device": str(dev), "error": str(exc)})
     return rows
+
+
+def settings_report(mgr: BackendManager) -> dict[str, Any]:
+    """Every setting's value and source: membackend's own (``machine.*`` only where set), then the settings
+    each loaded platform declares; the ``MEMBACKEND_*`` variables that no setting reads; the settings tables
+    that name no installed platform."""
+    s = mgr.settings
+    source_of = getattr(s, "source_of", lambda key: "?")
+    rows: list[dict[str, Any]] = []
+    for f in SETTING_FIELDS:
+        if f.table is not None:
+            for fact in f.table:
+                if source_of(f"{f.name}.{fact.name}") != "default":
+                    rows.append({"key": f"{f.name}.{fact.name}", "value": getattr(s.machine, fact.name),
+                                 "source": source_of(f"{f.name}.{fact.name}"), "kind": fact.rule.kind,
+                                 "env": f"{ENV_PREFIX}{f.name.upper()}__{fact.name.upper()}"})
+            continue
+        rows.append({"key": f.name, "value": getattr(s, f.name), "source": source_of(f.name), "kind": f.rule.kind,
+                     "env": ENV_PREFIX + f.name.upper()})
+    read: list[str] = []
+    for name, rec in sorted(mgr.records.items()):
+        values = getattr(rec.plugin, "platform_values", None)
+        for key in values or ():
+            read.append(values.env_name(key))
+            rows.append({"key": f"{name}.{key}", "value": values[key], "source": values.source(key),
+                         "kind": values.kind(key), "env": values.env_name(key)})
+    snapshot = getattr(s, "snapshot", None)
+    sources = snapshot() if callable(snapshot) else None
+    unread: list[dict[str, str]] = []
+    tables: list[str] = []
+    if sources is not None:
+        broken = {name.split(" ")[0] for name in mgr.broken}
+        for var in sources.unread_env(read):
+            owner = next((n for n in (*mgr.records, *broken) if var.upper().startswith(
+                f"{ENV_PREFIX}{n.upper().replace('-', '_')}_")), None)
+            if owner in broken:
+                continue  # the plugin is listed as broken, with the reason
+            declared = [k for k in getattr(getattr(mgr.records.get(owner), "plugin", None), "platform_values", None)
+                        or ()]
+            why = (f"platform {owner} declares no such setting (it declares: {', '.join(declared) or 'none'})"
+                   if owner else "no setting of membackend or of an installed platform has this name")
+            unread.append({"env": var, "why": why})
+        tables = sorted(sources.platform_tables() - set(mgr.records) - broken)
+    return {"values": rows, "unread": unread, "tables_without_platform": tables}
+
+
+def _shown(value: Any, kind: str) -> str:
+    if value is None or value == []:
+        return "-"
+    if kind.endswith("size") and isinstance(value, int) and not isinstance(value, bool):  # size, page size
+        return format_bytes(value)
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _print_settings(report: dict[str, Any]) -> None:
+    print("settings:")
+    for row in report["values"]:
+        print(f"  {row['key']}: {_shown(row['value'], row['kind'])}  [{row['source']}]")
+    for row in report["unread"]:
+        print(f"  {row['env']} is set but not read: {row['why']}")
+    for name in report["tables_without_platform"]:
+        print(f"  the settings table [{name}] names no installed platform")
 
 
 def self_test(session: Session) -> dict[str, Any]:
@@ -227,8 +296,9 @@ def _print_budgets(rows: list[dict[str, Any]]) -> None:
         if "error" in b:
             print(f"  {b['device']}: error: {b['error']}")
         else:
-            print(f"  {b['device']}: total {_mib(b['total'])}, free {_mib(b['free'])}, headroom {_mib(b['headroom'])}, "
-                  f"usable {_mib(b['usable'])}{' (unified pool)' if b['unified'] else ''} from {b['source']}")
+            why = f" ({b['headroom_source']})" if b.get("headroom_source") else ""
+            print(f"  {b['device']}: total {_mib(b['total'])}, free {_mib(b['free'])}, headroom {_mib(b['headroom'])}"
+                  f"{why}, usable {_mib(b['usable'])}{' (unified pool)' if b['unified'] else ''} from {b['source']}")
 
 
 def _print_selftest(t: dict[str, Any]) -> None:
@@ -270,7 +340,7 @@ def run(command: str, as_json: bool) -> int:
             _print_budgets(out["budgets"]) if session else print(f"membackend is disabled: {sel.reason}")
         return 0
     # doctor
-    out.update(machine=machine_report(machine), backends=rows,
+    out.update(machine=machine_report(machine), settings=settings_report(mgr), backends=rows,
                selected=sel.record.name if sel.record else None, how=sel.how, reason=sel.reason, tied=sel.tied)
     if session is not None:
         out["budgets"] = budgets_report(session)
@@ -281,6 +351,7 @@ def run(command: str, as_json: bool) -> int:
     else:
         print(f"membackend {__version__}")
         _print_machine(machine)
+        _print_settings(out["settings"])
         _print_backends(rows, sel)
         if session is not None:
             _print_budgets(out["budgets"])
@@ -317,9 +388,12 @@ def _replay(a: argparse.Namespace) -> int:
 
             check_plot_target(a.plot)
         comparison = replay(a.source, backend=a.backend, profile=a.profile, policy=a.policy, seeds=a.seeds,
-                            record=a.record, run=a.run)
-    except (MembackendError, OSError) as exc:
+                            record=a.record, run=a.run, keep_machine=a.keep_machine)
+    except MembackendError as exc:  # a trace error names its file and line; a write error its file
         print(f"membackend: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # nothing of membackend's own should get here; if it does, name the file
+        print(f"membackend: {exc.filename or a.source}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(comparison.to_json(), indent=2, default=str))
@@ -333,8 +407,11 @@ def _replay(a: argparse.Namespace) -> int:
         title = f"{sc.name} ({sc.report}) on {comparison.profile}" if sc else f"{a.source} on {comparison.profile}"
         try:
             path = write_plot(a.plot, comparison.timelines(), title=title, reported=reported)
-        except (MembackendError, OSError) as exc:
+        except MembackendError as exc:
             print(f"membackend: --plot: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:  # a full disk, a folder that cannot be written
+            print(f"membackend: --plot {a.plot!r}: cannot write it: {exc.strerror or exc}", file=sys.stderr)
             return 2
         print(f"timeline written to {path}", file=sys.stderr if a.json else sys.stdout)
     return 1 if comparison.violations else 0
@@ -359,24 +436,44 @@ def _positive(text: str) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="membackend", description=__doc__.splitlines()[0])
+#: ``membackend --help``, above and below the list of commands (plain text: argparse prints it as written)
+HELP_DESCRIPTION = ("membackend: a pluggable memory-backend layer for ComfyUI's dynamic VRAM. "
+                    "What it sees on this machine, whether it works, and replays of memory workloads.")
+HELP_EPILOG = ("exit codes: 0 ok; 1 the self-test failed, or a replay's plugin side broke a guarantee; "
+               "2 a configuration error, a folder that is not a ComfyUI checkout, or a trace file that cannot "
+               "be read or written (the message says which, and what is accepted). "
+               "'membackend COMMAND --help' shows a command's options.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every command with a one-line description and its options."""
+    parser = argparse.ArgumentParser(prog="membackend", description=HELP_DESCRIPTION, epilog=HELP_EPILOG)
     parser.add_argument("--version", action="version", version=f"membackend {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=f"membackend {name}: {help_text}")
+
     for name, help_text in (("doctor", "machine facts, backends, budgets, then a self-test"),
                             ("backends", "every backend found, its probe result and the selection"),
                             ("budget", "each device's budget and its source")):
-        p = sub.add_parser(name, help=help_text)
+        p = command(name, help_text)
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    comfy = sub.add_parser("comfyui", help="add or remove the ComfyUI custom node that starts membackend")
+    comfy = command("comfyui", "add or remove the ComfyUI custom node that starts membackend")
     comfy.add_argument("action", choices=("install", "uninstall"))
     comfy.add_argument("folder", help="the ComfyUI checkout (the folder holding main.py)")
-    rp = sub.add_parser("replay", help="a seed report's workload (or a recorded trace), stock and plugin side by side")
-    rp.add_argument("source", help="a built-in scenario (full-unload-rocm, hook-unload, churn-wddm, "
-                                   "mixed-warmup-gb10) or a trace file written with MEMBACKEND_TRACE")
+    rp = command("replay", "a seed report's workload or a recorded trace, stock vs plugin")
+    from ._replay.scenarios import SCENARIOS  # names only: the replay machinery loads when a replay runs
+
+    rp.add_argument("source", help=f"a built-in scenario ({', '.join(SCENARIOS)}) or a trace file written with "
+                                   "MEMBACKEND_TRACE or --record")
     rp.add_argument("--backend", help="the plugin side's backend (default: the scenario's plugin, else the selection)")
     rp.add_argument("--profile", help="simulated profile (default: the scenario's, or the trace's)")
-    rp.add_argument("--policy", choices=("stock", "plugin", "both"), default="both")
+    rp.add_argument("--keep-machine", action="store_true",
+                    help="apply the trace's (or scenario's) recorded machine changes, such as its device memory, on "
+                         "another --profile too (default: that profile runs as it is)")
+    rp.add_argument("--policy", choices=("stock", "plugin", "both"), default="both",
+                    help="which side to run (default: both)")
     rp.add_argument("--seeds", type=_positive, help="seeds to run (a scenario's default otherwise)")
     rp.add_argument("--json", action="store_true", help="print the figures as JSON")
     rp.add_argument("--plot", metavar="FILE", help="timeline picture: .png/.svg/.pdf (needs membackend[plot]) "
@@ -385,11 +482,15 @@ def main(argv: list[str] | None = None) -> int:
                                                      "table of --seeds 1)")
     rp.add_argument("--run", type=_positive, help="which run of a trace file several processes appended to "
                                                   "(default: the last)")
-    bp = sub.add_parser("bench", help="the benchmark suite: ratios measured side by side, and the four replays")
+    bp = command("bench", "the benchmark suite: side-by-side ratios and the four replays")
     bp.add_argument("--json", action="store_true", help="print the figures as JSON")
     bp.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (a smoke run)")
     bp.add_argument("--seeds", type=_positive, help="seeds per replay (each scenario's default otherwise)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "comfyui":
         return _comfyui(args.action, args.folder)
     if args.command == "replay":

@@ -251,7 +251,7 @@ def test_a_file_several_processes_appended_to_replays_run_by_run(tmp_path):
         s.close()
     last, first = read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "a.jsonl", run=1)
     assert last.runs == first.runs == 2
-    assert last.events[0]["bytes"] == 2 << 30 and first.events[0]["bytes"] == 1 << 30
+    assert next(iter(last.events))["bytes"] == 2 << 30 and next(iter(first.events))["bytes"] == 1 << 30
     with pytest.raises(TraceError, match="run 3 does not exist; the file holds 2 run"):
         read_trace(tmp_path / "a.jsonl", run=3)
     assert replay(str(tmp_path / "a.jsonl"), run=1).results["plugin"][0].loaded == 1 << 30
@@ -306,3 +306,99 @@ def test_unregistering_an_owner_replays_once(tmp_path):
     s.close()
     assert [e["event"] for e in read_trace(path).events] == ["register", "register", "unregister"]
     assert replay(str(path)).violations == []
+
+
+# --------------------------------------------------------------------------- the profile asked for, progress
+
+
+def _watch_profiles(monkeypatch):
+    """The profile of every simulated machine the replay opens."""
+    import membackend._replay.engine as engine
+
+    opened = []
+    real_open = engine.open_sim_variant
+
+    def open_sim_variant(*a, **k):
+        driver = real_open(*a, **k)
+        opened.append(driver.sim.profile)
+        return driver
+    monkeypatch.setattr(engine, "open_sim_variant", open_sim_variant)
+    return opened
+
+
+def test_a_trace_replayed_on_another_profile_keeps_that_profile(tmp_path, capsys, monkeypatch):
+    """hook-unload is recorded on a 24 GiB h200; --profile wddm-6gb replays it on a 6 GB card, and says so."""
+    path = tmp_path / "hook.jsonl"
+    replay("hook-unload", policy="plugin", record=str(path))
+    assert json.loads(path.read_text().splitlines()[0])["machine"] == {"device_memory": scenarios.HOOK_CARD}
+    opened = _watch_profiles(monkeypatch)
+    assert cli.main(["replay", str(path), "--profile", "wddm-6gb", "--policy", "plugin"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert opened and all(p.name == "wddm-6gb" and p.devices[0].vram == 6 * GiB for p in opened)
+    assert "recorded on h200 with device_memory=24 GiB: not applied on wddm-6gb (--keep-machine applies them)" in out
+    assert "profile wddm-6gb," in out and "(device_memory=" not in out
+    opened.clear()
+    c = replay(str(path), profile="wddm-6gb", policy="plugin", keep_machine=True)  # told otherwise
+    assert c.changes == {"device_memory": scenarios.HOOK_CARD} and not c.not_applied
+    assert opened and all(p.devices[0].vram == scenarios.HOOK_CARD for p in opened)
+    opened.clear()
+    same = replay(str(path), profile="h200", policy="plugin")  # the profile it was recorded on: as recorded
+    assert same.changes == {"device_memory": scenarios.HOOK_CARD} and not same.not_applied
+    assert opened and all(p.devices[0].vram == scenarios.HOOK_CARD for p in opened)
+
+
+def test_a_scenario_on_another_profile_runs_that_profile_as_it_is(monkeypatch, capsys):
+    opened = _watch_profiles(monkeypatch)
+    c = replay("hook-unload", profile="wddm-6gb", policy="stock")
+    assert c.not_applied == {"device_memory": scenarios.HOOK_CARD} and c.changes == {}
+    assert opened and all(p.devices[0].vram == 6 * GiB for p in opened)
+    assert c.to_json()["profile_changes_not_applied"] == {"device_memory": scenarios.HOOK_CARD}
+
+
+def test_a_long_trace_reports_its_progress_on_stderr(tmp_path, capsys, monkeypatch):
+    import membackend._replay.compare as compare
+    import membackend._replay.engine as engine
+
+    monkeypatch.setattr(compare, "LONG_TRACE_EVENTS", 20)  # "long", so that a test need not replay a million
+    monkeypatch.setattr(engine, "PROGRESS_EVERY", 10)
+    events = [{"event": "register", "model": "m", "bytes": GiB, "devices": ["cuda:0"]}]
+    events += [{"event": "fault", "model": "m", "device": "cuda:0", "offset": 0, "bytes": GiB}] * 24
+    events.append({"event": "unload_all"})
+    path = _trace_file(tmp_path, events, sim_profile="h200")
+    assert cli.main(["replay", path]) == 0
+    err = capsys.readouterr().err
+    for text in ("stock: 10/26 events (side run 1/2)", "stock: 26/26 events (side run 1/2)",
+                 "plugin: 20/26 events (side run 2/2)", "2/2 side runs"):
+        assert text in err, err
+    short = _trace_file(tmp_path, events[:5] + events[-1:], "short.jsonl", sim_profile="h200")
+    assert cli.main(["replay", short]) == 0
+    assert "events" not in capsys.readouterr().err  # a short trace replays quietly
+
+
+def test_a_side_keeps_a_bounded_timeline(tmp_path, monkeypatch):
+    """Samples that repeat only move a plateau's end; past the bound the series is thinned, keeping the
+    lowest and highest of each run of four."""
+    import membackend._replay.engine as engine
+
+    monkeypatch.setattr(engine, "MAX_SAMPLES_PER_DEVICE", 8)
+    L = 64 << 20
+    events = [{"event": "register", "model": "m", "bytes": 64 * L, "devices": ["cuda:0"]}]
+    for off in range(0, 64 * L, L):  # every fault backs new pages: the resident figure rises each event
+        events.append({"event": "fault", "model": "m", "device": "cuda:0", "offset": off, "bytes": L})
+    events += [{"event": "fault", "model": "m", "device": "cuda:0", "offset": 0, "bytes": L}] * 40  # all resident
+    events.append({"event": "unload_all"})
+    c = replay(_trace_file(tmp_path, events, sim_profile="h200"), policy="plugin")
+    samples = c.results["plugin"][0].timeline.samples
+    assert len(samples) <= 2 * 8 + 3
+    resident = [s.resident for s in samples]
+    assert resident[0] == 0 and max(resident) == 64 * L and resident[-1] == 0  # start, peak and the unload kept
+    assert [s.t for s in samples] == sorted(s.t for s in samples)
+
+
+def test_record_refuses_the_trace_being_replayed(tmp_path, capsys):
+    events = [{"event": "register", "model": "m", "bytes": GiB, "devices": ["cuda:0"]}, {"event": "unload_all"}]
+    path = _trace_file(tmp_path, events, sim_profile="h200")
+    before = open(path).read()
+    assert cli.main(["replay", path, "--record", path]) == 2
+    assert "is the trace being replayed; accepted: another file" in capsys.readouterr().err
+    assert open(path).read() == before

@@ -176,13 +176,14 @@ def resolve_vendor(vendor: str | None, settings: Any) -> str:
 def bindings_missing(vendor: str, simulated: bool = False) -> str | None:
     """None when a binding for ``vendor`` is there, else why not.
 
-    CUDA: cuda-python imports (the simulation needs its types too). HIP:
-    hip-python imports, or the ctypes binding finds and loads the HIP runtime
-    (:func:`membackend._drivers.hip_ctypes.load`); the simulation needs neither.
+    CUDA: cuda-python imports. HIP: hip-python imports, or the ctypes binding
+    finds and loads the HIP runtime (:func:`membackend._drivers.hip_ctypes.load`).
+    A simulated driver needs neither: it uses the bindings' types where they
+    import and its own copies of them otherwise.
     """
+    if simulated:
+        return None
     if vendor == "hip":
-        if simulated:
-            return None
         try:
             from hip import hip  # noqa: F401
             return None

@@ -16,15 +16,22 @@ does. A simulated bugcheck or crash ends that side's run, as it would end the ma
 a typed failure the side cannot go on from (an address quota refused, an unload that failed):
 ``stopped`` says where. An event the trace gets wrong (a model never registered, a range outside
 its model) is a :class:`~membackend._replay.traceformat.TraceError` naming its line.
+
+A side holds one event at a time (a file's events are streamed) and a bounded timeline
+(:data:`MAX_SAMPLES_PER_DEVICE`), so its memory does not grow with the trace's length. A record
+file (``record``) that cannot be written -- a full disk -- ends the run at that event: everything
+the side reserved is released, and the failure is a
+:class:`~membackend._replay.traceformat.TraceWriteError` naming the file, never one of the backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .._drivers.open import machine_for, open_sim_variant, simulated_failures
 from .._ledger import Ledger
@@ -35,11 +42,18 @@ from .._trace import TraceObserver
 from ..types import Device, MembackendError
 from .stock import AimdoLoadPolicy, AimdoStockVmm
 from .timeline import Marker, Sample, Timeline
-from .traceformat import Trace, TraceError
+from .traceformat import Trace, TraceError, TraceWriteError
 
-__all__ = ["SideResult", "ReplayError", "run_side", "SIDES", "PluginMissing"]
+__all__ = ["SideResult", "ReplayError", "run_side", "check_plugin", "SIDES", "PluginMissing", "MAX_SAMPLES_PER_DEVICE",
+           "PROGRESS_EVERY"]
 
 SIDES = ("stock", "plugin")
+
+#: the most timeline samples a side keeps per device; past twice this the timeline is thinned
+#: (each run of four samples keeps its lowest and highest resident), so memory stays bounded
+MAX_SAMPLES_PER_DEVICE = 20_000
+#: a side's ``progress`` callback is called after every this many events (and once at the end)
+PROGRESS_EVERY = 10_000
 
 
 class ReplayError(MembackendError, ValueError):
@@ -108,8 +122,11 @@ def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) 
     record = manager.records[backend] if backend else manager.select(machine_for(settings)).record
     plugin = record.plugin
     if not isinstance(plugin, VmmBackend):
-        raise ReplayError(f"backend {record.name!r} is not built on the VMM mechanism, so it cannot run on a "
-                          "simulated profile; replays accept platform backends (vmm and platform plugins)")
+        vmm = [n for n, r in sorted(manager.records.items()) if isinstance(r.plugin, VmmBackend)]
+        chosen = "" if backend else f"membackend selects {record.name!r} on profile {profile!r}; "
+        raise ReplayError(f"{chosen}backend {record.name!r} is not built on the VMM mechanism, so it cannot run "
+                          f"on a simulated profile; replays accept platform backends: pass --backend with one of "
+                          f"{', '.join(vmm)}")
     vendor = plugin.platform.vendor or "cuda"
     driver = open_sim_variant(profile, **changes)
     if driver.vendor != vendor and plugin.platform.vendor:
@@ -120,6 +137,12 @@ def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) 
     # resolve to, e.g. page_in_sync="wddm" on a simulated Windows profile, not this process's OS
     built = VmmBackend(plugin.platform, driver, machine=lambda: machine)
     return Session(built, machine=machine, ledger=Ledger())
+
+
+def check_plugin(profile: str, backend: str | None, changes: dict[str, Any] | None = None) -> None:
+    """Raise what :func:`run_side` would raise for the plugin side's ``backend`` on ``profile``
+    (:class:`PluginMissing`, :class:`ReplayError`) without running anything."""
+    _plugin_session(profile, backend, dict(changes or {})).close()
 
 
 def _stock_session(profile: str, changes: dict[str, Any]) -> Session:
@@ -150,6 +173,11 @@ class _Run:
         self.t = 0.0
         self.streams: dict[int, Any] = {}
         self.run: dict[str, Any] | None = None
+        #: per device, (sequence number, sample): merged into the timeline in order by :meth:`finish_timeline`
+        self.samples: dict[str, list[tuple[int, Sample]]] = {}
+        self.sequence = 0
+        self._states: list[Any] = []
+        self._states_key: tuple | None = None
         self.result.committed_start = self.committed_total()
         self.sample()
 
@@ -165,26 +193,65 @@ class _Run:
         return mapped
 
     # ---- figures
-    def committed_total(self) -> int:
-        states = [self.session.inspect(d) for d in self.devices]
+    def committed_total(self, states: list[Any] | None = None) -> int:
+        """What the process is charged now (``states``: the devices' driver states, if just read)."""
+        states = [self.session.inspect(d) for d in self.devices] if states is None else states
         if states and states[0] is not None and states[0].committed is not None:
             return states[0].committed  # process-wide (Windows private commit)
         return sum(s.resident + s.held for s in states if s is not None)
 
+    def driver_states(self, accounts: list[Any]) -> list[Any]:
+        """Each device's driver state, read again only when something may have changed it: a driver
+        call since the last read, or a ledger figure (a window pooled or reused without a call).
+        Reading the simulated driver's tables costs time in proportion to what is mapped; most events
+        of a long trace (copies, compute, faults of resident pages) change neither."""
+        key = (sum(self.sim.faults.calls.values()),
+               tuple((a.reserved, a.resident, a.reservations_alive) for a in accounts))
+        if key != self._states_key:
+            self._states, self._states_key = [self.session.inspect(d) for d in self.devices], key
+        return self._states
+
     def sample(self) -> None:
-        committed = self.committed_total()
+        step = self.result.timeline.next_step(self.t, bugchecks=self.sim.bugchecks, raced_frees=self.sim.use_after_free,
+                                              oom=self.result.oom)  # the picture's x, and its failure marks
+        accounts = [self.session.ledger.account(d) for d in self.devices]
+        states = self.driver_states(accounts)
+        committed = self.committed_total(states)
         self.result.peak_committed = max(self.result.peak_committed, committed)
         for i, d in enumerate(self.devices):
-            acct = self.session.ledger.account(d)
-            state = self.session.inspect(d)
+            acct, state = accounts[i], states[i]
             per_device = None
             if state is not None:
                 per_device = committed if (state.committed is not None and i == 0) else (
                     None if state.committed is not None else state.resident + state.held)
-            self.result.timeline.samples.append(Sample(self.t, str(d), acct.reserved, acct.resident, per_device))
+            self.keep(Sample(self.t, str(d), acct.reserved, acct.resident, per_device, step))
+
+    def keep(self, s: Sample) -> None:
+        """Add a sample to its device's series. The timeline is drawn as steps (each value holds until
+        the next sample), so a sample that repeats the two before it only moves the plateau's end;
+        past twice :data:`MAX_SAMPLES_PER_DEVICE`, each run of four keeps its lowest and highest."""
+        series = self.samples.setdefault(s.device, [])
+        self.sequence += 1
+        values = (s.reserved, s.resident, s.committed)
+        if len(series) >= 2 and all((p.reserved, p.resident, p.committed) == values for _, p in series[-2:]):
+            series[-1] = (self.sequence, s)
+            return
+        series.append((self.sequence, s))
+        if len(series) > 2 * MAX_SAMPLES_PER_DEVICE:
+            thinned = []
+            for i in range(0, len(series), 4):
+                bucket = series[i:i + 4]
+                low = min(bucket, key=lambda item: item[1].resident)
+                high = max(bucket, key=lambda item: item[1].resident)
+                thinned += sorted({low, high}, key=lambda item: item[0])
+            series[:] = thinned
+
+    def finish_timeline(self) -> None:
+        """Write the kept samples into the result's timeline, in the order they were taken."""
+        self.result.timeline.samples = [s for _, s in heapq.merge(*self.samples.values(), key=lambda item: item[0])]
 
     def mark(self, kind: str, label: str, device: str | None = None) -> None:
-        self.result.timeline.markers.append(Marker(self.t, kind, label, device))
+        self.result.timeline.markers.append(Marker(self.t, kind, label, device, step=self.result.timeline.steps))
 
     def after_unload(self, label: str) -> None:
         resident = sum(self.session.ledger.account(d).resident for d in self.devices)
@@ -317,51 +384,116 @@ class _Run:
             self.after_unload("idle")
 
 
+class _RecordingTracer(TraceObserver):
+    """The tracer of ``run_side(record=...)``: a write that fails (a full disk) is kept in
+    :attr:`failed` instead of raised into the verb being traced -- it is the record file's failure,
+    not the backend's -- and nothing more is written; ``run_side`` ends the run at that event."""
+
+    def __init__(self, path: str | Path, **header: Any):
+        self.failed: OSError | None = None
+        try:
+            super().__init__(path, **header)
+        except OSError as exc:  # the file cannot be opened, or its header not written
+            f = getattr(self, "_file", None)
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            raise TraceWriteError(path, exc) from None
+
+    def event(self, event: str, **fields: Any) -> None:
+        if self.failed is not None:
+            return
+        try:
+            super().event(event, **fields)
+        except OSError as exc:
+            self.failed = exc
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:  # the buffer's last lines did not fit either
+            self.failed = self.failed or exc
+
+
+def _fresh_record_path(record: str) -> Path:
+    """Make way for a new record file: a file (or a link) already there is removed; anything else
+    (a device such as /dev/full, a pipe) is written to as it is, never removed."""
+    path = Path(record)
+    try:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+    except OSError as exc:
+        raise TraceWriteError(path, exc) from None
+    return path
+
+
 def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = None,
-             changes: dict[str, Any] | None = None, record: str | None = None) -> SideResult:
+             changes: dict[str, Any] | None = None, record: str | None = None,
+             progress: Callable[[int], None] | None = None) -> SideResult:
     """Replay ``trace`` on ``side`` (``"stock"`` or ``"plugin"``) on a fresh simulation of ``profile``
     (``changes``: profile fields to replace, see ``open_sim_variant``). ``backend`` names the
     plugin side's backend (None: what membackend selects on the profile). ``record``: write this
     side's own trace (``MEMBACKEND_TRACE`` format, with the workload's header) to that path.
-    Raises :class:`PluginMissing` when ``backend`` is not installed."""
+    ``progress(events_done)`` is called every :data:`PROGRESS_EVERY` events and once at the end.
+
+    Raises :class:`PluginMissing` when ``backend`` is not installed, :class:`TraceError` for an event
+    the trace gets wrong, and :class:`TraceWriteError` when ``record`` cannot be written (the run
+    ends there and its file is removed). Whatever is raised, every reservation the side made is
+    released first."""
     if side not in SIDES:
         raise ReplayError(f"side {side!r}; accepted: {', '.join(SIDES)}")
     changes = dict(changes or {})
     session = _stock_session(profile, changes) if side == "stock" else _plugin_session(profile, backend, changes)
-    tracer = None
+    tracer: _RecordingTracer | None = None
     if record is not None:  # what MEMBACKEND_TRACE writes: the verbs and the policy's records
         kept = {k: v for k, v in trace.header.items()
                 if k not in ("time", "event", "format", "version", "membackend", "sim_profile", "machine", "backend")}
-        Path(record).unlink(missing_ok=True)
-        tracer = TraceObserver(record, **kept, sim_profile=profile, machine=changes, backend=session.backend.name)
+        try:
+            path = _fresh_record_path(record)
+            tracer = _RecordingTracer(path, **kept, sim_profile=profile, machine=changes,
+                                      backend=session.backend.name)
+        except TraceWriteError:
+            session.close()  # nothing reserved yet; the driver's contexts go back
+            raise
         session = Session(session.backend, machine=session.machine, ledger=session.ledger, observers=[tracer],
                           tracer=tracer)
     policy = AimdoLoadPolicy(session, tracer=tracer) if side == "stock" else ResidencyManager(session, tracer=tracer)
     result = SideResult(side, session.backend.name, profile, timeline=Timeline(side))
     run = _Run(session, policy, result, record_copies=side == "plugin")
     fatal = simulated_failures()
+    done = 0
     try:
-        for n, e in enumerate(trace.events):
+        for n, (line, e) in enumerate(trace.numbered()):
             try:
                 if tracer is not None and e["event"] in ("copy", "compute"):
                     _trace_input(tracer, policy, e)
                 run.apply(e)
             except fatal as exc:
-                result.lost = f"{trace.where(n)}: {type(exc).__name__}: {exc}"
+                result.lost = f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}"
                 if hasattr(session.backend, "carry_on"):
                     session.backend.carry_on = True  # nothing after the end may bugcheck again
                 break
             except KeyError as exc:
-                raise TraceError(f"{trace.where(n)}: model {exc.args[0]!r} was never registered (or was "
+                raise TraceError(f"{trace.where(n, line, e)}: model {exc.args[0]!r} was never registered (or was "
                                  "unregistered before)") from None
             except TraceError as exc:
-                raise TraceError(f"{trace.where(n)}: {exc}") from None
+                raise TraceError(f"{trace.where(n, line, e)}: {exc}") from None
             except MembackendError as exc:
                 if isinstance(exc, ValueError):  # bad input in the trace (a range, a size, a device, a kind)
-                    raise TraceError(f"{trace.where(n)}: {type(exc).__name__}: {exc}") from None
-                result.stopped = f"{trace.where(n)}: {type(exc).__name__}: {exc}"
+                    raise TraceError(f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}") from None
+                result.stopped = f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}"
                 break
+            if tracer is not None and tracer.failed is not None:
+                break  # the record file is full: raised below, once everything is released
             run.sample()
+            done = n + 1
+            if progress is not None and done % PROGRESS_EVERY == 0:
+                progress(done)
+        if progress is not None and done % PROGRESS_EVERY:
+            progress(done)
+        run.finish_timeline()
         sim = run.sim
         for d in run.devices:
             acct = session.ledger.account(d)
@@ -384,6 +516,13 @@ def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = Non
                 pass
         if tracer is not None:
             tracer.close()
+    if tracer is not None and tracer.failed is not None:
+        try:
+            if Path(record).is_file():  # what was written of it is no trace: a replay would stop at its end
+                Path(record).unlink()
+        except OSError:
+            pass
+        raise TraceWriteError(record, tracer.failed)
     return result
 
 

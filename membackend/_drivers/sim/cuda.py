@@ -1,21 +1,195 @@
 """A simulated ``cuda.bindings.driver``: the same function names, argument order, return
-tuples, enums and structs as cuda-python (which it imports for its types), over a
+tuples, enums and structs as cuda-python, over a
 :class:`~membackend._drivers.sim.platform.SimPlatform`.
+
+The types (status codes, handles, enums, structs) are cuda-python's where it is installed.
+Without it (``pip install membackend`` with no extra) they come from :data:`STAND_IN_TYPES`
+below, which carries the same names and values for every type the simulation and
+:class:`~membackend._drivers.cuda.CudaDriver` use, so a replay needs no CUDA package; the
+test suite checks each of them against cuda-python's own where that is installed.
 """
 
 from __future__ import annotations
 
+import enum
+from types import SimpleNamespace
 from typing import Any
 
 from .api import SimApi
 from .platform import SimError, SimPlatform
 
-__all__ = ["SimCudaDriverModule"]
+__all__ = ["SimCudaDriverModule", "STAND_IN_TYPES"]
+
+
+# --------------------------------------------------------------------------- stand-in types
+# Names and values are those of the CUDA driver API header (cuda.h, CUDA 13.0), as cuda-python's
+# ``cuda.bindings.driver`` (13.x) exposes them; only the members membackend uses are listed.
+
+
+class CUresult(enum.IntEnum):  # cuda.h: enum cudaError_enum (a subset)
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_DEINITIALIZED = 4
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_MAP_FAILED = 205
+    CUDA_ERROR_UNMAP_FAILED = 206
+    CUDA_ERROR_ALREADY_MAPPED = 208
+    CUDA_ERROR_NOT_MAPPED = 211
+    CUDA_ERROR_INVALID_HANDLE = 400
+    CUDA_ERROR_ILLEGAL_STATE = 401
+    CUDA_ERROR_NOT_FOUND = 500
+    CUDA_ERROR_NOT_READY = 600
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700
+    CUDA_ERROR_LAUNCH_FAILED = 719
+    CUDA_ERROR_NOT_PERMITTED = 800
+    CUDA_ERROR_NOT_SUPPORTED = 801
+    CUDA_ERROR_UNKNOWN = 999
+
+
+class CUdevice_attribute(enum.IntEnum):  # noqa: N801 - cuda.h: enum CUdevice_attribute_enum (a subset)
+    CU_DEVICE_ATTRIBUTE_PCI_BUS_ID = 33
+    CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID = 34
+    CU_DEVICE_ATTRIBUTE_TCC_DRIVER = 35
+    CU_DEVICE_ATTRIBUTE_INTEGRATED = 18
+    CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID = 50
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+
+
+class CUmemAllocationType(enum.IntEnum):  # cuda.h: enum CUmemAllocationType_enum
+    CU_MEM_ALLOCATION_TYPE_INVALID = 0
+    CU_MEM_ALLOCATION_TYPE_PINNED = 1
+
+
+class CUmemLocationType(enum.IntEnum):  # cuda.h: enum CUmemLocationType_enum
+    CU_MEM_LOCATION_TYPE_INVALID = 0
+    CU_MEM_LOCATION_TYPE_DEVICE = 1
+    CU_MEM_LOCATION_TYPE_HOST = 2
+
+
+class CUmemAllocationGranularity_flags(enum.IntEnum):  # noqa: N801 - cuda.h: CUmemAllocationGranularity_flags_enum
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+
+
+class CUmemAccess_flags(enum.IntEnum):  # noqa: N801 - cuda.h: enum CUmemAccess_flags_enum
+    CU_MEM_ACCESS_FLAGS_PROT_NONE = 0
+    CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+
+
+class CUevent_flags(enum.IntEnum):  # noqa: N801 - cuda.h: enum CUevent_flags_enum
+    CU_EVENT_DEFAULT = 0
+    CU_EVENT_BLOCKING_SYNC = 1
+    CU_EVENT_DISABLE_TIMING = 2
+
+
+class _Handle:
+    """An opaque driver value as cuda-python's are: built from an int, ``int()`` gives it back;
+    two are equal only when they are the same object (cuda-python's ``CUdevice``, ``CUdeviceptr``,
+    ``CUmemGenericAllocationHandle``)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, init_value: Any = 0):
+        self._value = int(init_value or 0)
+
+    def __int__(self) -> int:
+        return self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._value}>"
+
+
+class _Pointer(_Handle):
+    """A handle that wraps a driver pointer (cuda-python's ``CUcontext``, ``CUstream``, ``CUevent``):
+    equal when it points at the same object, shown in hex."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and int(other) == self._value  # type: ignore[call-overload]
+
+    __hash__ = _Handle.__hash__
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._value:#x}>"
+
+
+class CUdevice(_Handle):
+    __slots__ = ()
+
+
+class CUcontext(_Pointer):
+    __slots__ = ()
+
+
+class CUdeviceptr(_Handle):
+    __slots__ = ()
+
+
+class CUmemGenericAllocationHandle(_Handle):
+    __slots__ = ()
+
+
+class CUstream(_Pointer):
+    __slots__ = ()
+
+
+class CUevent(_Pointer):
+    __slots__ = ()
+
+
+class CUmemLocation:
+    """cuda.h: struct CUmemLocation_st (``type``, ``id``)."""
+
+    def __init__(self) -> None:
+        self.type, self.id = CUmemLocationType.CU_MEM_LOCATION_TYPE_INVALID, 0
+
+
+class CUmemAllocationProp:
+    """cuda.h: struct CUmemAllocationProp_st (the fields membackend sets)."""
+
+    def __init__(self) -> None:
+        self.type = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
+        self.requestedHandleTypes = 0
+        self.location = CUmemLocation()
+
+
+class CUmemAccessDesc:
+    """cuda.h: struct CUmemAccessDesc_st (``location``, ``flags``)."""
+
+    def __init__(self) -> None:
+        self.location = CUmemLocation()
+        self.flags = CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE
+
+
+#: the types the simulation answers with where cuda-python is not installed
+STAND_IN_TYPES = SimpleNamespace(**{t.__name__: t for t in (
+    CUresult, CUdevice_attribute, CUmemAllocationType, CUmemLocationType, CUmemAllocationGranularity_flags,
+    CUmemAccess_flags, CUevent_flags, CUdevice, CUcontext, CUdeviceptr, CUmemGenericAllocationHandle, CUstream,
+    CUevent, CUmemLocation, CUmemAllocationProp, CUmemAccessDesc)})
 
 
 def _bindings() -> Any:
-    from cuda.bindings import driver
-
+    """cuda-python's driver module where it imports (12.6 and later, then the older ``cuda.cuda``),
+    else :data:`STAND_IN_TYPES`."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # type: ignore[no-redef]  # cuda-python before 12.6
+        except ImportError:
+            return STAND_IN_TYPES
     return driver
 
 

@@ -154,11 +154,9 @@ def run_seed(seed: int, side: str, *, page_size: int = PLATFORM.page_size, not_r
     driver = backend.driver
     sim = driver.sim
     if not_ready:
-        from cuda.bindings.driver import CUresult
-
         sim.faults.rng.seed(seed)
-        for call in ("cuMemMap", "cuMemSetAccess"):
-            sim.faults.add(call, CUresult.CUDA_ERROR_NOT_READY, probability=not_ready)
+        for call in ("cuMemMap", "cuMemSetAccess"):  # the driver's own CUDA_ERROR_NOT_READY code
+            sim.faults.add(call, driver.NOT_READY, probability=not_ready)
     result = SeedResult()
     stream = driver.stream_create()
     try:
