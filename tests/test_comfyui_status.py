@@ -101,6 +101,39 @@ def test_bad_values_are_refused_with_the_accepted_range_and_change_nothing(rt, b
     assert "start-up setting" in rt.headroom_in_force(d)[1]
 
 
+def test_a_saved_headroom_is_written_to_membackend_toml_and_read_at_the_next_start(rt, tmp_path, monkeypatch):
+    config = tmp_path / "membackend.toml"
+    config.write_text('# my settings\nsanitize = false\n\n[cuda_wddm]\nheadroom = "1GiB"\n')
+    monkeypatch.setenv("MEMBACKEND_CONFIG", str(config))
+    monkeypatch.delenv("MEMBACKEND_HEADROOM", raising=False)
+    d = str(rt.devices[0])
+    code, answer = routes.change_headroom({"device": d, "headroom": "1.5GiB", "save": True})
+    assert code == 200, answer
+    assert answer["headroom"] == 3 << 29 and answer["source"] == LIVE_SOURCE
+    assert answer["saved"] == str(config.resolve()) and "note" not in answer
+    text = config.read_text()
+    assert text.startswith("# my settings\nsanitize = false\n") and '[cuda_wddm]\nheadroom = "1GiB"' in text
+    assert load_settings().headroom == 3 << 29  # what the next start reads
+    code, answer = routes.change_headroom({"device": d, "headroom": "2GiB", "save": True})  # replaced, not added
+    assert code == 200 and config.read_text().count("\nheadroom =") == 2 and load_settings().headroom == 2 << 30
+    monkeypatch.setenv("MEMBACKEND_HEADROOM", "0")
+    code, answer = routes.change_headroom({"device": d, "headroom": "2GiB", "save": True})
+    assert code == 200 and "MEMBACKEND_HEADROOM" in answer["note"]
+
+
+def test_a_save_that_fails_puts_the_previous_headroom_back(rt, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_CONFIG", str(tmp_path / "broken.toml"))
+    (tmp_path / "broken.toml").write_text("this is = = not toml\n")
+    d = rt.devices[0]
+    before = rt.headroom_in_force(d)
+    code, answer = routes.change_headroom({"device": str(d), "headroom": "1GiB", "save": True})
+    assert code == 500 and answer["error"] == "ConfigError" and "broken.toml" in answer["message"], answer
+    assert rt.headroom_in_force(d) == before and rt.session.budget_query(d).headroom == before[0]
+    assert (tmp_path / "broken.toml").read_text() == "this is = = not toml\n"
+    code, answer = routes.change_headroom({"device": str(d), "headroom": None, "save": True})
+    assert code == 400 and answer["error"] == "ConfigError"  # nothing to save: refused before any change
+
+
 def test_headroom_route_when_membackend_does_not_run():
     adapter.decided("stock", "ComfyUI's dynamic VRAM is off (--cpu)", "membackend x: ComfyUI runs stock", None)
     code, answer = routes.change_headroom({"headroom": "1GiB"})

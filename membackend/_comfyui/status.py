@@ -2,7 +2,7 @@
 
 * ``GET /membackend/status`` -- the backend, budgets, live reservations and residency per model, as JSON;
 * ``POST /membackend/headroom`` -- change the headroom (the VRAM kept free) of a served device for the rest
-  of this ComfyUI session (:func:`change_headroom`);
+  of this ComfyUI session, and with ``"save": true`` for the next starts too (:func:`change_headroom`);
 * :func:`web_directory` -- the folder the custom node gives ComfyUI as its ``WEB_DIRECTORY``: the memory
   panel (plain JavaScript, served under ``/extensions/membackend/``).
 
@@ -104,9 +104,13 @@ def _accepted(rt: Any, device: Any) -> str:
 def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
     """``POST /membackend/headroom``'s answer: ``(HTTP status, JSON)``.
 
-    ``body`` is ``{"device": "cuda:0", "headroom": "2GiB" | bytes | null}`` (``device`` optional: the first
-    served). 200: ``Runtime.set_headroom_live``'s answer (the value in force, its source, the bytes freed,
-    the new budget). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
+    ``body`` is ``{"device": "cuda:0", "headroom": "2GiB" | bytes | null, "save": false}`` (``device``
+    optional: the first served). 200: ``Runtime.set_headroom_live``'s answer (the value in force, its source,
+    the bytes freed, the new budget). ``"save": true`` also writes the value as the ``headroom`` setting of
+    the ``membackend.toml`` in force (``MEMBACKEND_CONFIG``, else the one in ComfyUI's working folder), for
+    every device from the next start on; the answer adds ``saved`` (the file) and ``note`` where something
+    read before that file (``MEMBACKEND_HEADROOM``, ComfyUI's flags) will win over it. A save that fails puts
+    the previous headroom back and answers the ``ConfigError`` naming the file (500). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
     "message": ..., "accepted": ...}``: 400 for bad input (``ConfigError`` a body that is not such an
     object, ``InvalidSize`` a value that is not a size in range, ``WrongDevice`` a device not served), 409
     while membackend serves no device (``WrongDevice``), 500 when freeing what no longer fits failed (the
@@ -117,18 +121,43 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
         exc = WrongDevice(f"membackend serves no device in this ComfyUI ({st['state']}: {st['reason']}); "
                           f"accepted: a live change while membackend runs")
         return NOT_SERVING, _error(exc, "a live change while membackend runs")
-    if not isinstance(body, dict) or "headroom" not in body or not set(body) <= {"device", "headroom"}:
+    save = body.get("save", False) if isinstance(body, dict) else False
+    if not isinstance(body, dict) or "headroom" not in body or not set(body) <= {"device", "headroom", "save"} \
+            or not isinstance(save, bool) or (save and body["headroom"] is None):
         accepted = _accepted(rt, None)
         exc = ConfigError("headroom", f"POST {HEADROOM_ROUTE}", f"the request body must be a JSON object with "
-                          f"\"headroom\" (and optionally \"device\"), got {body!r}", accepted)
+                          f"\"headroom\" (and optionally \"device\", and \"save\": true or false; a saved "
+                          f"headroom is a size, not null), got {body!r}", accepted)
         return BAD_INPUT, _error(exc, accepted)
     device = body.get("device")
     try:
-        return 200, rt.set_headroom_live(device, body["headroom"])
+        answer = rt.set_headroom_live(device, body["headroom"])
     except (ValueError, TypeError) as exc:  # InvalidSize, WrongDevice: bad input, nothing changed
         return BAD_INPUT, _error(exc, _accepted(rt, device))
     except MembackendError as exc:  # freeing failed (a driver error): the previous headroom is back
         return FAILED, _error(exc)
+    if save:
+        try:
+            answer.update(_save(answer["headroom"]))
+        except MembackendError as exc:
+            previous_live = answer["previous_source"] == runtime.LIVE_SOURCE
+            rt.set_headroom_live(answer["device"], answer["previous"] if previous_live else None)
+            return FAILED, _error(exc)
+    return 200, answer
+
+
+def _save(headroom: int) -> dict[str, Any]:
+    """Write ``headroom`` bytes as the ``headroom`` setting of the ``membackend.toml`` in force; what the
+    answer adds: ``saved`` (the file) and, where a source read before the file wins over it, ``note``."""
+    import os
+
+    from .._settings import format_bytes, save_setting
+
+    path = save_setting("headroom", format_bytes(headroom))
+    answer: dict[str, Any] = {"saved": str(path.resolve())}
+    if os.environ.get("MEMBACKEND_HEADROOM", "").strip():
+        answer["note"] = "MEMBACKEND_HEADROOM is set: it wins over the file at the next start"
+    return answer
 
 
 def register_routes() -> bool:

@@ -53,6 +53,7 @@ from .sources import (
     config_file,
     platform_env_name,
     resolve_platform,
+    save_setting,
 )
 
 if TYPE_CHECKING:  # built by model.models() on first use; the names resolve through __getattr__ below
@@ -61,7 +62,7 @@ if TYPE_CHECKING:  # built by model.models() on first use; the names resolve thr
     Settings = MachineOverrides = DeviceOverride = _BaseModel
 
 __all__ = ["Settings", "MachineOverrides", "DeviceOverride", "load_settings", "parse_bytes", "format_bytes",
-           "config_file", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "NAME_PATTERN", "PlatformValues",
+           "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "NAME_PATTERN", "PlatformValues",
            "Rule", "RuleError"]
 
 #: the names of the fields of :class:`Settings`, :class:`MachineOverrides` and :class:`DeviceOverride`, in order

@@ -161,12 +161,12 @@ class Panel {
     return a && this.root.contains(a) && (a.tagName === "INPUT" || a.tagName === "BUTTON");
   }
 
-  async setHeadroom(device, value) {
+  async setHeadroom(device, value, save = false) {
     let answer, ok;
     try {
       const r = await api.fetchApi("/membackend/headroom", {
         method: "POST", headers: { "Content-Type": "application/json" },
-        body: JSON.stringify({ device, headroom: value }),
+        body: JSON.stringify(save ? { device, headroom: value, save: true } : { device, headroom: value }),
       });
       ok = r.ok;
       answer = await r.json();
@@ -176,7 +176,9 @@ class Panel {
     }
     if (ok) {
       this.messages[device] = { ok: `headroom ${gb(answer.headroom)} (${answer.source})` +
-                                    (answer.freed ? `; gave back ${gb(answer.freed)}` : "") };
+                                    (answer.freed ? `; gave back ${gb(answer.freed)}` : "") +
+                                    (answer.saved ? `; saved to ${answer.saved} for the next starts` : "") +
+                                    (answer.note ? ` (${answer.note})` : "") };
       delete this.drafts[device];
     } else {
       const accepted = answer.accepted && !String(answer.message).includes(answer.accepted)
@@ -255,10 +257,13 @@ class Panel {
       el("div", { style: "margin-top:4px" }, "Keep free: ", input, " ",
         el("button", { "data-mb": "headroom-apply", "data-device": dev, text: "Apply",
                        onclick: () => this.setHeadroom(dev, input.value) }), " ",
+        el("button", { "data-mb": "headroom-save", "data-device": dev, text: "Apply and save",
+                       title: "also write it to membackend.toml: every device keeps this much free from the next start on",
+                       onclick: () => this.setHeadroom(dev, input.value, true) }), " ",
         el("button", { "data-mb": "headroom-reset", "data-device": dev, text: "Start-up value",
                        title: "back to the value membackend started with", onclick: () => this.setHeadroom(dev, null) })),
-      el("div", { class: "mb-muted", text: `${gb(hr.min ?? 0)} to ${gb(hr.max ?? b.total)}. A change lasts until ` +
-        "ComfyUI stops; to keep one, start with MEMBACKEND_HEADROOM=<size> or ComfyUI's --reserve-vram <GB>." }),
+      el("div", { class: "mb-muted", text: `${gb(hr.min ?? 0)} to ${gb(hr.max ?? b.total)}. Apply lasts until ` +
+        "ComfyUI stops; Apply and save also writes it to membackend.toml for the next starts." }),
       msg.error ? el("div", { class: "mb-error", "data-mb": "headroom-error", text: msg.error }) : null,
       msg.ok ? el("div", { class: "mb-ok", "data-mb": "headroom-ok", text: msg.ok }) : null,
       chart((st.history || {})[dev], b.total));
