@@ -691,6 +691,8 @@ class Session:
             failures += exc.failures
         except MembackendError as exc:
             failures.append(("trim", exc))
+        if self._backend_follows:  # a closed session decides nothing for the backend any more
+            self.backend.follow_headroom(None, instead_of=self._decided_headroom)
         if self._opt_close is not None:  # what the backend holds of the driver itself (a primary context)
             try:
                 self._opt_close()

@@ -169,9 +169,9 @@ class Platform:
     description: str = ""
     version: str | None = None
     settings: tuple[PlatformSetting, ...] = ()
-    #: ``capabilities`` when it was given as a function of the settings (see :meth:`capabilities_for`)
-    capabilities_rule: Callable[..., Capabilities] | None = field(default=None, init=False, repr=False,
-                                                                  compare=False)
+    #: ``capabilities`` when it was given as a function of the settings (see :meth:`capabilities_for`); set
+    #: from ``capabilities`` (an init field only so that ``dataclasses.replace`` keeps the rule)
+    capabilities_rule: Callable[..., Capabilities] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.match(NAME_PATTERN, self.name):

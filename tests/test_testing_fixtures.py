@@ -157,3 +157,16 @@ def test_the_fixture_closes_every_session_it_made(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_made.py"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
+
+
+def test_a_plugin_platform_runs_with_its_own_page_size_and_declared_settings(monkeypatch):
+    """As the plugin runs in membackend: the platform's page size, and its settings read from the sources."""
+    wddm = pytest.importorskip("membackend_cuda_wddm")
+    monkeypatch.setenv("MEMBACKEND_CUDA_WDDM_HEADROOM", "1GiB")
+    s = simulated_session("wddm-6gb", wddm.PLATFORM)
+    try:
+        assert s.reserve("cuda:0", 1).page_size == wddm.PLATFORM.page_size != 2 * MiB
+        room, source = s.headroom_in_force("cuda:0")
+        assert room == 1 << 30 and "MEMBACKEND_CUDA_WDDM_HEADROOM" in source, source
+    finally:
+        s.close()

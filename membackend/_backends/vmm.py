@@ -248,12 +248,16 @@ class VmmBackend:
         return (self.platform.headroom_for(total, self.platform_values),
                 self.platform.headroom_source(self.platform_values))
 
-    def follow_headroom(self, decide: Callable[[Device, int], int] | None) -> None:
+    def follow_headroom(self, decide: Callable[[Device, int], int] | None,
+                        instead_of: Callable[[Device, int], int] | None = None) -> None:
         """Take the headroom in force from ``decide(device, total)`` from now on: the session that owns
         this backend calls it when it is built, so the budget it reports and the up-front refusal of a
         unified pool keep the headroom the session decided (None: back to :meth:`own_headroom`). A backend
-        follows one session: the latest one built on it."""
-        self._decide_headroom = decide
+        follows one session: the latest one built on it. With ``instead_of``, only while that is the one
+        followed now (a closing session lets go of the backend without undoing a newer session's hold)."""
+        with self._lock:
+            if instead_of is None or self._decide_headroom == instead_of:
+                self._decide_headroom = decide
 
     def _room(self, index: int, total: int) -> int:
         """The headroom in force on device ``index`` of ``total`` bytes (see :meth:`follow_headroom`)."""

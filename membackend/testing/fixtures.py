@@ -99,8 +99,11 @@ def simulated_session(profile: str, platform: Platform | None = None, *, capabil
     driver = open_gpu_driver(resolve_vendor(chosen.vendor, s), profile)
     if capabilities is None and platform is None:
         capabilities = driver.sim.profile.capabilities()
-    backend = VmmBackend(chosen, driver, capabilities=capabilities, headroom=s.headroom, page_size=s.page_size,
-                         machine=lambda: machine)
+    # the platform's own page size unless one is asked for, and its declared settings, as the plugin runs;
+    # the session applies the headroom
+    backend = VmmBackend(chosen, driver, capabilities=capabilities, machine=lambda: machine,
+                         page_size=s.page_size if "page_size" in settings else None,
+                         platform_values=chosen.setting_values(s))
     watchers = list(observers)
     tracer = None
     if s.trace is not None:

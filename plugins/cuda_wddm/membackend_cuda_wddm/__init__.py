@@ -85,16 +85,12 @@ def headroom(total: int = 0, settings: PlatformValues | None = None) -> int:
     """Bytes kept free under a WDDM budget of ``total`` bytes: the ``headroom`` setting (``settings``,
     the values membackend read; None: the default, :data:`DEFAULT_HEADROOM`).
 
-    Raises ``ConfigError`` (key ``cuda_wddm.headroom``, the value's source) for a headroom that would
-    leave nothing of the budget. Reads no environment: a change while running goes through the session
-    (``Session.set_headroom(device, n, source="live")``).
+    A headroom as large as a device is refused by :func:`probe` (score 0, naming the key), so this never
+    raises; one as large as the budget leaves no usable bytes, which the budget then says. Reads no
+    environment: a change while running goes through the session (``Session.set_headroom(device, n,
+    source="live")``).
     """
-    value = DEFAULT_HEADROOM if settings is None else settings["headroom"]
-    if total and value >= total:
-        source = "default" if settings is None else settings.source("headroom")
-        raise ConfigError(f"{NAME}.headroom", source, f"{value} bytes would leave nothing of the {total} byte WDDM "
-                                                      "budget", f"a size below {total} bytes")
-    return value
+    return DEFAULT_HEADROOM if settings is None else settings["headroom"]
 
 
 def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate:
@@ -104,7 +100,9 @@ def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate
 
     Pure: reads machine facts only, no GPU context. (A headroom setting that
     cannot be parsed never gets here: membackend refuses it when it reads the
-    settings, and lists the plugin as broken with the reason.)
+    settings, and lists the plugin as broken with the reason.) A headroom as
+    large as the smallest device scores 0 with the key and its source named, so
+    selection goes on with another backend.
     """
     if machine.os != "windows":
         return Candidate(NAME, Score.NONE, f"the OS is {machine.os}, not Windows: WDDM is Windows' display driver "
@@ -129,6 +127,11 @@ def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate
     fit = "a small card, what this plugin is meant for" if 0 < smallest.total_memory <= MEANT_FOR \
         else "more than the ~12 GB this plugin is meant for, so it scores low in the band"
     room = DEFAULT_HEADROOM if settings is None else settings["headroom"]
+    if smallest.total_memory and room >= smallest.total_memory:
+        source = "default" if settings is None else settings.source("headroom")
+        return Candidate(NAME, Score.NONE, f"{NAME}.headroom ({source}) is {room} bytes, which would leave nothing "
+                                           f"of {smallest.device}'s {smallest.total_memory} bytes; accepted: a size "
+                                           f"below {smallest.total_memory} bytes")
     return Candidate(NAME, score,
                      f"Windows, {len(gpus)} NVIDIA device(s) under WDDM (from "
                      f"{smallest.source_of('driver_model') or smallest.source or 'the machine facts'}); smallest "

@@ -122,11 +122,18 @@ def test_a_key_the_platform_does_not_declare_is_refused_with_what_it_declares(tm
     assert "unknown key" in str(err.value) and err.value.accepted == "one of: headroom"
 
 
-def test_a_headroom_that_leaves_nothing_of_the_budget_is_refused(monkeypatch):
+def test_a_headroom_as_large_as_the_card_scores_zero_and_selection_goes_on(monkeypatch):
+    """Refused at the probe, naming the key and its source: another backend is chosen, nothing fails later."""
+    from membackend._drivers.open import machine_for
+
     monkeypatch.setenv(wddm.HEADROOM_ENV, "6GiB")
-    with pytest.raises(ConfigError, match="would leave nothing") as err:
-        wddm.headroom(5 * GiB, wddm.PLATFORM.setting_values())
-    assert (err.value.key, err.value.source) == ("cuda_wddm.headroom", "env MEMBACKEND_CUDA_WDDM_HEADROOM")
+    settings = load_settings(sim_profile="wddm-6gb")
+    selection = BackendManager(settings).select(machine_for(settings))
+    c = selection.candidates["cuda_wddm"]
+    assert c.score == 0 and "cuda_wddm.headroom (env MEMBACKEND_CUDA_WDDM_HEADROOM)" in c.reason, c
+    assert "accepted: a size below" in c.reason and "cuda_wddm" not in selection.broken
+    assert selection.record.name != "cuda_wddm"
+    assert wddm.headroom(5 * GiB, wddm.PLATFORM.setting_values()) == 6 * GiB  # the rule itself never raises
 
 
 def _session(**settings):

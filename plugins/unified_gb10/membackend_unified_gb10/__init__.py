@@ -81,15 +81,11 @@ def headroom(total: int, settings: PlatformValues | None = None) -> int:
     The ``headroom`` setting when set (``settings``, the values membackend
     read; it must be smaller than the pool), else ``total * HEADROOM_FRACTION``
     clamped to ``[HEADROOM_MIN, HEADROOM_MAX]`` (and never more than half the
-    pool). Raises ``ConfigError`` (key ``unified_gb10.headroom``, the value's
-    source) on a headroom the pool cannot leave. Reads no environment.
+    pool). A setting as large as the pool is refused by :func:`probe` (score 0,
+    naming the key), so this never raises. Reads no environment.
     """
     wanted = None if settings is None else settings["headroom"]
     if wanted is not None:
-        if total > 0 and wanted >= total:
-            raise ConfigError(f"{PLATFORM_NAME}.headroom", settings.source("headroom"),
-                              f"{wanted} bytes is not less than the {total} byte pool",
-                              f"a size below the pool ({_gb(total)})")
         return wanted
     return min(max(int(total * HEADROOM_FRACTION), HEADROOM_MIN), HEADROOM_MAX, total // 2)
 
@@ -108,10 +104,12 @@ def _pool(machine: Machine, device_total: int) -> tuple[int, str]:
     return size, how
 
 
-def probe(machine: Machine) -> Candidate:
+def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate:
     """Fits when every CUDA device is integrated and supports virtual memory management; pure
-    (machine facts only, no GPU context). (An unusable ``headroom`` setting never gets here: membackend
-    refuses it when it reads the settings, so the doctor shows the backend as broken with that message.)
+    (machine facts only, no GPU context). (A ``headroom`` setting that is no size never gets here: membackend
+    refuses it when it reads the settings, so the doctor shows the backend as broken with that message.) A
+    ``headroom`` setting as large as the pool scores 0 with the key and its source named, so selection goes
+    on with another backend.
     """
     name = PLATFORM_NAME
     cuda = machine.gpus("cuda")
@@ -136,6 +134,11 @@ def probe(machine: Machine) -> Candidate:
         return Candidate(name, Score.NONE, lacking)
     d = integrated[0]
     size, how = _pool(machine, d.total_memory)
+    wanted = None if settings is None else settings["headroom"]
+    if wanted is not None and size and wanted >= size:
+        return Candidate(name, Score.NONE, f"{name}.headroom ({settings.source('headroom')}) is {wanted} bytes, "
+                                           f"not less than the {_gb(size)} pool ({how}); accepted: a size below "
+                                           f"the pool")
     more = f" and {len(integrated) - 1} more" if len(integrated) > 1 else ""
     return Candidate(name, SCORE, f"{d.device} {d.name}{more} is integrated (from "
                                   f"{d.source_of('integrated') or d.source or 'the machine facts'}): one "

@@ -116,15 +116,17 @@ def test_a_bad_headroom_variable_is_a_config_error_saying_what_is_accepted(monke
     assert "GiB" in info.value.accepted
 
 
-def test_a_headroom_not_below_the_pool_is_a_config_error_at_the_budget_query(monkeypatch):
+def test_a_headroom_not_below_the_pool_scores_zero_and_selection_goes_on(monkeypatch):
+    """Refused at the probe, naming the key and its source: another backend is chosen, nothing fails later."""
+    from membackend._manager import BackendManager
+
     monkeypatch.setenv(HEADROOM_ENV, "200GB")
-    s = gb10_session()
-    try:
-        with pytest.raises(ConfigError, match="not less than the 128000000000 byte pool") as info:
-            s.budget_query(CUDA0)
-        assert (info.value.key, info.value.source) == ("unified_gb10.headroom", f"env {HEADROOM_ENV}")
-    finally:
-        s.close()
+    settings = load_settings(sim_profile="gb10-128gb")
+    selection = BackendManager(settings).select(machine_for(settings))
+    c = selection.candidates["unified_gb10"]
+    assert c.score == 0 and f"unified_gb10.headroom (env {HEADROOM_ENV})" in c.reason, c
+    assert "not less than the" in c.reason and "unified_gb10" not in selection.broken
+    assert selection.record.name != "unified_gb10"
 
 
 def test_the_generic_headroom_setting_overrides_this_backends(monkeypatch):
