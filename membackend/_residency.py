@@ -446,7 +446,7 @@ class ResidencyManager:
         self._on_workflow_switch(models)
         now = time.time()
         for m in models:
-            self._loads[m.id] = {"model": m.id, "size": m.size, "time": now, "workflow": workflow,
+            self._loads[m.id] = {"model": m.id, "size": m.size, "began": now, "workflow": workflow,
                                  "resident_before": sum(s.resident_bytes() for s in m.slots.values()),
                                  "loaded": 0, "lost": self.losses.pop(m.id, None)}
 
@@ -455,12 +455,14 @@ class ResidencyManager:
         """Close the loads the last :meth:`use` opened; returns one record per model, traced as a ``load`` event
         and handed to each of :attr:`load_listeners`.
 
-        A record holds ``model``, ``size``, ``time`` (when the load began, epoch seconds), ``workflow``,
+        A record holds ``model``, ``size``, ``began`` (when the load began, epoch seconds), ``workflow``,
         ``resident_before`` and ``loaded`` (bytes its faults newly backed: each copied in), ``lost`` (what the
         model lost since its previous load: ``{"time", "bytes", "reason", "for"}``, ``for`` the ids of the
         models it made room for; None when it lost nothing), ``shed_during`` where its own pages were shed
         to fit the run, and ``kind``: ``kept`` (nothing loaded), ``reloaded`` (it had lost pages since its
-        previous load) or ``cold`` (a first load)."""
+        previous load) or ``cold`` (it loaded bytes with no loss recorded: a first load, or pages its own
+        faults evicted to fit themselves). Listeners run under the policy's lock: they must not wait for
+        another thread that may want it."""
         done, self._loads = list(self._loads.values()), {}
         for rec in done:
             rec["kind"] = "kept" if not rec["loaded"] else "reloaded" if rec["lost"] else "cold"
@@ -889,6 +891,8 @@ class ResidencyManager:
         if model.owner is not None and model in model.owner.owned:
             model.owner.owned.remove(model)
         self._models.pop(model.id, None)
+        self.losses.pop(model.id, None)  # nothing loads it again: its losses would only pile up
+        self._loads.pop(model.id, None)
         self._trace("unregister", model, via=via)
 
     # ------------------------------------------------------------------ per-reservation controls

@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -220,6 +221,7 @@ def test_raising_and_lowering_the_cap_under_load_keeps_pins_and_the_ledger(rt):
     stop = threading.Event()
     problems: list[str] = []
     faults = [0] * len(models)
+    attempts = [0] * len(models)  # faults asked, out of memory included
 
     def work(i, m):
         n = 0
@@ -228,6 +230,7 @@ def test_raising_and_lowering_the_cap_under_load_keeps_pins_and_the_ledger(rt):
             n += 1
             try:
                 f = rt.residency.fault(m, off, layer, d)
+                attempts[i] += 1
                 if not f.ok:
                     continue  # out of memory under a tight cap: ComfyUI streams the layer
                 faults[i] += 1
@@ -246,6 +249,12 @@ def test_raising_and_lowering_the_cap_under_load_keeps_pins_and_the_ledger(rt):
     total = rt.session.budget_query(d).total
     try:
         for step in range(40):
+            # every thread faults between two changes, so each change meets layers being faulted and pinned
+            # (a deadline only against a hang: how long it takes is not what is checked)
+            seen, deadline = list(attempts), time.monotonic() + 120
+            while any(a <= b for a, b in zip(attempts, seen)) and not problems:
+                assert time.monotonic() < deadline, f"a faulting thread made no progress: {attempts}"
+                time.sleep(0.001)
             tight = step % 2 == 0
             value = total - 3 * layer if tight else 0  # room for ~3 layers of 4 threads: eviction under pins
             answer = rt.set_headroom_live(d, value)

@@ -211,6 +211,7 @@ class Runtime:
         self.history: dict[str, collections.deque[tuple[float, int, int, int | None]]] = {}
         self._sampled = 0.0
         self._headroom_lock = threading.Lock()  # one live change at a time
+        self._loads_lock = threading.Lock()  # the load records (taken under the policy's lock: nothing inside)
         self._wire = wire
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -335,7 +336,8 @@ class Runtime:
                               f"{accepted}")
         return n
 
-    def set_headroom_live(self, device: Any, value: Any) -> dict[str, Any]:
+    def set_headroom_live(self, device: Any, value: Any,
+                          then: Callable[[int], dict[str, Any]] | None = None) -> dict[str, Any]:
         """Change the headroom (the VRAM kept free) of a served device for the rest of this session.
 
         ``value`` as :meth:`parse_headroom` reads it. The next fault sees the new budget. When the free room
@@ -343,7 +345,9 @@ class Runtime:
         first (least recently used), then unpinned pages by priority -- never a pinned page. Returns the
         value in force, its source, the bytes freed and the new budget. A bad device or value raises
         (:class:`~membackend.types.WrongDevice`, :class:`~membackend.types.InvalidSize`) and changes nothing;
-        a failure while freeing puts the previous headroom back and raises it."""
+        a failure while freeing puts the previous headroom back and raises it. ``then(bytes in force)`` runs
+        under the same lock once the change holds (the route's save); what it returns joins the answer, and
+        if it raises, the previous headroom is put back the same way."""
         if self.session is None or self.residency is None:
             raise WrongDevice("membackend is not running in this ComfyUI; accepted: a live change once it runs")
         dev = self.device_named(device)
@@ -354,15 +358,16 @@ class Runtime:
             self.session.set_headroom(dev, n, source=LIVE_SOURCE)  # None: back to the start-up value
             try:
                 freed = self._fit(dev, n)
+                now, source = self.headroom_in_force(dev)
+                extra = then(now) if then is not None else {}
             except Exception:
                 self.session.set_headroom(dev, before if was_live else None, source=LIVE_SOURCE)
                 raise
-            now, source = self.headroom_in_force(dev)
         b = self.session.budget_query(dev)
         say(f"headroom on {dev} is now {gb(now)} ({source}; was {gb(before)}, {before_source})"
             + (f"; gave back {gb(freed)} that no longer fit" if freed else ""))
         self.sample(force=True)
-        return {"device": str(dev), "headroom": now, "source": source, "previous": before,
+        return {**extra, "device": str(dev), "headroom": now, "source": source, "previous": before,
                 "previous_source": before_source, "freed": freed,
                 "budget": {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
                            "source": b.source}}
@@ -389,30 +394,49 @@ class Runtime:
         name = self.display_name(rec["model"])
         words = describe_load(rec, self.display_name)
         entry = {**rec, "name": name, "text": words}
-        with self._lock:
+        with self._loads_lock:  # a leaf lock: this runs under the policy's lock, which abort() may wait for
             self.loads.append(entry)
             self.load_count += 1
             self.loaded_bytes += int(rec.get("loaded", 0))
         say(f"load of {name} ({gb(rec['size'])}): {words}")
 
     def sample(self, force: bool = False) -> None:
-        """Add one history sample per device (at most one a second unless ``force``)."""
+        """Add one history sample per device (at most one a second unless ``force``). Never raises: the
+        chart is for people, and a sample that fails (a driver that cannot be inspected now) is skipped."""
         if self.session is None:
             return
         now = time.time()
         if not force and now - self._sampled < HISTORY_EVERY:
             return
         self._sampled = now
-        for d in self.devices:
-            acct = self.session.ledger.account(d)
-            state = self.session.inspect(d)
-            committed = None
-            if state is not None:
-                committed = state.committed if state.committed is not None else state.resident + state.held
-            hist = self.history.setdefault(str(d), collections.deque())
-            hist.append((round(now, 3), acct.reserved, acct.resident, committed))
-            while hist and now - hist[0][0] > HISTORY_SECONDS:
-                hist.popleft()
+        try:
+            rows = []
+            for d in self.devices:
+                acct = self.session.ledger.account(d)
+                state = self.session.inspect(d)
+                committed = None
+                if state is not None:
+                    committed = state.committed if state.committed is not None else state.resident + state.held
+                rows.append((str(d), (round(now, 3), acct.reserved, acct.resident, committed)))
+        except Exception as exc:  # noqa: BLE001
+            log.debug("membackend: history sample skipped: %s: %s", type(exc).__name__, exc)
+            return
+        with self._lock:  # status() copies the history under the same lock
+            for d, row in rows:
+                hist = self.history.setdefault(d, collections.deque())
+                hist.append(row)
+                while hist and now - hist[0][0] > HISTORY_SECONDS:
+                    hist.popleft()
+
+    def _close_loads(self) -> None:
+        """Close the loads the last run opened (one line per load); a failure there (the trace file) is
+        logged, never raised into ComfyUI's node loop."""
+        if self.residency is None:
+            return
+        try:
+            self.residency.loads_done()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("membackend: closing the run's load records failed: %s: %s", type(exc).__name__, exc)
 
     # ------------------------------------------------------------------ G6
 
@@ -541,8 +565,7 @@ class Runtime:
         for vbar in waiting:
             self.unload_vbar(vbar, "put off until no page was pinned")
         self.keep.relieve()
-        if self.residency is not None:
-            self.residency.loads_done()  # the node that loaded its models is done: one line per load
+        self._close_loads()  # the node that loaded its models is done: one line per load
         self.sample()
 
     def idle(self) -> int:
@@ -573,6 +596,8 @@ class Runtime:
 
     def close_vbar(self, vbar: Any) -> None:
         self.cancel_put_off(vbar)
+        self.names.pop(vbar._model.id, None)  # each ModelVBAR has an id of its own: nothing here outlives it
+        self.last_used.pop(vbar._model.id, None)
         self.vbars.discard(vbar)
         if self.fences is not None:
             self.fences.forget(vbar._model)
@@ -595,16 +620,20 @@ class Runtime:
     def status(self) -> dict[str, Any]:
         """What ``GET /membackend/status`` answers while a runtime exists."""
         state, reason = self.state()
+        with self._lock:  # appended from other threads: copied whole
+            unloads = list(self.unloads)
+        with self._loads_lock:
+            loads, load_count, loaded_bytes = list(self.loads), self.load_count, self.loaded_bytes
         out: dict[str, Any] = {"version": __version__, "running": self.running, "state": state, "reason": reason,
                                "backend": self.name, "how": self.selection.how,
                                "selection_reason": self.selection.reason, "started": bool(self.started),
                                "aborted": self.aborted, "patched": self.patches.applied,
                                "not_present": list(self.patches.skipped),
-                               "unloads": list(self.unloads), "unload_count": self.unload_count,
+                               "unloads": unloads, "unload_count": self.unload_count,
                                "idle": {"times": self.idles, "bytes": self.idle_bytes},
                                "how_to": HOW_TO, "line": _outcome.line if _outcome is not None else None,
-                               "loads": list(self.loads), "load_count": self.load_count,
-                               "loaded_bytes": self.loaded_bytes, "keep_warm": self.keep.enabled}
+                               "loads": loads, "load_count": load_count,
+                               "loaded_bytes": loaded_bytes, "keep_warm": self.keep.enabled}
         if self.session is None:
             return out
         self.sample()
@@ -628,7 +657,8 @@ class Runtime:
         out["models"] = self.model_details()
         #: per model id, what it lost since its last load (``ResidencyManager.losses``): recent evictions
         out["evictions"] = {k: dict(v) for k, v in list(self.residency.losses.items())}
-        out["history"] = {d: [list(x) for x in h] for d, h in self.history.items()}
+        with self._lock:  # sample() appends from other threads
+            out["history"] = {d: [list(x) for x in h] for d, h in self.history.items()}
         return out
 
     def model_details(self) -> dict[str, Any]:

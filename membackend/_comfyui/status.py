@@ -108,8 +108,9 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
     optional: the first served). 200: ``Runtime.set_headroom_live``'s answer (the value in force, its source,
     the bytes freed, the new budget). ``"save": true`` also writes the value as the ``headroom`` setting of
     the ``membackend.toml`` in force (``MEMBACKEND_CONFIG``, else the one in ComfyUI's working folder), for
-    every device from the next start on; the answer adds ``saved`` (the file) and ``note`` where something
-    read before that file (``MEMBACKEND_HEADROOM``, ComfyUI's flags) will win over it. A save that fails puts
+    every device from the next start on; the answer adds ``saved`` (the file) and ``note`` where
+    ``MEMBACKEND_HEADROOM``, read before the file, will win over it (ComfyUI's ``--reserve-vram`` and
+    ``--vram-headroom`` are combined with the saved value at start-up, as with any headroom setting). A save that fails puts
     the previous headroom back and answers the ``ConfigError`` naming the file (500). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
     "message": ..., "accepted": ...}``: 400 for bad input (``ConfigError`` a body that is not such an
     object, ``InvalidSize`` a value that is not a size in range, ``WrongDevice`` a device not served), 409
@@ -130,20 +131,14 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
                           f"headroom is a size, not null), got {body!r}", accepted)
         return BAD_INPUT, _error(exc, accepted)
     device = body.get("device")
-    try:
-        answer = rt.set_headroom_live(device, body["headroom"])
-    except (ValueError, TypeError) as exc:  # InvalidSize, WrongDevice: bad input, nothing changed
+    try:  # bad input is refused before anything changes
+        rt.parse_headroom(rt.device_named(device), body["headroom"])
+    except (ValueError, TypeError) as exc:  # InvalidSize, WrongDevice
         return BAD_INPUT, _error(exc, _accepted(rt, device))
-    except MembackendError as exc:  # freeing failed (a driver error): the previous headroom is back
+    try:
+        return 200, rt.set_headroom_live(device, body["headroom"], then=_save if save else None)
+    except MembackendError as exc:  # freeing or saving failed: the previous headroom is back
         return FAILED, _error(exc)
-    if save:
-        try:
-            answer.update(_save(answer["headroom"]))
-        except MembackendError as exc:
-            previous_live = answer["previous_source"] == runtime.LIVE_SOURCE
-            rt.set_headroom_live(answer["device"], answer["previous"] if previous_live else None)
-            return FAILED, _error(exc)
-    return 200, answer
 
 
 def _save(headroom: int) -> dict[str, Any]:
@@ -170,7 +165,8 @@ def register_routes() -> bool:
 
     @instance.routes.get(ROUTE)
     async def membackend_status(request: Any) -> Any:
-        return web.json_response(status())
+        # the status takes the policy's lock, which a fault may hold while it waits for copies: off the loop
+        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, status))
 
     @instance.routes.post(HEADROOM_ROUTE)
     async def membackend_headroom(request: Any) -> Any:

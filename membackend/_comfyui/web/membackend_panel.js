@@ -290,7 +290,7 @@ class Panel {
     const recent = loads.slice(-8).reverse();
     return el("div", {}, el("h3", { text: "Recent loads" }), recent.length
       ? el("ul", { "data-mb": "loads" }, ...recent.map((l) => el("li", { "data-kind": l.kind },
-          el("span", { class: "mb-muted", text: `${clock(l.time)} ` }), el("b", { text: l.name }), `: ${l.text}`)))
+          el("span", { class: "mb-muted", text: `${clock(l.began)} ` }), el("b", { text: l.name }), `: ${l.text}`)))
       : el("div", { class: "mb-muted", text: "none yet" }));
   }
 
