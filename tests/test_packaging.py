@@ -518,6 +518,7 @@ def _venv_pip(python: Path, *args: str, timeout: int = 600) -> subprocess.Comple
 
 
 @pytest.mark.network
+@pytest.mark.long
 def test_a_fresh_venv_from_the_wheels_runs_doctor_a_replay_and_the_kit_from_another_folder(wheels, tmp_path):
     """``pip install membackend`` (no extras; ``[kit]`` only for the kit's pytest and hypothesis), then the
     three plugins, into a virtual environment made here; every command runs in a folder outside the
@@ -564,6 +565,7 @@ def test_a_fresh_venv_from_the_wheels_runs_doctor_a_replay_and_the_kit_from_anot
 
 
 @pytest.mark.network
+@pytest.mark.long
 @pytest.mark.parametrize("target", list(INSTALLS), ids=lambda t: t.name)
 def test_every_install_resolves_for_its_platform(wheels, target, tmp_path):
     print(f"\n{target.name}:")
@@ -600,6 +602,7 @@ def _installable_here(chosen: dict[str, Dist], local: dict[str, Dist], target: T
 
 
 @pytest.mark.network
+@pytest.mark.long
 def test_hip_python_itself_has_no_windows_install_so_the_marker_is_needed(tmp_path):
     """The reason for the marker: hip-python 6.2 and later do not resolve for win_amd64 (the
     rocm-bindings they need have no Windows wheel; an unmarked, unversioned `hip-python` there

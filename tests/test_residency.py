@@ -903,7 +903,8 @@ class PinsSurviveShedding(RuleBasedStateMachine):
         self.s.close()
 
 
-@pytest.mark.parametrize("target", ["host", "wddm-6gb", "gb10-128gb"])
+@pytest.mark.parametrize("target", ["host", pytest.param("wddm-6gb", marks=pytest.mark.long),
+                                    pytest.param("gb10-128gb", marks=pytest.mark.long)])
 def test_shedding_never_frees_a_pinned_page(target):
     machine = type(f"PinsSurviveShedding[{target}]", (PinsSurviveShedding,), {"target": target})
     run_state_machine_as_test(machine, settings=settings(max_examples=10, stateful_step_count=20, deadline=None,

@@ -70,7 +70,7 @@ def test_the_quick_run_leaves_the_long_part_out_and_passes_the_callers_arguments
     rc, calls = run(skeleton, "scripts/test", "tests/test_x.py", "-q")
     assert rc == 0
     pytest_calls = [c for c in calls if c[:2] == ["-m", "pytest"]]
-    assert pytest_calls == [["-m", "pytest", "-m", "not kit_long", "tests/test_x.py", "-q"]], calls
+    assert pytest_calls == [["-m", "pytest", "-m", "not kit_long and not long", "tests/test_x.py", "-q"]], calls
 
 
 def test_membackend_full_runs_everything(skeleton):
@@ -82,7 +82,7 @@ def test_membackend_full_runs_everything(skeleton):
 def test_a_callers_marker_expression_comes_last_so_pytest_keeps_it(skeleton):
     _, calls = run(skeleton, "scripts/test", "-m", "gpu")
     argv = next(c for c in calls if c[:2] == ["-m", "pytest"])
-    assert argv[-2:] == ["-m", "gpu"] and argv.index("not kit_long") < argv.index("gpu"), argv
+    assert argv[-2:] == ["-m", "gpu"] and argv.index("not kit_long and not long") < argv.index("gpu"), argv
 
 
 @pytest.mark.parametrize("status", [1, 2, 5])

@@ -105,6 +105,7 @@ def cycles(s, n: int, unload_everything: bool = False) -> dict:
     return {"done": r.done, "commit": r.commits, "peak_quota_used": r.peak_quota_used, "error": r.error}
 
 
+@pytest.mark.long
 def test_200_cycles_alternating_devices_no_churn_failure_commit_flat_quota_never_crossed():
     s = session()
     r = cycles(s, 200)
@@ -119,6 +120,7 @@ def test_200_cycles_alternating_devices_no_churn_failure_commit_flat_quota_never
     assert sim(s).private_commit == 0 and sim(s).state()["reservations"] == 0
 
 
+@pytest.mark.long
 def test_200_cycles_that_unload_everything_drain_the_pool_without_spending_the_last_large_frees():
     """unload_all gives the kept windows back, but never past the platform's large-free budget (#6191):
     commit returns to zero while frees are left, then stays bounded by the kept windows; no cycle fails."""
