@@ -29,3 +29,15 @@ def test_bench_residency_compares_both_policies(capsys):
     for target, pair in data.items():
         assert pair["membackend"]["alive_after_unload"] == 0 and pair["stock"]["alive_after_unload"] == 3
         assert pair["membackend"]["copied"] < pair["stock"]["copied"]
+
+
+def test_bench_trace_stream_replays_both_lengths_side_by_side(capsys):
+    spec = importlib.util.spec_from_file_location("bench_trace_stream", BENCH.parent / "bench_trace_stream.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--events", "50", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    short, long_ = data["sizes"]
+    assert 50 <= short["events"] < long_["events"] and long_["events"] >= 500
+    assert short["peak_rss"] > 0 and long_["peak_rss"] > 0 and data["peak_ratio"] > 0
+    assert short["violations"] == long_["violations"] == 0
