@@ -520,13 +520,7 @@ class Session:
         """The backend's budget, with the headroom in force on ``device`` (:meth:`headroom_in_force`)."""
         device = self._device(device)
         b = self._checked_budget(self._budget_query, device)
-        chosen = self._chosen_headroom(device)
-        if chosen is not None:
-            room = chosen[0]
-        elif self._backend_follows:  # its own rule, whichever session the backend follows now
-            room = self.backend.own_headroom(device, b.total)[0]
-        else:
-            room = b.headroom
+        room = self._in_force(device, b.total, b.headroom)[0]
         if room != b.headroom:  # a following backend asked this session already: no change then
             b = Budget.of(b.total, b.free, room, b.source, b.unified)
         return b
@@ -541,11 +535,19 @@ class Session:
         if chosen is not None:
             return chosen
         b = self._checked_budget(self.backend.membackend_budget_query, device)  # not traced: no caller asked
+        return self._in_force(device, b.total, b.headroom)
+
+    def _in_force(self, device: Device, total: int, reported: int) -> tuple[int, str]:
+        """The one precedence: a value set through :meth:`set_headroom`, else the backend's own rule
+        (``own_headroom``), else the headroom its budget ``reported``."""
+        chosen = self._chosen_headroom(device)
+        if chosen is not None:
+            return chosen
         own = getattr(self.backend, "own_headroom", None)
         if callable(own):
-            room, source = own(device, b.total)
+            room, source = own(device, total)
             return int(room), str(source)
-        return b.headroom, f"backend {self.name}'s own budget"
+        return reported, f"backend {self.name}'s own budget"
 
     def set_headroom(self, device: Any, headroom: int | None, source: str = HEADROOM_LIVE) -> None:
         """Keep ``headroom`` bytes free on ``device`` from the next budget query on, as ``source``.
@@ -595,8 +597,7 @@ class Session:
 
     def _decided_headroom(self, device: Device, total: int) -> int:
         """The headroom in force, for a backend that follows the session (``follow_headroom``)."""
-        chosen = self._chosen_headroom(device)
-        return chosen[0] if chosen is not None else self.backend.own_headroom(device, total)[0]
+        return self._in_force(device, total, 0)[0]  # a following backend has its own rule
 
     def _checked_budget(self, query: Callable[[Device], Any], device: Device) -> Budget:
         """A budget from ``query`` (the bound verb, or the backend itself), typed as every verb is."""
