@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
     "Device",
@@ -555,6 +555,7 @@ class DriverState:
     source: str = ""
     committed: int | None = None  # process memory the platform charges for it (Windows private commit), if known
     hazards: int = 0  # unsafe operations the driver saw: unmaps or releases while async work used the memory
+    calls: Mapping[str, int] | None = None  # the driver's own count of each API call, where it keeps one
 
 
 @runtime_checkable

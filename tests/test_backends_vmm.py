@@ -17,6 +17,7 @@ from membackend.types import Capabilities, Device, DriverError
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
+SOURCE = bytearray(PAGE)  # host bytes the tests copy from (a real driver refuses a NULL source)
 
 
 def session_on(profile: str, faults: FaultPlan | None = None, **caps) -> Session:
@@ -50,7 +51,7 @@ def test_a_recorded_copy_is_fenced_before_release():
     d = s.backend.driver
     s.fence("cuda:0")  # page-in done: only the copy below is pending
     stream = d.stream_create()
-    d.memcpy_htod_async(r.base, 0, PAGE, stream)
+    d.memcpy_htod_async(r.base, SOURCE, PAGE, stream)
     s.record(r, s.backend.fence_token(r, stream))
     s.release_reservation(r)
     assert sim(s).bugchecks == 0
@@ -62,7 +63,7 @@ def test_an_unrecorded_copy_is_a_broken_promise_the_sim_catches():
     s.fault(r, 0, PAGE)
     s.fence("cuda:0")
     d = s.backend.driver
-    d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())
+    d.memcpy_htod_async(r.base, SOURCE, PAGE, d.stream_create())
     with pytest.raises(SimulatedBugcheck):
         s.free(r)
 
@@ -74,7 +75,7 @@ def test_device_fence_granularity_syncs_before_every_unmap():
     s.fault(r, 0, PAGE)
     s.fence("cuda:0")
     d = s.backend.driver
-    d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())
+    d.memcpy_htod_async(r.base, SOURCE, PAGE, d.stream_create())
     assert s.free(r) == PAGE and sim(s).bugchecks == 0
 
 
@@ -286,7 +287,7 @@ def test_an_event_token_shared_by_threads_destroys_its_event_once():
     s.fault(r, 0, PAGE)
     d = s.backend.driver
     stream = d.stream_create()
-    d.memcpy_htod_async(r.base, 0, PAGE, stream)
+    d.memcpy_htod_async(r.base, SOURCE, PAGE, stream)
     token = s.backend.fence_token(r, stream)
     errors = []
 
@@ -345,7 +346,7 @@ def test_inspect_reports_the_hazards_the_driver_saw():
     s.fault(r, 0, PAGE)
     s.fence("hip:0")
     d = s.backend.driver
-    d.memcpy_htod_async(r.base, 0, PAGE, d.stream_create())  # nobody records it: a broken promise
+    d.memcpy_htod_async(r.base, SOURCE, PAGE, d.stream_create())  # nobody records it: a broken promise
     s.free(r)
     assert s.inspect(Device("hip", 0)).hazards == 2, "the unmap and the release of its handle"
 

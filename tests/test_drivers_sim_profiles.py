@@ -9,6 +9,7 @@ from membackend.types import DriverError
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
+SOURCE = bytearray(PAGE)  # host bytes the tests copy from (a real driver refuses a NULL source)
 
 
 def started(profile, faults=None, device=0):
@@ -40,7 +41,7 @@ def test_wddm_release_with_a_pending_copy_is_a_bugcheck():
     d.init()
     va, h = mapped_page(d)
     stream = d.stream_create()
-    d.memcpy_htod_async(va, 0, PAGE, stream)
+    d.memcpy_htod_async(va, SOURCE, PAGE, stream)
     with pytest.raises(SimulatedBugcheck, match="copy"):
         d.unmap(va, PAGE)
     assert d.sim.bugchecks == 1
@@ -51,7 +52,7 @@ def test_wddm_release_after_a_fence_is_safe():
     d.init()
     va, h = mapped_page(d)
     stream = d.stream_create()
-    d.memcpy_htod_async(va, 0, PAGE, stream)
+    d.memcpy_htod_async(va, SOURCE, PAGE, stream)
     event = d.event_create()
     d.event_record(event, stream)
     assert not d.event_query(event)
@@ -86,7 +87,7 @@ def test_wddm_copies_wait_for_the_page_in_of_their_memory():
     d.init()
     va, _ = mapped_page(d)
     stream = d.stream_create()
-    d.memcpy_htod_async(va, 0, PAGE, stream)
+    d.memcpy_htod_async(va, SOURCE, PAGE, stream)
     d.stream_synchronize(stream)
     assert d.sim.clock >= d.sim.profile.pagein_seconds
     d.unmap(va, PAGE)  # the copy's fence covered the page-in too
@@ -192,7 +193,7 @@ def test_h200_unmap_waits_for_pending_work_instead_of_racing():
     d.init()
     va, h = mapped_page(d)
     stream = d.stream_create()
-    d.memcpy_htod_async(va, 0, PAGE, stream)
+    d.memcpy_htod_async(va, SOURCE, PAGE, stream)
     d.unmap(va, PAGE)  # "exhibits synchronous behavior" (CUDA docs)
     assert d.sim.use_after_free == 0 and d.sim.clock > 0
 

@@ -312,7 +312,8 @@ def test_recorded_copies_are_fenced_by_full_unload_and_refused_after_it():
     load(policy, m)
     d = s.backend.driver
     stream = d.stream_create()
-    d.memcpy_htod_async(m.reservation().base, 0, env.page, stream)
+    source = bytearray(env.page)  # the copy's host bytes, alive until it ran
+    d.memcpy_htod_async(m.reservation().base, source, env.page, stream)
     policy.record(m, s.backend.fence_token(m.reservation(), stream))
     policy.full_unload(m)  # waits for the copy: no bugcheck
     assert d.sim.bugchecks == 0

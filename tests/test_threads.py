@@ -31,6 +31,7 @@ from membackend.types import Device, MembackendError, ReservationReleased
 
 MiB = 1 << 20
 PAGE = 2 * MiB
+SOURCE = bytearray(PAGE)  # host bytes the tests copy from (a real driver refuses a NULL source)
 CPU = Device("cpu", 0)
 
 THREADS = 8
@@ -201,7 +202,7 @@ class Target:
             driver.set_device(index)
             stream = streams[index] = driver.stream_create()
         driver.set_device(index)
-        driver.memcpy_htod_async(r.base, None, PAGE, stream)
+        driver.memcpy_htod_async(r.base, SOURCE, PAGE, stream)
         return self.session.backend.fence_token(r, stream)
 
 

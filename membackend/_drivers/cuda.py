@@ -286,6 +286,14 @@ class CudaDriver(GpuDriver):
     def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Any) -> None:
         self._on("cuMemcpyHtoDAsync", self.m.CUdeviceptr(dst), src, size, stream)
 
+    def memcpy_htod(self, dst: int, src: Any, size: int) -> None:
+        """Synchronous host-to-device copy (after the work queued before it)."""
+        self._on("cuMemcpyHtoD", self.m.CUdeviceptr(dst), src, size)
+
+    def memcpy_dtoh(self, dst: Any, src: int, size: int) -> None:
+        """Synchronous device-to-host copy (after the work queued before it)."""
+        self._on("cuMemcpyDtoH", dst, self.m.CUdeviceptr(src), size)
+
     # plain (non-VMM) memory, for baselines and staging buffers
     def mem_alloc(self, size: int) -> int:
         return int(self._on("cuMemAlloc", size)[0])

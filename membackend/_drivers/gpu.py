@@ -22,16 +22,42 @@ the wrapper retained (the CUDA primary contexts).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..types import DriverError
 
-__all__ = ["GpuDriver", "EventToken", "BUDGET_SOURCES"]
+__all__ = ["GpuDriver", "EventToken", "BUDGET_SOURCES", "host_address"]
 
 #: where a platform's budget can come from (see :meth:`GpuDriver.budget`)
 BUDGET_SOURCES = ("device", "wddm", "unified")
+
+
+def host_address(x: Any) -> int:
+    """A host pointer as cuda-python and hip-python take one: an int (an address), a ctypes object
+    (its address), a buffer-protocol object such as ``bytearray`` (its first byte), or None (NULL)."""
+    if x is None:
+        return 0
+    if isinstance(x, int):
+        return x
+    if isinstance(x, ctypes._SimpleCData) and not isinstance(x, ctypes.c_void_p):
+        return ctypes.addressof(x)
+    if isinstance(x, ctypes.c_void_p):
+        return x.value or 0
+    if isinstance(x, (ctypes.Array, ctypes.Structure)):
+        return ctypes.addressof(x)
+    if isinstance(x, bytes):  # the object's own storage (c_char_p does not copy a bytes object)
+        return ctypes.cast(ctypes.c_char_p(x), ctypes.c_void_p).value or 0
+    try:
+        view = memoryview(x)
+    except TypeError:
+        return int(x)
+    if view.readonly:
+        raise TypeError(f"a read-only {type(x).__name__} has no address to hand to the driver; pass bytes, "
+                        "a bytearray, a ctypes buffer or an address")
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class GpuDriver:
@@ -48,6 +74,9 @@ class GpuDriver:
     vendor = ""
     #: True for a simulated twin (the only place the layers above learn it: a probe's reason says so)
     simulated = False
+    #: True where device memory is ordinary memory of this process that the CPU reads and writes at the
+    #: same addresses (a simulated device that holds its bytes): torch views it as a CPU tensor then
+    cpu_addressable = False
     SUCCESS: Any = 0
     OOM: Any = 2
     NOT_READY: Any = 600
@@ -160,6 +189,8 @@ class GpuDriver:
     def stream_synchronize(self, stream: Any) -> None: raise NotImplementedError
     def device_synchronize(self) -> None: raise NotImplementedError
     def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Any) -> None: raise NotImplementedError
+    def memcpy_htod(self, dst: int, src: Any, size: int) -> None: raise NotImplementedError
+    def memcpy_dtoh(self, dst: Any, src: int, size: int) -> None: raise NotImplementedError
     def luid(self, index: int) -> tuple[int, int]: raise NotImplementedError
 
     # ------------------------------------------------------------------ budget sources

@@ -198,3 +198,11 @@ class HipDriver(GpuDriver):
 
     def memcpy_htod_async(self, dst: int, src: Any, size: int, stream: Any) -> None:
         self._on("hipMemcpyHtoDAsync", dst, src, size, stream)
+
+    def memcpy_htod(self, dst: int, src: Any, size: int) -> None:
+        """Synchronous host-to-device copy (after the work queued before it)."""
+        self._on("hipMemcpyHtoD", dst, src, size)
+
+    def memcpy_dtoh(self, dst: Any, src: int, size: int) -> None:
+        """Synchronous device-to-host copy (after the work queued before it)."""
+        self._on("hipMemcpyDtoH", dst, src, size)

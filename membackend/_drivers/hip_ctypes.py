@@ -31,6 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..types import DriverError
+from .gpu import host_address
 
 __all__ = ["HipRuntime", "load", "candidates", "LIBRARY_ENV", "PROPS_OFFSETS", "PROPS_SIZE"]
 
@@ -52,6 +53,7 @@ class hipError_t(enum.IntEnum):  # noqa: N801 - HIP's names
     hipErrorInvalidContext = 201
     hipErrorInvalidHandle = 400
     hipErrorNotReady = 600
+    hipErrorIllegalAddress = 700
     hipErrorNotSupported = 801
     hipErrorUnknown = 999
 
@@ -163,7 +165,8 @@ def load(path: str | None = None) -> "HipRuntime":
 
 
 def _ptr(value: Any) -> int:
-    return int(value or 0)
+    """A pointer argument: an address, a handle with ``__int__``, or a host buffer as hip-python takes one."""
+    return host_address(value)
 
 
 class HipRuntime:
@@ -329,6 +332,12 @@ class HipRuntime:
 
     def hipMemcpyHtoDAsync(self, dst, src, sizeBytes, stream):  # noqa: N802, N803
         return self._plain("hipMemcpyHtoDAsync", (_VP, _VP, _SZ, _VP), _ptr(dst), _ptr(src), sizeBytes, _ptr(stream))
+
+    def hipMemcpyHtoD(self, dst, src, sizeBytes):  # noqa: N802, N803
+        return self._plain("hipMemcpyHtoD", (_VP, _VP, _SZ), _ptr(dst), _ptr(src), sizeBytes)
+
+    def hipMemcpyDtoH(self, dst, src, sizeBytes):  # noqa: N802, N803
+        return self._plain("hipMemcpyDtoH", (_VP, _VP, _SZ), _ptr(dst), _ptr(src), sizeBytes)
 
     def hipHostMalloc(self, size, flags):  # noqa: N802
         status, ptr = self._out("hipHostMalloc", _VP(), (_SZ, _UINT), size, flags)

@@ -241,11 +241,12 @@ def _open_real_hip() -> GpuDriver:
     return driver
 
 
-def open_sim_variant(sim_profile: str, **changes: Any) -> GpuDriver:
+def open_sim_variant(sim_profile: str, *, hold_bytes: bool = True, **changes: Any) -> GpuDriver:
     """A driver over a fresh simulation of ``sim_profile`` with some of the profile's facts changed
     (replays draw the page-in latency and copy bandwidth per seed, or size a device as a report's):
     ``device_memory`` sets every device's memory; any other keyword replaces that field of the
-    profile. An unknown field is a ``ConfigError`` listing the accepted ones."""
+    profile. An unknown field is a ``ConfigError`` listing the accepted ones. ``hold_bytes=False``: the
+    simulation keeps books only (a replay models sizes and times of machines larger than this one)."""
     from .sim import get_profile, sim_driver
 
     check_sim_profile(sim_profile)
@@ -258,7 +259,7 @@ def open_sim_variant(sim_profile: str, **changes: Any) -> GpuDriver:
                           ", ".join(sorted(fields | {"device_memory"})))
     if vram is not None:
         changes["devices"] = tuple(dataclasses.replace(d, vram=int(vram)) for d in profile.devices)
-    return sim_driver(dataclasses.replace(profile, **changes))
+    return sim_driver(dataclasses.replace(profile, **changes), hold_bytes=hold_bytes)
 
 
 def simulated_failures() -> tuple[type[BaseException], ...]:

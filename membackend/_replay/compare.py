@@ -287,7 +287,7 @@ def _check_machine(changes: dict[str, Any], profile: str, where: str) -> None:
     :class:`TraceError` at ``where`` saying what is accepted."""
     from .._drivers.open import open_sim_variant
 
-    base = open_sim_variant(profile).sim.profile
+    base = open_sim_variant(profile, hold_bytes=False).sim.profile
     kinds = {f.name: str(f.type) for f in dataclasses.fields(base)}
     for key, value in changes.items():
         if key == "device_memory":
@@ -305,7 +305,7 @@ def _check_machine(changes: dict[str, Any], profile: str, where: str) -> None:
             raise TraceError(f"{where}: 'machine' field {key!r} must be {_FIELD_KINDS[kind]}"
                              f"{' (not 0)' if key in ('copy_bandwidth', 'granularity') else ''}, got {value!r}")
     try:
-        open_sim_variant(profile, **changes)
+        open_sim_variant(profile, hold_bytes=False, **changes)
     except (ConfigError, ValueError, TypeError) as exc:
         raise TraceError(f"{where}: 'machine': {exc}") from None
 

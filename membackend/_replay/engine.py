@@ -128,7 +128,7 @@ def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) 
                           f"on a simulated profile; replays accept platform backends: pass --backend with one of "
                           f"{', '.join(vmm)}")
     vendor = plugin.platform.vendor or "cuda"
-    driver = open_sim_variant(profile, **changes)
+    driver = open_sim_variant(profile, hold_bytes=False, **changes)  # modelled copies: sizes and times
     if driver.vendor != vendor and plugin.platform.vendor:
         raise ReplayError(f"backend {record.name!r} drives {vendor} devices; profile {profile!r} simulates "
                           f"{driver.vendor}")
@@ -147,7 +147,7 @@ def check_plugin(profile: str, backend: str | None, changes: dict[str, Any] | No
 
 def _stock_session(profile: str, changes: dict[str, Any]) -> Session:
     settings = load_settings(sim_profile=profile)
-    driver = open_sim_variant(profile, **changes)
+    driver = open_sim_variant(profile, hold_bytes=False, **changes)  # modelled copies: sizes and times
     wddm = driver.sim.profile.wddm
     backend = AimdoStockVmm(driver, budget_source="wddm" if wddm else "device")
     return Session(backend, machine=machine_for(settings), ledger=Ledger())

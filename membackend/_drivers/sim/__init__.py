@@ -66,6 +66,12 @@ class _Simulated:
     sim: SimPlatform
     simulated = True
 
+    @property
+    def cpu_addressable(self) -> bool:  # type: ignore[override]
+        """The simulated device's bytes are memory of this process, at the same addresses (unless the
+        operating system could not back them: ``sim.memory.reason`` says why)."""
+        return self.sim.memory.backed
+
     def budget(self, source: str, index: int) -> tuple[int, int, str]:
         sim = self.sim
         if source == "wddm":  # DXGI's budget and this process's usage of the device
@@ -77,11 +83,12 @@ class _Simulated:
             return info["MemTotal"], info["MemAvailable"], f"unified pool: MemAvailable ({self.label})"
         return super().budget(source, index)  # type: ignore[misc]
 
-    def inspect(self, index: int) -> dict[str, int]:
+    def inspect(self, index: int) -> dict[str, Any]:
         st = self.sim.state(index)
         return {"reserved": st["reserved"], "mapped": st["mapped"], "physical": st["physical"],
                 "committed": self.sim.private_commit if self.sim.profile.private_commit_reservations else None,
-                "hazards": self.sim.use_after_free + self.sim.bugchecks + self.sim.crashes}
+                "hazards": self.sim.use_after_free + self.sim.bugchecks + self.sim.crashes + self.sim.illegal_addresses,
+                "calls": dict(self.sim.faults.calls)}
 
     def inject_failures(self, probability: float, seed: int) -> SimInjection:
         return SimInjection(self.sim, probability, seed)
@@ -108,10 +115,11 @@ class SimHipDriver(_Simulated, HipDriver):
 
 
 def sim_driver(profile: str | Profile, faults: FaultPlan | None = None,
-               environ: Mapping[str, str] | None = None) -> Any:
+               environ: Mapping[str, str] | None = None, hold_bytes: bool = True) -> Any:
     """A driver wrapper over a new simulated machine of ``profile``; ``environ`` is the environment
-    its driver reads (``CUDA_VISIBLE_DEVICES``...), empty by default."""
-    platform = SimPlatform(profile, faults, environ)
+    its driver reads (``CUDA_VISIBLE_DEVICES``...), empty by default; ``hold_bytes=False`` keeps books only
+    (a replay of a machine larger than this one)."""
+    platform = SimPlatform(profile, faults, environ, hold_bytes=hold_bytes)
     return (SimHipDriver if platform.profile.vendor == "hip" else SimCudaDriver)(platform)
 
 
@@ -136,7 +144,7 @@ class SimHost:
         return version, torch_vendor_of(version) if version else None, f"{self.label}: the simulated torch build"
 
     def memory(self) -> HostMemory:
-        info = SimPlatform(self.profile).meminfo()
+        info = SimPlatform(self.profile, hold_bytes=False).meminfo()
         return HostMemory(total=info["MemTotal"], available=info["MemAvailable"],
                           source=f"MemAvailable ({self.label})", ram_total=info["MemTotal"],
                           ram_available=info["MemAvailable"], cgroup_limit=None)

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..gpu import host_address
 from .platform import SimError, SimPlatform
+
+__all__ = ["SimApi", "host_address"]
 
 
 class SimApi:

@@ -15,7 +15,7 @@ import enum
 from types import SimpleNamespace
 from typing import Any
 
-from .api import SimApi
+from .api import SimApi, host_address
 from .platform import SimError, SimPlatform
 
 __all__ = ["SimCudaDriverModule", "STAND_IN_TYPES"]
@@ -203,7 +203,7 @@ class SimCudaDriverModule(SimApi):
     kinds = {"oom": "CUDA_ERROR_OUT_OF_MEMORY", "invalid": "CUDA_ERROR_INVALID_VALUE",
              "invalid_device": "CUDA_ERROR_INVALID_DEVICE", "not_ready": "CUDA_ERROR_NOT_READY",
              "invalid_context": "CUDA_ERROR_INVALID_CONTEXT", "not_supported": "CUDA_ERROR_NOT_SUPPORTED",
-             "no_device": "CUDA_ERROR_NO_DEVICE"}
+             "no_device": "CUDA_ERROR_NO_DEVICE", "illegal_address": "CUDA_ERROR_ILLEGAL_ADDRESS"}
 
     def __init__(self, platform: SimPlatform):
         self.types = _bindings()
@@ -342,14 +342,19 @@ class SimCudaDriverModule(SimApi):
         return self._ctx("cuEventDestroy", 0, lambda: self.platform.event_destroy(_int(hEvent)))
 
     def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount, hStream):
-        return self._ctx("cuMemcpyHtoDAsync", 0,
-                         lambda: self.platform.copy_async(_int(dstDevice), ByteCount, _int(hStream)))
+        return self._ctx("cuMemcpyHtoDAsync", 0, lambda: self.platform.copy_async(
+            _int(dstDevice), ByteCount, _int(hStream), host_address(srcHost)))
+
+    def cuMemcpyHtoD(self, dstDevice, srcHost, ByteCount):
+        return self._ctx("cuMemcpyHtoD", 0, lambda: self.platform.copy_sync(
+            _int(dstDevice), host_address(srcHost), ByteCount, to_device=True))
+
+    def cuMemcpyDtoH(self, dstHost, srcDevice, ByteCount):
+        return self._ctx("cuMemcpyDtoH", 0, lambda: self.platform.copy_sync(
+            host_address(dstHost), _int(srcDevice), ByteCount, to_device=False))
 
     def cuMemAllocHost(self, bytesize):
-        def alloc():
-            self.platform.host_alloc(bytesize)
-            return bytesize  # the sim has no host addresses; the size stands in for the pointer
-        return self._ctx("cuMemAllocHost", 1, alloc)
+        return self._ctx("cuMemAllocHost", 1, lambda: self.platform.pinned_alloc(bytesize))
 
     def cuMemFreeHost(self, p):
-        return self._ctx("cuMemFreeHost", 0, lambda: self.platform.host_free(_int(p)))
+        return self._ctx("cuMemFreeHost", 0, lambda: self.platform.pinned_free(_int(p)))

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .api import SimApi
+from .api import host_address
 from .platform import SimError, SimPlatform
 
 __all__ = ["SimHipModule"]
@@ -34,13 +35,18 @@ def _int(x: Any) -> int:
     return 0 if x is None else int(x)
 
 
+def _address(x: Any) -> int:
+    """A host pointer as the bindings take one: an int, a ctypes object or a writable buffer."""
+    return host_address(x)
+
+
 class SimHipModule(SimApi):
     success = "hipSuccess"
     status_enum = "hipError_t"
     kinds = {"oom": "hipErrorOutOfMemory", "invalid": "hipErrorInvalidValue",
              "invalid_device": "hipErrorInvalidDevice", "not_ready": "hipErrorNotReady",
              "invalid_context": "hipErrorInvalidContext", "not_supported": "hipErrorNotSupported",
-             "no_device": "hipErrorNoDevice"}
+             "no_device": "hipErrorNoDevice", "illegal_address": "hipErrorIllegalAddress"}
 
     def __init__(self, platform: SimPlatform):
         self.types = _bindings()
@@ -154,13 +160,19 @@ class SimHipModule(SimApi):
         return self._run("hipEventDestroy", 0, lambda: self.platform.event_destroy(_int(event)))
 
     def hipMemcpyHtoDAsync(self, dst, src, sizeBytes, stream):
-        return self._run("hipMemcpyHtoDAsync", 0, lambda: self.platform.copy_async(_int(dst), sizeBytes, _int(stream)))
+        return self._run("hipMemcpyHtoDAsync", 0,
+                         lambda: self.platform.copy_async(_int(dst), sizeBytes, _int(stream), _address(src)))
+
+    def hipMemcpyHtoD(self, dst, src, sizeBytes):
+        return self._run("hipMemcpyHtoD", 0,
+                         lambda: self.platform.copy_sync(_int(dst), _address(src), sizeBytes, to_device=True))
+
+    def hipMemcpyDtoH(self, dst, src, sizeBytes):
+        return self._run("hipMemcpyDtoH", 0,
+                         lambda: self.platform.copy_sync(_address(dst), _int(src), sizeBytes, to_device=False))
 
     def hipHostMalloc(self, size, flags):
-        def alloc():
-            self.platform.host_alloc(size)
-            return size
-        return self._run("hipHostMalloc", 1, alloc)
+        return self._run("hipHostMalloc", 1, lambda: self.platform.pinned_alloc(size))
 
     def hipHostFree(self, ptr):
-        return self._run("hipHostFree", 0, lambda: self.platform.host_free(_int(ptr)))
+        return self._run("hipHostFree", 0, lambda: self.platform.pinned_free(_int(ptr)))

@@ -22,6 +22,16 @@ Where a behaviour comes from:
   address quota and its access violation: rocm-systems #9823 / ComfyUI PR
   #16199. The churn defect: rocm-systems #6191, aimdo PR #67. Operations on a
   device that is not current: TheRock #6224.
+* Bytes: a simulated device holds real bytes (:mod:`.memory`): reservations,
+  handles and mappings are the operating system's own address space and
+  memory, one call for one call. Asynchronous copies move their bytes when
+  the simulated stream executes them (at their end on the simulated clock),
+  so a read before the fence sees what a GPU would show: the old bytes. A
+  copy into a range that is not mapped with access is refused with
+  ``..._ERROR_ILLEGAL_ADDRESS`` (CUDA driver API reference: "an illegal memory
+  access"); one whose pages were unmapped under it lands nowhere and is
+  counted (``illegal_addresses``, a hazard). A copy from a NULL host pointer
+  is ``..._ERROR_INVALID_VALUE``, as the real call answers.
 * Unified memory: MemFree excludes the page cache that MemAvailable counts
   (proc(5), /proc/meminfo); device pages and host copies share the pool
   (ComfyUI #15285, unsloth PR #11208).
@@ -51,10 +61,12 @@ import functools
 import itertools
 import random
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 from ..discovery import visible_ordinals
+from .memory import MemoryCallFailed, open_memory
 from .profiles import Profile, get_profile
 
 _T = TypeVar("_T")
@@ -148,6 +160,7 @@ class _Handle:
     size: int
     mapped_at: set = field(default_factory=set)
     released: bool = False
+    offset: int = -1  # where its bytes live in the simulated process's memory (-1: books only)
 
 
 @dataclass
@@ -177,6 +190,7 @@ class _Op:
     handles: frozenset
     kind: str
     done: bool = False
+    copy: tuple[int, int, int] | None = None  # (destination, host source, size) of a copy's bytes
 
 def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
     """Run ``method`` holding the platform's lock (see :attr:`SimPlatform.lock`)."""
@@ -194,9 +208,12 @@ class SimPlatform:
     VA_BASE = 0x7F00_0000_0000
 
     def __init__(self, profile: Profile | str, faults: FaultPlan | None = None,
-                 environ: Mapping[str, str] | None = None):
+                 environ: Mapping[str, str] | None = None, hold_bytes: bool = True):
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         p = self.profile
+        #: the device memory: real bytes of this process (SimMemory), or books only (BooksOnly, with its reason)
+        self.memory = open_memory(p.name, hold_bytes)
+        weakref.finalize(self, self.memory.close)  # the simulated process ends with this object
         specs = [p.devices[i] for i in visible_ordinals(len(p.devices), p.vendor, environ or {})]
         self.devices = [_Device(i, d.name, d.vram, d.arch, d.integrated, d.vmm) for i, d in enumerate(specs)]
         self.faults = faults or FaultPlan()
@@ -220,6 +237,7 @@ class SimPlatform:
         self.bugchecks = 0
         self.crashes = 0
         self.use_after_free = 0
+        self.illegal_addresses = 0  # copies whose destination was unmapped before they ran: landed nowhere
         self._current = threading.local()  # per thread: .device (HIP's, or the CUDA context's) and .ctx
         #: one lock for the whole simulated driver: every API call and sim-only helper holds it, so
         #: threads see each call as one step (real drivers serialise their own tables the same way);
@@ -301,10 +319,26 @@ class SimPlatform:
         self._settle()
 
     def _settle(self) -> None:
-        for op in self.ops.values():
-            if not op.done and op.end <= self.clock:
-                op.done = True
-        self.ops = {k: v for k, v in self.ops.items() if not v.done}
+        finished = sorted((op for op in self.ops.values() if not op.done and op.end <= self.clock),
+                          key=lambda op: (op.end, op.id))
+        for op in finished:  # in the order the device ran them: a later copy to the same bytes wins
+            op.done = True
+            if op.copy is not None:
+                self._land(op)
+        if finished:
+            self.ops = {k: v for k, v in self.ops.items() if not v.done}
+
+    def _land(self, op: _Op) -> None:
+        """A copy's bytes arrive, if its destination is still the memory it was queued on."""
+        dst, src, size = op.copy
+        try:
+            still = self._handles_in(dst, size, True) == op.handles
+        except SimError:
+            still = False
+        if not still:  # unmapped under the copy (a race the release check counted): it lands nowhere
+            self.illegal_addresses += 1
+            return
+        self.memory.copy(dst, src, size)
 
     def _complete(self, ops: list[_Op]) -> None:
         """Block until ``ops`` finish: the clock moves to the last one's end."""
@@ -338,17 +372,17 @@ class SimPlatform:
                 found.append(m)
         return found
 
-    def _handles_in(self, va: int, size: int, need_access: bool) -> frozenset:
+    def _handles_in(self, va: int, size: int, need_access: bool, kind: str = "invalid") -> frozenset:
         found, pos = set(), va
         for m in self._overlapping(va, size):
             if m.va > pos:
                 break
             if need_access and not m.access:
-                raise SimError("invalid", f"range at {m.va:#x} has no access set (cuMemSetAccess)")
+                raise SimError(kind, f"range at {m.va:#x} has no access set (cuMemSetAccess)")
             found.add(m.handle)
             pos = m.va + m.size
         if pos < va + size:
-            raise SimError("invalid", f"range [{va:#x}, {va + size:#x}) is not fully mapped")
+            raise SimError(kind, f"range [{va:#x}, {va + size:#x}) is not fully mapped")
         return frozenset(found)
 
     @_locked
@@ -428,6 +462,36 @@ class SimPlatform:
     def host_free(self, size: int) -> None:
         self.host_used = max(0, self.host_used - size)
 
+    @_locked
+    def pinned_alloc(self, size: int) -> int:
+        """``cuMemAllocHost``: page-locked host memory, counted as :meth:`host_alloc`; its address (books
+        only: the size stands in for it, there being no bytes)."""
+        if not self.memory.backed:
+            self.host_alloc(size)
+            return size
+        try:
+            address = self.memory.host_alloc(size)
+        except MemoryCallFailed as exc:
+            raise SimError("oom", f"host allocation of {size} bytes: {exc}") from None
+        try:
+            self.host_alloc(size)
+        except SimError:
+            self.memory.host_free(address)
+            raise
+        return address
+
+    @_locked
+    def pinned_free(self, address: int) -> None:
+        """``cuMemFreeHost``."""
+        if not self.memory.backed:
+            self.host_free(address)
+            return
+        try:
+            size = self.memory.host_free(address)
+        except KeyError:
+            raise SimError("invalid", f"{address:#x} is not memory cuMemAllocHost returned") from None
+        self.host_free(size)
+
     # ------------------------------------------------------------------ address space
 
     @_locked
@@ -445,8 +509,14 @@ class SimPlatform:
         if p.churn_limit is not None and size >= p.churn_window and self.churn_frees >= p.churn_limit:
             raise SimError("oom", f"reserve failed after {self.churn_frees} reserve/free cycles of large windows")
         align = max(alignment or 0, p.granularity)
-        base = -(-self._next_va // align) * align
-        self._next_va = base + size
+        if self.memory.backed:
+            try:
+                base = self.memory.reserve(size, align)
+            except MemoryCallFailed as exc:  # the process's address space is full
+                raise SimError("oom", f"address reserve of {size} bytes: {exc}") from None
+        else:
+            base = -(-self._next_va // align) * align
+            self._next_va = base + size
         self.reservations[base] = _Reservation(base, size, self.current)
         self._reserved_total += size
         if p.private_commit_reservations:
@@ -463,6 +533,8 @@ class SimPlatform:
             raise SimError("invalid", f"reservation at {base:#x} still has mappings")
         del self.reservations[base]
         self._reserved_total -= size
+        if self.memory.backed:
+            self.memory.unreserve(base, size)
         if self.profile.private_commit_reservations:
             self.private_commit -= size
         if self.profile.churn_limit is not None and size >= self.profile.churn_window:
@@ -491,8 +563,14 @@ class SimPlatform:
             if self.meminfo()["MemAvailable"] < over:
                 raise SimError("oom", "shared system memory exhausted too")
             self.spilled_bytes += over
+        offset = -1
+        if self.memory.backed:
+            try:
+                offset = self.memory.create(size)
+            except MemoryCallFailed as exc:
+                raise SimError("oom", f"{size} bytes of device memory: {exc}") from None
         d.used += size
-        h = _Handle(next(self._ids), device, size)
+        h = _Handle(next(self._ids), device, size, offset=offset)
         self.handles[h.id] = h
         return h.id
 
@@ -510,6 +588,8 @@ class SimPlatform:
     def _drop(self, h: _Handle) -> None:
         self.devices[h.device].used -= h.size
         del self.handles[h.id]
+        if h.offset >= 0:  # the memory is freed: released and no address maps it (cuMemRelease)
+            self.memory.free(h.offset, h.size)
 
     @_locked
     def map(self, va: int, size: int, offset: int, handle: int) -> None:
@@ -528,6 +608,11 @@ class SimPlatform:
         if p.address_quota is not None and self.quota_used() + size > p.address_quota:
             self.crashes += 1
             raise SimulatedCrash("access violation 0xC0000005: mapping past the per-process GPU address quota")
+        if h.offset >= 0:
+            try:
+                self.memory.map(va, size, h.offset)
+            except MemoryCallFailed as exc:
+                raise SimError("oom", f"mapping {size} bytes at {va:#x}: {exc}") from None
         self.mappings[va] = _Mapping(va, size, handle, h.device)
         bisect.insort(self._starts, va)
         self._mapped_total += size
@@ -538,8 +623,12 @@ class SimPlatform:
     @_locked
     def set_access(self, va: int, size: int, device: int) -> None:
         self._device(device)
-        for m in self._mappings_exact(va, size):
+        mappings = self._mappings_exact(va, size)
+        for m in mappings:
             self._check_current(m.device, "the mapping")
+        for m in mappings:
+            if self.handles[m.handle].offset >= 0:
+                self.memory.set_access(m.va, m.size)
             m.access = True
 
     @_locked
@@ -549,6 +638,8 @@ class SimPlatform:
             self._check_current(m.device, "the mapping")
         self._release_check({m.handle for m in mappings}, "cuMemUnmap")
         for m in mappings:
+            if self.handles[m.handle].offset >= 0:
+                self.memory.unmap(m.va, m.size)
             del self.mappings[m.va]
             del self._starts[bisect.bisect_left(self._starts, m.va)]
             self._mapped_total -= m.size
@@ -598,10 +689,42 @@ class SimPlatform:
         self._complete([op for op in self.ops.values() if op.device == self.current])
 
     @_locked
-    def copy_async(self, dst: int, size: int, stream: int) -> int:
+    def copy_async(self, dst: int, size: int, stream: int, src: int = 0) -> int:
+        """Queue a host-to-device copy of ``size`` bytes from host address ``src``; its bytes arrive when
+        the stream runs it. Books only: ``src`` may be 0 (a modelled copy)."""
         device = self._stream_device(stream)
-        handles = self._handles_in(dst, size, True)
-        return self._queue(device, stream, size / self.profile.copy_bandwidth, handles, "copy").id
+        if self.memory.backed and not src:
+            raise SimError("invalid", "the host source of a copy is NULL")
+        handles = self._handles_in(dst, size, True, kind="illegal_address")
+        op = self._queue(device, stream, size / self.profile.copy_bandwidth, handles, "copy")
+        if self.memory.backed:
+            op.copy = (dst, src, size)
+        return op.id
+
+    @_locked
+    def copy_sync(self, dst: int, src: int, size: int, to_device: bool) -> None:
+        """``cuMemcpyHtoD`` / ``cuMemcpyDtoH``: after the work queued before it (the legacy default
+        stream synchronises with every stream of the device), the bytes move now. The device side must be
+        mapped with access: ``..._ERROR_ILLEGAL_ADDRESS`` otherwise."""
+        if not src or not dst:
+            raise SimError("invalid", "a host or device pointer of the copy is NULL")
+        device_side = dst if to_device else src
+        self._handles_in(device_side, size, True, kind="illegal_address")
+        self._settle()
+        self._complete([op for op in self.ops.values() if op.device == self.current])
+        if not self.memory.backed:
+            raise SimError("not_supported", f"the simulated memory keeps books only ({self.memory.reason})")
+        self.memory.copy(dst, src, size)
+
+    @_locked
+    def read(self, va: int, size: int) -> bytes:
+        """Sim-only: the bytes a device range holds now (no wait for queued work); a range that is not
+        mapped with access is ``illegal_address``, never read."""
+        self._handles_in(va, size, True, kind="illegal_address")
+        if not self.memory.backed:
+            raise SimError("not_supported", f"the simulated memory keeps books only ({self.memory.reason})")
+        self._settle()
+        return self.memory.read(va, size)
 
     @_locked
     def event_create(self) -> int:

@@ -72,7 +72,8 @@ class Timing:
     def driver(self) -> Any:
         """A driver over a fresh simulated machine of :data:`PROFILE` with this seed's timing (through
         membackend's one opener of simulated drivers)."""
-        return open_sim_variant(PROFILE, pagein_seconds=self.pagein_seconds, copy_bandwidth=self.copy_bandwidth)
+        return open_sim_variant(PROFILE, hold_bytes=False,  # modelled copies: sizes and times, no bytes
+                                pagein_seconds=self.pagein_seconds, copy_bandwidth=self.copy_bandwidth)
 
 
 def timing_for(seed: int) -> Timing:

@@ -239,7 +239,8 @@ def test_a_free_waits_for_the_copy_event_before_unmapping():
     s.fault(r, 0, r.size)
     s.fence(CUDA0)  # the page-in is done; only the copy below is pending
     stream = d.stream_create()
-    d.memcpy_htod_async(r.base, 0, r.size, stream)
+    source = bytearray(r.size)  # the copy's host bytes (a real driver refuses NULL)
+    d.memcpy_htod_async(r.base, source, r.size, stream)
     s.record(r, backend.fence_token(r, stream))
     assert sim.state(0)["pending_ops"] == 1
     s.free(r, 0, r.size)  # would be a SimulatedBugcheck without the wait

@@ -47,13 +47,13 @@ def test_the_budget_is_memavailable_not_memfree(session):
 def test_pinned_host_copies_and_device_pages_draw_from_the_same_budget(session):
     driver = session.backend.driver
     before = session.budget_query(CUDA0).free
-    driver.host_alloc_pinned(10 * GB)  # a pinned staging copy of weights
+    pinned = driver.host_alloc_pinned(10 * GB)  # a pinned staging copy of weights
     assert session.budget_query(CUDA0).free == before - 10 * GB
     r = session.reserve(CUDA0, 4 * GIB)
     assert session.budget_query(CUDA0).free == before - 10 * GB  # address space costs nothing
     assert session.fault(r, 0, 4 * GIB).ok
     assert session.budget_query(CUDA0).free == before - 10 * GB - 4 * GIB
-    driver.host_free_pinned(10 * GB)
+    driver.host_free_pinned(pinned)
     session.release_reservation(r)
     assert session.budget_query(CUDA0).free == before
 

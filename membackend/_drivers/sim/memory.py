@@ -1,0 +1,217 @@
+"""The bytes of a simulated GPU: its address space and physical memory as real memory of this process.
+
+A simulated device holds what a real one holds. :class:`SimMemory` backs the
+simulated virtual-memory calls with the operating system's own, one call for
+one call, following the CUDA driver API reference, "Virtual Memory Management"
+(HIP mirrors it in ``hip_runtime_api.h``):
+
+* ``cuMemAddressReserve`` -- address space without access: an anonymous
+  ``mmap(PROT_NONE, MAP_NORESERVE)`` of the size, aligned (man 2 mmap); no
+  memory, no commit charge;
+* ``cuMemCreate`` -- physical memory of its own: a range of one ``memfd``
+  (man 2 memfd_create) per simulated process, never shared with another
+  handle; its pages exist once written (tmpfs is sparse), as a GPU's do once
+  its driver backs them;
+* ``cuMemMap`` -- the handle's bytes appear at the address:
+  ``mmap(MAP_SHARED | MAP_FIXED)`` of the handle's range of the file over the
+  reserved addresses, still without access (``PROT_NONE``);
+* ``cuMemSetAccess`` -- read and write access to the mapped range:
+  ``mprotect(PROT_READ | PROT_WRITE)``;
+* ``cuMemUnmap`` -- the bytes leave the address, which stays reserved: an
+  anonymous ``PROT_NONE`` mapping put back over it (``MAP_FIXED``);
+* ``cuMemRelease`` of a handle no address maps -- the memory is freed:
+  ``fallocate(FALLOC_FL_PUNCH_HOLE)`` over its range of the file (man 2 fallocate);
+* ``cuMemAddressFree`` -- the address range goes back: ``munmap``.
+
+One handle mapped at two addresses shows the same bytes at both (both map the
+same range of the file), as two mappings of one physical allocation do on a
+GPU. A read or write through an address without access is the CPU's fault
+(``SIGSEGV``), never served silently; the simulated driver's own copies check
+the mappings first and report ``..._ERROR_ILLEGAL_ADDRESS`` instead
+(:class:`~membackend._drivers.sim.platform.SimPlatform`).
+
+Where the operating system cannot do this (no ``memfd_create``: not Linux),
+:func:`open_memory` answers a :class:`BooksOnly` that says why, and the
+simulation keeps books only, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+import threading
+from typing import Any
+
+__all__ = ["SimMemory", "BooksOnly", "open_memory", "MemoryCallFailed"]
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+# Linux values (asm-generic/mman-common.h, x86/arm64 mman.h; linux/falloc.h)
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class MemoryCallFailed(OSError):
+    """An operating-system call behind the simulation failed (``errno`` set); the simulated driver
+    answers it as the real call's out-of-memory or invalid-value code."""
+
+
+class BooksOnly:
+    """No bytes: the simulation keeps its tables only; ``reason`` says why (doctor and tests show it)."""
+
+    backed = False
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def close(self) -> None:
+        pass
+
+
+class SimMemory:
+    """One simulated process's device memory; every method is one operating-system call or two.
+
+    Not locked: the :class:`~membackend._drivers.sim.platform.SimPlatform` calls it under its own lock.
+    """
+
+    backed = True
+    reason = "device memory is memory of this process (memfd_create, mmap)"
+
+    def __init__(self, label: str):
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._mmap = libc.mmap
+        self._mmap.restype = ctypes.c_void_p
+        self._mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_long]
+        self._munmap = libc.munmap
+        self._munmap.restype = ctypes.c_int
+        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._mprotect = libc.mprotect
+        self._mprotect.restype = ctypes.c_int
+        self._mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._fallocate = libc.fallocate
+        self._fallocate.restype = ctypes.c_int
+        self._fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        self.fd = os.memfd_create(f"membackend-sim-{label}", os.MFD_CLOEXEC)
+        self._end = 0  # the file's size: every handle gets a fresh range (never reused; freed by a hole)
+        self._reserved: dict[int, int] = {}  # base -> size of every live reservation
+        self._host: dict[int, int] = {}  # address -> size of every host allocation
+        self._lock = threading.Lock()  # close() may run from a finalizer on any thread
+
+    @staticmethod
+    def _fail(call: str) -> MemoryCallFailed:
+        code = ctypes.get_errno()
+        return MemoryCallFailed(code, f"{call}: {os.strerror(code)}")
+
+    def _map(self, addr: int | None, size: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+        got = self._mmap(addr, size, prot, flags, fd, offset)
+        if got in (None, MAP_FAILED):
+            raise self._fail("mmap")
+        return int(got)
+
+    # -- address space
+
+    def reserve(self, size: int, alignment: int) -> int:
+        """``size`` bytes of address space at a multiple of ``alignment``, no access, no memory."""
+        span = size + alignment
+        raw = self._map(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+        base = -(-raw // alignment) * alignment
+        if base > raw:
+            self._munmap(raw, base - raw)
+        tail = raw + span - (base + size)
+        if tail:
+            self._munmap(base + size, tail)
+        with self._lock:
+            self._reserved[base] = size
+        return base
+
+    def unreserve(self, base: int, size: int) -> None:
+        """The range goes back to the operating system."""
+        with self._lock:
+            self._reserved.pop(base, None)
+        if self._munmap(base, size) != 0:
+            raise self._fail("munmap")
+
+    # -- physical memory
+
+    def create(self, size: int) -> int:
+        """A fresh range of the file for a handle; returns its offset. No page exists until written."""
+        offset = self._end
+        try:
+            os.ftruncate(self.fd, offset + size)
+        except OSError as exc:
+            raise MemoryCallFailed(exc.errno or errno.ENOMEM, f"ftruncate: {exc.strerror}") from None
+        self._end = offset + size
+        return offset
+
+    def free(self, offset: int, size: int) -> None:
+        """The handle's memory goes back (its range of the file becomes a hole)."""
+        if self._fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, size) != 0:
+            raise self._fail("fallocate")
+
+    # -- mappings
+
+    def map(self, va: int, size: int, offset: int) -> None:
+        """The handle's bytes at ``va``, no access yet."""
+        self._map(va, size, PROT_NONE, MAP_SHARED | MAP_FIXED, self.fd, offset)
+
+    def set_access(self, va: int, size: int) -> None:
+        if self._mprotect(va, size, PROT_READ | PROT_WRITE) != 0:
+            raise self._fail("mprotect")
+
+    def unmap(self, va: int, size: int) -> None:
+        """The bytes leave ``va``; the addresses stay reserved, without access."""
+        self._map(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED)
+
+    # -- host memory (cuMemAllocHost)
+
+    def host_alloc(self, size: int) -> int:
+        """Host memory of ``size`` bytes, read-write, its pages made once touched."""
+        address = self._map(None, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+        with self._lock:
+            self._host[address] = size
+        return address
+
+    def host_free(self, address: int) -> int:
+        """Give back what :meth:`host_alloc` returned; its size (``KeyError`` for anything else)."""
+        with self._lock:
+            size = self._host.pop(address)
+        self._munmap(address, size)
+        return size
+
+    # -- bytes
+
+    @staticmethod
+    def copy(dst: int, src: int, size: int) -> None:
+        """``size`` bytes from ``src`` to ``dst`` (both accessible: the caller checked)."""
+        ctypes.memmove(dst, src, size)
+
+    @staticmethod
+    def read(va: int, size: int) -> bytes:
+        return ctypes.string_at(va, size)
+
+    def close(self) -> None:
+        """Every reservation's addresses and the file go back (the simulated process ended)."""
+        with self._lock:
+            reserved, self._reserved = self._reserved, {}
+            host, self._host = self._host, {}
+            fd, self.fd = self.fd, -1
+        for base, size in (*reserved.items(), *host.items()):
+            self._munmap(base, size)
+        if fd >= 0:
+            os.close(fd)
+
+
+def open_memory(label: str, hold_bytes: bool = True) -> Any:
+    """:class:`SimMemory` where the operating system can back a simulated GPU; else :class:`BooksOnly`
+    saying why (``hold_bytes=False``: asked for books only, as a replay of a machine larger than this one)."""
+    if not hold_bytes:
+        return BooksOnly("books only, as asked (a replay models sizes and times, not bytes)")
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return BooksOnly(f"books only: {sys.platform} has no memfd_create to back a simulated GPU's memory")
+    try:
+        return SimMemory(label)
+    except (OSError, AttributeError) as exc:
+        return BooksOnly(f"books only: the simulated GPU's memory could not be set up ({exc})")

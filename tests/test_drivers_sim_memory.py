@@ -1,0 +1,195 @@
+"""A simulated GPU holds real bytes (membackend._drivers.sim.memory): the VMM calls it models move them.
+
+Each test drives the simulated driver through the same wrapper the VMM backend uses (``CudaDriver`` /
+``HipDriver`` over the simulated module) and reads the device's bytes back through the driver's own copies
+(``cuMemcpyDtoH``) or the simulation's ``read``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import pytest
+
+from membackend._drivers.sim import get_profile, sim_driver
+from membackend._drivers.sim import memory as sim_memory
+from membackend.types import DriverError
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+ILLEGAL_ADDRESS, INVALID_VALUE = 700, 1
+
+
+def _page(d, index: int = 0):
+    """Reserve two pages of address space and create one page of memory on device ``index``."""
+    d.set_device(index)
+    va = d.address_reserve(2 * PAGE, 0)
+    h = d.create(PAGE, index)
+    return va, h
+
+
+def _mapped(d, va, h):
+    d.map(va, PAGE, h)
+    d.set_access(va, PAGE, 0)
+
+
+def _read(d, va, size):
+    out = bytearray(size)
+    d.memcpy_dtoh(out, va, size)
+    return bytes(out)
+
+
+def _code(exc: DriverError) -> int:
+    return int(exc.code)
+
+
+@pytest.mark.parametrize("profile", ["h200", "rocm-win-2gpu"])
+def test_mapping_shows_the_handles_bytes_and_unmapping_takes_them_away(profile):
+    d = sim_driver(profile)
+    assert d.cpu_addressable and d.sim.memory.backed
+    va, h = _page(d)
+    _mapped(d, va, h)
+    d.memcpy_htod(va, b"weights!" * 8, 64)
+    assert _read(d, va, 64) == b"weights!" * 8
+    assert ctypes.string_at(va, 8) == b"weights!"  # the same bytes at the same address for the CPU
+    d.unmap(va, PAGE)
+    with pytest.raises(DriverError) as exc:
+        _read(d, va, 64)
+    assert _code(exc.value) == ILLEGAL_ADDRESS
+    _mapped(d, va, h)  # the handle kept its bytes: mapped again, they are back
+    assert _read(d, va, 8) == b"weights!"
+    d.unmap(va, PAGE)
+    d.release(h)
+    d.address_free(va, 2 * PAGE)
+
+
+def test_one_handle_at_two_addresses_shows_the_same_bytes():
+    d = sim_driver("h200")
+    va, h = _page(d)
+    d.map(va, PAGE, h)
+    d.map(va + PAGE, PAGE, h)
+    d.set_access(va, 2 * PAGE, 0)
+    d.memcpy_htod(va + 100, b"alias", 5)
+    assert _read(d, va + PAGE + 100, 5) == b"alias"
+    d.memcpy_htod(va + PAGE, b"back", 4)
+    assert _read(d, va, 4) == b"back"
+
+
+def test_a_reservation_is_address_space_without_access():
+    d = sim_driver("h200")
+    va, h = _page(d)
+    with pytest.raises(DriverError) as exc:
+        d.memcpy_htod(va, b"x", 1)  # reserved, nothing mapped
+    assert _code(exc.value) == ILLEGAL_ADDRESS
+    d.map(va, PAGE, h)
+    with pytest.raises(DriverError) as exc:
+        _read(d, va, 1)  # mapped, no access set yet (cuMemSetAccess)
+    assert _code(exc.value) == ILLEGAL_ADDRESS
+    with open("/proc/self/maps") as f:  # the operating system agrees: no access to the range
+        rows = [line.split() for line in f if int(line.split("-")[0], 16) <= va < int(line.split()[0].split("-")[1], 16)]
+    assert rows and rows[0][1].startswith("---")
+
+
+def test_releasing_frees_the_memory_once_no_address_maps_it():
+    d = sim_driver("h200")
+    mem = d.sim.memory
+    va, h = _page(d)
+    _mapped(d, va, h)
+    ctypes.memset(va, 7, PAGE)  # the CPU writes the device's page: its memory exists now
+    assert os.fstat(mem.fd).st_blocks * 512 >= PAGE
+    d.release(h)  # still mapped: the memory stays until the unmap (cuMemRelease)
+    assert os.fstat(mem.fd).st_blocks * 512 >= PAGE
+    d.unmap(va, PAGE)
+    assert os.fstat(mem.fd).st_blocks == 0
+
+
+def test_an_async_copy_moves_its_bytes_when_the_stream_runs_it():
+    d = sim_driver("h200")
+    va, h = _page(d)
+    _mapped(d, va, h)
+    source = bytearray(b"fresh weights" * 1000)
+    stream = d.stream_create()
+    d.memcpy_htod_async(va, source, len(source), stream)
+    assert d.sim.read(va, 13) == bytes(13)  # not run yet: a read before the fence sees the old bytes
+    d.stream_synchronize(stream)
+    assert d.sim.read(va, len(source)) == bytes(source)
+
+
+def test_a_synchronous_copy_waits_for_the_work_queued_before_it():
+    d = sim_driver("h200")
+    va, h = _page(d)
+    _mapped(d, va, h)
+    source = bytearray(b"a" * 16)  # alive until the copy ran: the caller's promise to a real driver too
+    d.memcpy_htod_async(va, source, 16, d.stream_create())
+    assert _read(d, va, 16) == b"a" * 16  # cuMemcpyDtoH runs after the queued copy
+
+
+def test_a_copy_whose_pages_were_unmapped_under_it_lands_nowhere_and_is_counted():
+    d = sim_driver("rocm-win-2gpu")  # unmapping does not wait for queued work there (counted as a hazard)
+    va, h = _page(d)
+    _mapped(d, va, h)
+    source = bytearray(b"late" * 4)
+    d.memcpy_htod_async(va, source, 16, d.stream_create())
+    d.unmap(va, PAGE)
+    assert d.sim.use_after_free == 1
+    d.device_synchronize()
+    assert d.sim.illegal_addresses == 1 and d.inspect(0)["hazards"] == 2
+    _mapped(d, va, h)
+    assert _read(d, va, 16) == bytes(16)  # never written through the stale mapping
+
+
+def test_a_copy_from_a_null_host_pointer_is_invalid():
+    d = sim_driver("h200")
+    va, h = _page(d)
+    _mapped(d, va, h)
+    with pytest.raises(DriverError) as exc:
+        d.memcpy_htod_async(va, 0, 16, d.stream_create())
+    assert _code(exc.value) == INVALID_VALUE
+
+
+def test_pinned_host_memory_is_real_memory_and_counts_on_a_unified_pool():
+    d = sim_driver("gb10-128gb")
+    before = d.sim.meminfo()["MemAvailable"]
+    p = d.host_alloc_pinned(PAGE)
+    ctypes.memset(p, 1, PAGE)
+    assert d.sim.meminfo()["MemAvailable"] == before - PAGE
+    d.host_free_pinned(p)
+    assert d.sim.meminfo()["MemAvailable"] == before
+    with pytest.raises(DriverError):
+        d.host_free_pinned(p)  # freed already
+
+
+def test_books_only_when_asked_or_when_the_os_cannot_back_it(monkeypatch):
+    d = sim_driver("h200", hold_bytes=False)
+    assert not d.cpu_addressable and "books only" in d.sim.memory.reason
+    va, h = _page(d)
+    _mapped(d, va, h)
+    d.memcpy_htod_async(va, 0, 16, d.stream_create())  # a modelled copy: sizes and times, no bytes
+    monkeypatch.setattr(sys, "platform", "darwin")
+    books = sim_memory.open_memory("h200")
+    assert not books.backed and "memfd_create" in books.reason
+
+
+def test_the_memory_goes_back_with_the_simulated_process():
+    d = sim_driver("h200")
+    mem = d.sim.memory
+    va, h = _page(d)
+    _mapped(d, va, h)
+    fd = mem.fd
+    del d, h
+    import gc
+
+    gc.collect()
+    assert mem.fd == -1
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    with open("/proc/self/maps") as f:
+        assert not any(int(line.split("-")[0], 16) == va for line in f)
+
+
+def test_every_profile_holds_bytes_and_says_so():
+    for name in ("h200", "wddm-6gb", "gb10-128gb", "rocm-win-2gpu", "mi100-novmm"):
+        d = sim_driver(get_profile(name))
+        assert d.sim.memory.backed, (name, d.sim.memory.reason)
