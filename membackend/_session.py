@@ -516,6 +516,26 @@ class Session:
                 raise
             raise untyped from exc
 
+    def tensor_device(self, device: Any) -> str:
+        """The torch device that reads the backend's memory on ``device``: ``cpu`` for host memory, or
+        where the backend says its device memory is memory of this process the CPU addresses directly
+        (its optional ``tensor_device(device)`` method); else ``cuda:N`` (torch's ROCm build calls HIP
+        devices ``cuda`` too). A backend's answer that is not a torch device string is a ``PluginError``."""
+        d = self._device(device)
+        fn = getattr(self.backend, "tensor_device", None)
+        if callable(fn):
+            try:
+                where = fn(d)
+            except Exception as exc:
+                if (untyped := self._failed("tensor_device", exc)) is None:
+                    raise
+                raise untyped from exc
+            if not isinstance(where, str) or not where or where.split(":")[0] not in ("cpu", "cuda"):
+                raise PluginError(f"backend {self.name!r} broke the contract: tensor_device({d}) returned "
+                                  f"{where!r}; accepted: 'cpu' or 'cuda:N'")
+            return where
+        return "cpu" if d.kind == "cpu" else f"cuda:{d.index}"
+
     def budget_query(self, device: Any) -> Budget:
         """The backend's budget, with the headroom in force on ``device`` (:meth:`headroom_in_force`)."""
         device = self._device(device)

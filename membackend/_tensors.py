@@ -6,7 +6,10 @@ torch without a copy:
 * on ``cpu`` devices the tensor views the host backend's memory in this
   process (``torch.frombuffer`` over the range);
 * on ``cuda`` / ``hip`` devices through ``__cuda_array_interface__`` (torch's
-  ROCm build serves HIP memory under the ``cuda`` device type).
+  ROCm build serves HIP memory under the ``cuda`` device type);
+* where the backend says its device memory is memory of this process that the
+  CPU addresses directly (``Session.tensor_device`` answers ``cpu``: a
+  simulated GPU that holds its bytes), as a CPU tensor over those addresses.
 
 **Never a stale or unbacked read.** A tensor is only ever built over pages that
 are resident at that moment: :func:`reservation_tensor` and :func:`model_tensor`
@@ -114,8 +117,11 @@ def _shape(nbytes: int, dtype: Any, shape: Sequence[int] | None, torch: Any) -> 
 
 
 def tensor_at(address: int, nbytes: int, device: Device | str, dtype: Any = None,
-              shape: Sequence[int] | None = None) -> "torch.Tensor":
+              shape: Sequence[int] | None = None, where: str | None = None) -> "torch.Tensor":
     """A tensor over ``nbytes`` at ``address`` on ``device``: no copy, no check of residency.
+
+    ``where`` is the torch device the bytes are read from (``Session.tensor_device``); by default the
+    one ``device`` names (:func:`torch_device`).
 
     The lowest layer: the caller guarantees the bytes are backed for the tensor's
     whole life; nothing stops a free or release under it (the ComfyUI facade uses
@@ -123,11 +129,11 @@ def tensor_at(address: int, nbytes: int, device: Device | str, dtype: Any = None
     :func:`model_tensor` add that guarantee. ``address`` must be aligned to
     ``dtype``'s element size.
     """
-    return _tensor(address, nbytes, device, dtype, shape)[0]
+    return _tensor(address, nbytes, device, dtype, shape, where)[0]
 
 
 def _tensor(address: int, nbytes: int, device: Device | str, dtype: Any = None,
-            shape: Sequence[int] | None = None) -> tuple["torch.Tensor", Any]:
+            shape: Sequence[int] | None = None, where: str | None = None) -> tuple["torch.Tensor", Any]:
     """:func:`tensor_at`, and the object torch keeps alive exactly as long as the tensor's storage."""
     torch = _torch()
     dtype, shape = _shape(nbytes, dtype if dtype is not None else torch.uint8, shape, torch)
@@ -137,7 +143,7 @@ def _tensor(address: int, nbytes: int, device: Device | str, dtype: Any = None,
     if nbytes <= 0:
         raise InvalidSize(f"nbytes must be > 0, got {nbytes}")
     d = Device.parse(device)
-    if d.kind == "cpu":
+    if (where or torch_device(d)) == "cpu":
         # the storage holds the buffer export of ``holder`` (a memoryview, which takes weak references)
         # until it is freed; ``holder`` keeps ``raw`` alive; both share the reservation's memory
         holder = memoryview((ctypes.c_uint8 * nbytes).from_address(address))
@@ -158,10 +164,10 @@ class _CudaRange:
 
 
 def _viewed(r: Reservation, offset: int, size: int, dtype: Any,
-            shape: Sequence[int] | None, drop: Any) -> "torch.Tensor":
+            shape: Sequence[int] | None, drop: Any, where: str) -> "torch.Tensor":
     """A tensor over the range whose storage ends the view ``drop`` (from ``Session.add_view``)."""
     try:
-        t, holder = _tensor(r.base + offset, size, r.device, dtype, shape)
+        t, holder = _tensor(r.base + offset, size, r.device, dtype, shape, where)
         weakref.finalize(holder, drop)
     except BaseException:
         drop()
@@ -205,7 +211,7 @@ def reservation_tensor(session: "Session", reservation: Reservation, offset: int
     if not f.ok:
         drop()
         return None, f
-    return _viewed(reservation, offset, size, dtype, shape, drop), f
+    return _viewed(reservation, offset, size, dtype, shape, drop, session.tensor_device(reservation.device)), f
 
 
 def model_tensor(manager: ResidencyManager, model: Model, offset: int, size: int, device: Any = None,
@@ -228,7 +234,7 @@ def model_tensor(manager: ResidencyManager, model: Model, offset: int, size: int
             raise NotResident(f"model {model.id!r} was unloaded while its tensor was being made; fault it again")
         try:
             drop = manager.session.add_view(r, offset, size)
-            return _viewed(r, offset, size, dtype, shape, drop), f
+            return _viewed(r, offset, size, dtype, shape, drop, manager.session.tensor_device(r.device)), f
         except BaseException:
             manager.unpin(model, offset, size, device)
             raise

@@ -21,7 +21,6 @@ from membackend._drivers.open import machine_for  # noqa: E402
 from membackend._manager import BackendManager  # noqa: E402
 from membackend._residency import ResidencyManager  # noqa: E402
 from membackend._settings import load_settings  # noqa: E402
-from membackend._tensors import NotResident  # noqa: E402
 
 PS = 2 << 20
 METHODS = ["prioritize", "deprioritize", "alloc", "fault", "unpin", "loaded_size", "set_watermark_limit",
@@ -98,8 +97,10 @@ def test_fault_copy_compare_unpin_and_residency_bits(rt):
     facade.vbar_unpin(a)
     assert facade.vbars_analyze(0) == PS  # unpinned and resident: what eviction could give back
     assert v.free_memory(1e32) == PS and v.loaded_size() == 0
-    with pytest.raises(NotResident):
-        facade.aimdo_to_tensor(a, "cpu")  # never a tensor over freed pages
+    # never a tensor over freed pages, and never an exception into ComfyUI's cast path (G6): a scratch tensor of
+    # the same size that ComfyUI fills from its own copy; the adapter stays running (a race, not a failure)
+    scratch = facade.aimdo_to_tensor(a, "cpu")
+    assert scratch.numel() == a[2] and scratch.data_ptr() != v.base_addr and rt.aborted is None
     refaulted = facade.vbar_fault(a)
     assert not facade.vbar_signature_compare(refaulted, sig)  # new pages: the caller copies again
     assert facade.vbar_signature_compare(None, sig) is False
@@ -184,7 +185,7 @@ def test_each_unpin_fences_the_range_by_an_event_on_comfyuis_current_stream(rt, 
     from membackend._comfyui.streams import CopyFences, StreamToken
 
     stream = _Stream()
-    monkeypatch.setattr(CopyFences, "stream_for", staticmethod(lambda dev: stream))
+    monkeypatch.setattr(CopyFences, "stream_for", staticmethod(lambda where: stream))
     rt.fences = CopyFences(rt.residency)
     v = facade.ModelVBAR(4 * PS, 0)
     a = v.alloc(PS)
@@ -286,3 +287,45 @@ def test_a_full_unload_waits_for_a_pin_and_runs_at_the_next_quiescent_point(rt):
     facade.vbar_unpin(a)
     facade.vbars_reset_watermark_limits()
     assert rt.session.reservations() == [] and rt.unloads[-1]["reason"] == "put off until no page was pinned"
+
+
+def test_a_tensor_that_cannot_be_made_never_reaches_comfyui_and_the_pages_are_unpinned(rt, monkeypatch, caplog):
+    """G6 on the cast path: aimdo_to_tensor over faulted pages fails (as it did over a simulated GPU before
+    those held bytes: "Found no NVIDIA driver"). ComfyUI gets a scratch tensor of the same size to copy its own
+    weights into, the pages the fault pinned are unpinned at once, the adapter switches itself off with one
+    line, later faults answer "out of memory" (ComfyUI casts its own copy), ComfyUI's own unpin of the range
+    changes nothing, and the next full unload returns the reservation (G1)."""
+    rt.started = True
+    v = facade.ModelVBAR(4 * PS, 0)
+    a, b = v.alloc(PS), v.alloc(1000)
+    assert facade.vbar_fault(b) is not None  # another layer in flight, pinned: its pin must survive
+    sig = facade.vbar_fault(a)
+    assert sig is not None and v.get_residency()[0] & 2
+
+    def no_driver(*args, **kwargs):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(facade, "tensor_at", no_driver)
+    with caplog.at_level("WARNING", logger="membackend"):
+        t = facade.aimdo_to_tensor(a, "cpu")
+        t2 = facade.aimdo_to_tensor(a, "cpu")
+    assert t.numel() == PS and t.dtype == torch.uint8 and t2.numel() == PS
+    assert rt.aborted and "aimdo_to_tensor" in rt.aborted and not rt.running
+    assert sum("switched off" in r.getMessage() for r in caplog.records) == 1
+    assert v.get_residency()[0] == 1  # a's page: resident, no longer pinned
+    assert facade.vbar_fault(a) is None  # switched off: out of memory, as aimdo answers it
+    facade.vbar_unpin(a)  # ComfyUI's own unpin after the cast: nothing left to unpin, nothing changes
+    assert v.get_residency()[1] & 2  # b's page kept its pin
+    facade.vbar_unpin(b)
+    rt.unload_vbar(v, "test")
+    assert rt.session.reservations() == []
+
+
+def test_a_range_that_is_not_resident_is_answered_without_switching_off(rt, caplog):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(PS)
+    with caplog.at_level("WARNING", logger="membackend"):
+        t = facade.aimdo_to_tensor(a, "cpu")  # never faulted: not resident
+        facade.aimdo_to_tensor(a, "cpu")
+    assert t.numel() == PS and rt.aborted is None
+    assert sum("not resident" in r.getMessage() for r in caplog.records) == 1  # reported once

@@ -373,6 +373,11 @@ class VmmBackend:
 
     # ------------------------------------------------------------------ contract
 
+    def tensor_device(self, device: Device) -> str:
+        """The torch device that reads this backend's pages: ``cuda:N``, or ``cpu`` where the driver's
+        device memory is memory of this process the CPU addresses directly (``GpuDriver.cpu_addressable``)."""
+        return "cpu" if self.driver.cpu_addressable else f"cuda:{self._device_index(device)}"
+
     @hookimpl
     def membackend_probe(self, machine: Machine) -> Candidate:
         c = self.platform.probe_for(machine, self.platform_values)
@@ -804,7 +809,7 @@ class VmmBackend:
             pooled = state.pooled if state is not None else 0
         return DriverState(reserved=raw["reserved"] - pooled, resident=raw["mapped"],
                            held=pooled + raw["physical"] - raw["mapped"], source=f"driver tables ({self.driver.label})",
-                           committed=raw.get("committed"), hazards=raw.get("hazards", 0))
+                           committed=raw.get("committed"), hazards=raw.get("hazards", 0), calls=raw.get("calls"))
 
     @hookimpl
     def membackend_inject_failures(self, probability: float, seed: int) -> Any:

@@ -53,11 +53,9 @@ class VRAMBuffer:
         rt = current()
         if rt is None or rt.session is None:
             raise RuntimeError(f"device {device} is not initialized (membackend has not started)")
-        from .._tensors import torch_device
-
         self.device = device
         self.max_size = int(max_size)
-        self._torch_device = torch_device(rt.device_for(device))
+        self._torch_device = rt.session.tensor_device(rt.device_for(device))
         self._blocks: dict[int, Any] = {}  # offset -> uint8 tensor
         self._allocated = 0
         self.base_addr = 0
@@ -160,7 +158,8 @@ def _to_device(host_address: int, size: int, device_ptr: int, device: Any) -> No
 
     rt = current()
     dev = rt.device_for(device) if rt is not None else "cpu:0"
-    tensor_at(int(device_ptr), size, dev).copy_(tensor_at(host_address, size, "cpu:0"))
+    where = rt.session.tensor_device(dev) if rt is not None and rt.session is not None else None
+    tensor_at(int(device_ptr), size, dev, where=where).copy_(tensor_at(host_address, size, "cpu:0"))
 
 
 def read_file_to_device(file_obj, file_offset, size, stream, device_ptr, device, mark_cold=True):

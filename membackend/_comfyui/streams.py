@@ -89,27 +89,25 @@ class CopyFences:
         self._lock = threading.Lock()
 
     @staticmethod
-    def stream_for(dev: Any) -> Any:
-        """ComfyUI's current stream for membackend device ``dev``; None when copies are synchronous."""
+    def stream_for(where: str) -> Any:
+        """ComfyUI's current stream for the torch device ``where`` that reads a model's pages
+        (``Session.tensor_device``); None when copies there are synchronous (the CPU)."""
+        import torch
+
+        tdev = torch.device(where)
         mm = sys.modules.get("comfy.model_management")
         fn = getattr(mm, "current_stream", None)
-        stream = None
-        if callable(fn):
-            import torch
-
-            tdev = torch.device("cpu") if dev.kind == "cpu" else torch.device("cuda", dev.index)
-            stream = fn(tdev)
-        if stream is None and dev.kind in ("cuda", "hip"):
-            import torch
-
-            stream = torch.cuda.current_stream(dev.index)
+        stream = fn(tdev) if callable(fn) else None
+        if stream is None and tdev.type == "cuda":
+            stream = torch.cuda.current_stream(tdev.index)
         return stream if callable(getattr(stream, "record_event", None)) else None
 
-    def after_unpin(self, model: Any, dev: Any) -> None:
-        """Fence the reservation of ``model`` on ``dev`` by everything queued so far on the current stream."""
+    def after_unpin(self, model: Any, dev: Any, where: str) -> None:
+        """Fence the reservation of ``model`` on ``dev`` by everything queued so far on the current stream of
+        ``where``, the torch device ComfyUI reads the pages on."""
         if not self.enabled:
             return
-        stream = self.stream_for(dev)
+        stream = self.stream_for(where)
         if stream is None:
             return
         event = stream.record_event()

@@ -24,9 +24,17 @@ module functions is kept (a test compares them by introspection), so ComfyUI's
   free, eviction or full unload of the range waits for them (G2);
 * ``prioritize``, ``deprioritize``, watermarks and ``free_memory``
   are the policy's (frees are fenced by the session, G2);
-* ``vbar_fault`` / ``vbar_unpin`` never let an exception reach ComfyUI (G6): the
-  adapter switches itself off (every original restored) and the fault answers
-  ``None``, so ComfyUI casts that weight from its own copy;
+* ``vbar_fault`` / ``vbar_unpin`` / ``aimdo_to_tensor`` never let an exception
+  reach ComfyUI (G6): the adapter switches itself off (every original
+  restored), and from then on every fault answers ``None`` as comfy-aimdo does
+  with no memory, so ComfyUI casts each weight from its own copy. When the
+  tensor over freshly faulted pages cannot be made, the pages that fault
+  pinned are unpinned at once (the next unload can release the reservation)
+  and ``aimdo_to_tensor`` answers a scratch tensor of the same size on
+  ComfyUI's device, which ComfyUI fills from its own copy and casts from;
+  ComfyUI's own ``vbar_unpin`` of that range later changes nothing. A range
+  that was not resident (a race, not a fault of membackend's) is answered
+  the same way without switching off; each kind of error is logged once;
 * ``vbars_analyze`` is the bytes eviction could give back now (unpinned
   resident pages) on the device;
 * ``vbars_reset_watermark_limits`` is called by ComfyUI after every node: a
@@ -49,7 +57,7 @@ from typing import Any
 
 from .._residency import ModelKind
 from ..types import DriverError
-from .._tensors import check_resident, tensor_at
+from .._tensors import NotResident, check_resident, tensor_at
 from .buffers import VRAMBuffer
 from .buffers import tensor_of as buffer_tensor
 from .runtime import current
@@ -84,6 +92,10 @@ class ModelVBAR:
         self._dev = rt.device_for(device)
         self._model = rt.residency.register(rt.new_id("vbar"), int(size), self._dev, ModelKind.DIFFUSION)
         self.base_addr = self._model.reservation(self._dev).base
+        #: the torch device that reads this model's pages (``cpu`` where a simulated GPU holds its bytes)
+        self._where = rt.session.tensor_device(self._dev)
+        #: ranges unpinned already because their tensor could not be made: ComfyUI's unpin of each is a no-op
+        self._unpinned: set[tuple[int, int]] = set()
         self._closed = False
         #: with MEMBACKEND_TRACE: when each freshly backed range was faulted, so its unpin can trace the copy
         self._copy_started: dict[tuple[int, int], float] = {}
@@ -103,10 +115,13 @@ class ModelVBAR:
             raise MemoryError("VBAR OOM")
         alloc = self.base_addr + self.offset
         self.offset += num_bytes
+        self._rt.weights[self._model.id] = self.offset  # the weights' bytes: what the status and the log show
         return (self, alloc, num_bytes)
 
     def fault(self, alloc, size):
         rt = self._rt
+        if rt.aborted is not None:  # switched off: out of memory, as aimdo answers; ComfyUI casts its own copy
+            return None
         rt.cancel_put_off(self)  # used again: its put-off unload is cancelled
         for _ in range(2):
             f = rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
@@ -124,6 +139,9 @@ class ModelVBAR:
         return array("Q", (r.id, *f.generations))
 
     def unpin(self, alloc, size):
+        if self._unpinned and (alloc, int(size)) in self._unpinned:
+            self._unpinned.discard((alloc, int(size)))  # unpinned when its tensor failed (see aimdo_to_tensor)
+            return
         started = self._copy_started.pop((alloc, int(size)), None) if self._copy_started else None
         if started is not None:  # for replays: the host time from fault to unpin, the copy issued in between
             self._rt.residency.copied(self._model, alloc - self.base_addr, int(size),
@@ -131,7 +149,7 @@ class ModelVBAR:
         self._rt.residency.unpin(self._model, alloc - self.base_addr, int(size), self._dev)
         fences = getattr(self._rt, "fences", None)
         if fences is not None:  # the copy and the compute reading these pages may still be queued (G2)
-            fences.after_unpin(self._model, self._dev)
+            fences.after_unpin(self._model, self._dev, self._where)
 
     def loaded_size(self):
         return self._rt.residency.stats(self._dev)[self._model.id]["resident"]
@@ -185,7 +203,25 @@ class ModelVBAR:
         """The bytes of ``alloc`` as a uint8 tensor; refused (``NotResident``) unless resident now."""
         offset = alloc - self.base_addr
         r = check_resident(self._rt.residency, self._model, offset, size, self._dev)
-        return tensor_at(r.base + offset, size, r.device)
+        return tensor_at(r.base + offset, size, r.device, where=self._where)
+
+    def tensor_failed(self, alloc: int, size: int, device: Any, exc: Exception) -> Any:
+        """``aimdo_to_tensor`` could not make the tensor over a faulted range (G6): unpin the range now,
+        report once (switching the adapter off unless the range merely was not resident), and answer a
+        scratch tensor of ``size`` bytes on ``device`` for ComfyUI to copy its weights into."""
+        import torch
+
+        rt = self._rt
+        try:
+            self._rt.residency.unpin(self._model, alloc - self.base_addr, int(size), self._dev)
+            self._unpinned.add((alloc, int(size)))
+        except Exception as unpin_exc:  # noqa: BLE001 - reported with the cause below
+            log.debug("membackend: unpinning after a failed tensor: %s", unpin_exc)
+        if isinstance(exc, NotResident):
+            rt.report_once("aimdo_to_tensor", exc, "ComfyUI casts that weight from its own copy")
+        else:
+            rt.abort(exc, "aimdo_to_tensor")
+        return torch.empty(int(size), dtype=torch.uint8, device=device)
 
 
 def vbar_fault(alloc):
@@ -247,7 +283,10 @@ def aimdo_to_tensor(alloc, device):
         return buffer_tensor(alloc)
     if not isinstance(vbar, ModelVBAR):  # an allocation of comfy-aimdo's own: its function answers
         return _original_to_tensor(alloc, device)
-    return vbar.tensor(ptr, size, device)
+    try:
+        return vbar.tensor(ptr, size, device)
+    except Exception as exc:  # G6: never into ComfyUI's cast path
+        return vbar.tensor_failed(ptr, size, device, exc)
 
 
 def _original_to_tensor(alloc: Any, device: Any) -> Any:
