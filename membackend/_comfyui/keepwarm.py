@@ -72,6 +72,13 @@ class KeepWarm:
                      __version__, given)
         return given
 
+    def release(self, patchers: list[Any]) -> None:
+        """ComfyUI dropped these models (an unload it chose, ``/free``): stop holding them."""
+        with self._lock:
+            for p in patchers:
+                self.held.pop(id(p), None)
+                self.run_ids.discard(id(p))
+
     def clear(self) -> None:
         with self._lock:
             self.held.clear()

@@ -128,13 +128,17 @@ _LOSS_WORDS = {
 }
 
 
-def describe_load(rec: dict[str, Any], name: Callable[[str], str] = str) -> str:
+def describe_load(rec: dict[str, Any], name: Callable[[str], str] = str, pages: int | None = None) -> str:
     """The words of one load record (``ResidencyManager.loads_done``): why the model loaded what it did.
 
-    ``kept: 0 bytes loaded`` / ``reloaded 3.2 GB: evicted at 14:02 for VAE`` / ``loaded 3.2 GB (cold)``;
+    ``kept: 0 bytes loaded`` / ``reloaded 3.2 GB: evicted at 14:02 for VAE`` / ``loaded 3.2 GB (cold)`` /
+    ``nothing loaded: none of its layers ran``, with ``streamed: `` in front when the load shed its own pages
+    to fit its later layers or loaded more than the ``pages`` its weights span (it faulted pages again);
     ``name`` turns a model id into the name a person knows it by."""
     loaded = rec.get("loaded", 0)
-    if rec.get("kind") == "kept" or not loaded:
+    if not loaded and not rec.get("resident_before", 0):
+        out = "nothing loaded: none of its layers ran"
+    elif rec.get("kind") == "kept" or not loaded:
         out = f"kept: 0 bytes loaded ({gb(rec.get('resident_before', 0))} resident)"
     elif rec.get("kind") == "reloaded" and rec.get("lost"):
         lost = rec["lost"]
@@ -145,9 +149,17 @@ def describe_load(rec: dict[str, Any], name: Callable[[str], str] = str) -> str:
             (f" ({why})" if why else "")
     else:
         out = f"loaded {gb(loaded)} (cold)"
-    if rec.get("shed_during"):
-        out += f"; {gb(rec['shed_during'])} of it shed again to fit the run"
+    if rec.get("shed_during"):  # its own pages made room for its later layers: it streamed
+        out = f"streamed: {out}; {gb(rec['shed_during'])} of it shed again to fit the budget"
+    elif pages and loaded > pages:  # more than its weights: layers were loaded again within the load
+        out = f"streamed: {out}; more than its {gb(pages)} of weights, the budget holds only part of it"
     return out
+
+
+def committed_bytes(state: Any) -> int:
+    """The memory a device's driver holds for this process: the platform's own commit figure where it has one
+    (Windows private commit), else the resident pages and what the backend keeps for reuse."""
+    return state.committed if state.committed is not None else state.resident + state.held
 
 
 def say(text: str, level: int = logging.INFO) -> str:
@@ -206,6 +218,8 @@ class Runtime:
         self.load_count = 0
         self.loaded_bytes = 0  # bytes every load copied in, in all
         self.names: dict[str, str] = {}  # model id -> the name ComfyUI's model class gives it
+        #: model id -> its weights' bytes: what ComfyUI staged in its VBAR (ModelVBAR.alloc), not the address range
+        self.weights: dict[str, int] = {}
         self.last_used: dict[str, float] = {}  # model id -> when ComfyUI last loaded it (epoch seconds)
         #: per device: (time, reserved, resident, committed or None) samples, the last HISTORY_SECONDS
         self.history: dict[str, collections.deque[tuple[float, int, int, int | None]]] = {}
@@ -216,6 +230,7 @@ class Runtime:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._original_init: Callable[..., Any] | None = None
+        self._reported: set[tuple[str, str]] = set()  # (where, error type) told once (report_once)
         kinds = tuple(getattr(selection.record.plugin, "device_kinds", ("cpu",)))
         self.kind = next((k for k in ("cuda", "hip") if k in kinds), "cpu")
 
@@ -392,13 +407,17 @@ class Runtime:
     def on_load(self, rec: dict[str, Any]) -> None:
         """A load finished (``ResidencyManager.loads_done``): one line that says why, kept for the status."""
         name = self.display_name(rec["model"])
-        words = describe_load(rec, self.display_name)
+        weights = self.weights.get(rec["model"], 0)
+        vbar = next((v for v in list(self.vbars) if v._model.id == rec["model"]), None)
+        r = vbar._model.reservation(vbar._dev) if vbar is not None else None
+        page = r.page_size if r is not None else 0
+        words = describe_load(rec, self.display_name, -(-weights // page) * page if weights and page else None)
         entry = {**rec, "name": name, "text": words}
         with self._loads_lock:  # a leaf lock: this runs under the policy's lock, which abort() may wait for
             self.loads.append(entry)
             self.load_count += 1
             self.loaded_bytes += int(rec.get("loaded", 0))
-        say(f"load of {name} ({gb(rec['size'])}): {words}")
+        say(f"load of {name} ({gb(self.weights.get(rec['model'], rec['size']))}): {words}")
 
     def sample(self, force: bool = False) -> None:
         """Add one history sample per device (at most one a second unless ``force``). Never raises: the
@@ -414,9 +433,7 @@ class Runtime:
             for d in self.devices:
                 acct = self.session.ledger.account(d)
                 state = self.session.inspect(d)
-                committed = None
-                if state is not None:
-                    committed = state.committed if state.committed is not None else state.resident + state.held
+                committed = committed_bytes(state) if state is not None else None
                 rows.append((str(d), (round(now, 3), acct.reserved, acct.resident, committed)))
         except Exception as exc:  # noqa: BLE001
             log.debug("membackend: history sample skipped: %s: %s", type(exc).__name__, exc)
@@ -468,6 +485,18 @@ class Runtime:
             return fn(*args, **kwargs)
         except Exception as exc:
             raise _ComfyRaised(exc) from None
+
+    def report_once(self, where: str, exc: BaseException, then: str) -> None:
+        """One warning line per kind of error at ``where`` that the adapter survives (the rest are logged
+        at debug level), saying what ComfyUI does instead (``then``)."""
+        key = (where, type(exc).__name__)
+        with self._lock:
+            first = key not in self._reported
+            self._reported.add(key)
+        if first:
+            say(f"{where} failed ({type(exc).__name__}: {exc}); {then} (reported once)", logging.WARNING)
+        else:
+            log.debug("membackend: %s failed again: %s: %s", where, type(exc).__name__, exc)
 
     def abort(self, exc: BaseException, where: str) -> None:
         """Restore every original and say so in one line; ComfyUI carries on stock."""
@@ -581,6 +610,18 @@ class Runtime:
             say(f"prompt queue empty: gave back {given} bytes the backend kept for reuse")
         return given
 
+    def give_back(self) -> int:
+        """Everything was unloaded: the backend gives back what it keeps for reuse (``ResidencyManager.on_idle``:
+        recycled handles, kept address windows), so the memory the driver holds is back at its start-up
+        value. Returns the bytes given back."""
+        if self.residency is None:
+            return 0
+        given = self.residency.on_idle()
+        self.sample(force=True)
+        if given:
+            say(f"every model unloaded: gave back {gb(given)} the backend kept for reuse")
+        return given
+
     def put_off(self, vbar: Any) -> None:
         """Run this VBAR's full unload at the next quiescent point."""
         with self._pending_lock:
@@ -597,6 +638,7 @@ class Runtime:
     def close_vbar(self, vbar: Any) -> None:
         self.cancel_put_off(vbar)
         self.names.pop(vbar._model.id, None)  # each ModelVBAR has an id of its own: nothing here outlives it
+        self.weights.pop(vbar._model.id, None)
         self.last_used.pop(vbar._model.id, None)
         self.vbars.discard(vbar)
         if self.fences is not None:
@@ -648,10 +690,11 @@ class Runtime:
                                 "min": lo, "max": hi}
             state = self.session.inspect(d)  # what the backend keeps for reuse (kept address windows included)
             if state is not None:
-                held[str(d)] = {"held": state.held, "committed": state.committed, "source": state.source}
+                held[str(d)] = {"held": state.held, "committed": committed_bytes(state), "source": state.source,
+                                "hazards": state.hazards, "calls": dict(state.calls or {})}
         out["budgets"] = budgets
         out["kept"] = held
-        out["reservations"] = [{"id": r.id, "device": str(r.device), "size": r.size}
+        out["reservations"] = [{"id": r.id, "device": str(r.device), "size": r.size, "page_size": r.page_size}
                                for r in self.session.reservations()]
         out["headroom"] = headroom
         out["models"] = self.model_details()
@@ -663,7 +706,8 @@ class Runtime:
 
     def model_details(self) -> dict[str, Any]:
         """Per model (by id): ``resident`` and ``reserved`` (``ResidencyManager.stats``), and ``name``,
-        ``size``, ``device``, ``pinned`` and ``evictable`` bytes, ``state`` (``pinned``: a layer is in use
+        ``size`` (its weights' bytes, as ComfyUI staged them), ``address_range`` (the bytes of address space
+        ComfyUI reserved for it, about ten times its size), ``device``, ``pinned`` and ``evictable`` bytes, ``state`` (``pinned``: a layer is in use
         now; ``warm``: wholly resident; ``partly resident``; ``not resident``), ``held`` (kept warm by the
         adapter) and ``last_used`` (epoch seconds, None: not loaded by ComfyUI yet)."""
         held = {id(v._model) for p in list(self.keep.held.values())
@@ -673,19 +717,23 @@ class Runtime:
         out: dict[str, Any] = {}
         for m in self.residency.models():
             row = dict(stats.get(m.id, {"resident": 0, "reserved": False}))
-            pinned = evictable = 0
+            pinned = evictable = page = 0
             for dev in m.devices:
                 slot = m.slots.get(dev)
                 r = slot.reservation if slot is not None and slot.alive else None
                 if r is None:
                     continue
                 bits = self.residency.residency(m, dev)
+                page = r.page_size
                 pinned += sum(1 for x in bits if x & 2) * r.page_size
                 evictable += sum(1 for x in bits if x == 1) * r.page_size
             resident = row["resident"]
-            state = ("pinned" if pinned else "warm" if resident >= m.size else "partly resident" if resident
+            weights = self.weights.get(m.id, 0)
+            whole = -(-weights // page) * page if weights and page else m.size  # the pages the weights span
+            state = ("pinned" if pinned else "warm" if resident >= whole else "partly resident" if resident
                      else "not resident")
-            row.update(name=self.display_name(m.id), size=m.size, device=", ".join(map(str, m.devices)),
+            row.update(name=self.display_name(m.id), size=self.weights.get(m.id, 0), address_range=m.size,
+                       device=", ".join(map(str, m.devices)),
                        kind=m.kind.value, pinned=pinned, evictable=evictable, state=state, held=id(m) in held,
                        last_used=self.last_used.get(m.id))
             out[m.id] = row

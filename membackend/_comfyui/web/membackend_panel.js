@@ -26,7 +26,7 @@ function gb(n) {
 }
 
 function ago(t) {
-  if (!t) return "not yet";
+  if (!t) return "not used yet";
   const s = Math.max(0, Date.now() / 1000 - t);
   if (s < 60) return `${Math.round(s)} s ago`;
   if (s < 3600) return `${Math.round(s / 60)} min ago`;
@@ -70,6 +70,9 @@ const CSS = `
 .mb-panel .mb-state[data-state="running"] { color: #3fa34d; }
 .mb-panel .mb-state[data-state="switched-off"], .mb-panel .mb-state[data-state="not-started"] { color: var(--error-text, #ff4444); }
 .mb-panel table { border-collapse: collapse; width: 100%; }
+.mb-panel table.mb-models { table-layout: fixed; }
+.mb-panel table.mb-models td { overflow-wrap: anywhere; }
+.mb-panel table.mb-models th:nth-child(2), .mb-panel table.mb-models th:nth-child(3) { width: 4.6em; }
 .mb-panel td, .mb-panel th { text-align: left; padding: 2px 4px; border-bottom: 1px solid var(--border-color, #4e4e4e);
   vertical-align: top; }
 .mb-panel th { color: var(--descrip-text, #999); font-weight: normal; }
@@ -87,7 +90,9 @@ const CSS = `
   box-shadow: 0 0 12px rgba(0,0,0,.4); border-radius: 8px; }
 .mb-toggle { position: fixed; right: 12px; bottom: 12px; z-index: 1001; }
 `;
-const SERIES = [["reserved", 1, "#8a8aff"], ["resident", 2, "#3fa34d"], ["committed", 3, "#e0a030"]];
+// [series, sample index, colour, legend]: reserved is address space, not memory
+const SERIES = [["reserved", 1, "#8a8aff", "reserved (address space)"], ["resident", 2, "#3fa34d", "resident"],
+                ["committed", 3, "#e0a030", "committed"]];
 
 function chart(samples, total) {
   const w = 360, h = 90;
@@ -98,7 +103,7 @@ function chart(samples, total) {
   const box = svg("svg", { viewBox: `0 0 ${w} ${h}`, width: "100%", height: h, "data-mb": "chart",
                            preserveAspectRatio: "none",
                            "data-samples": String(pts.length), role: "img",
-                           "aria-label": "reserved, resident and committed bytes over the last minutes" });
+                           "aria-label": "reserved address space, resident and committed bytes over the last minutes" });
   box.append(svg("rect", { x: 0, y: 0, width: w, height: h, fill: "none", stroke: "var(--border-color, #4e4e4e)" }));
   let peak = 0;
   for (const s of pts) for (const [, i] of SERIES) if (s[i] !== null && s[i] > peak) peak = s[i];
@@ -113,7 +118,8 @@ function chart(samples, total) {
   }
   const label = `${gb(peak)} peak · last ${span >= 120 ? `${Math.round(span / 60)} min` : `${Math.round(span)} s`}`;
   const legend = el("div", { class: "mb-legend mb-muted" }, el("span", { text: label }),
-    ...SERIES.map(([name, , colour]) => el("span", {}, el("b", { style: `color:${colour}`, text: "— " }), name)));
+    ...SERIES.map(([name, , colour, words]) => el("span", { "data-series": name },
+      el("b", { style: `color:${colour}`, text: "— " }), words)));
   return el("div", {}, box, legend);
 }
 
@@ -271,16 +277,18 @@ class Panel {
 
   models(models) {
     const rows = Object.entries(models).sort((a, b) => (b[1].last_used ?? 0) - (a[1].last_used ?? 0));
-    const body = rows.length ? el("table", { "data-mb": "models" },
-      el("tr", {}, ...["model", "size", "resident", "state", "evictable", "last used"].map((h, i) =>
-        el("th", { class: i && i < 5 && i !== 3 ? "mb-num" : "", text: h }))),
-      ...rows.map(([id, m]) => el("tr", { "data-model": id, "data-name": m.name, "data-resident": String(m.resident) },
-        el("td", { text: m.name, title: `${id} (${m.kind}) on ${m.device}` }),
+    // four columns, so that the table fits the sidebar at its default width; evictable bytes and the last use
+    // go on the state's second line; size is the weights' bytes (the address range is in the tooltip)
+    const body = rows.length ? el("table", { "data-mb": "models", class: "mb-models" },
+      el("tr", {}, ...["model", "size", "resident", "state"].map((h, i) =>
+        el("th", { class: i === 1 || i === 2 ? "mb-num" : "", text: h }))),
+      ...rows.map(([id, m]) => el("tr", { "data-model": id, "data-name": m.name, "data-resident": String(m.resident),
+                                          "data-size": String(m.size) },
+        el("td", { text: m.name, title: `${id} (${m.kind}) on ${m.device}; address range ${gb(m.address_range ?? 0)}` }),
         el("td", { class: "mb-num", text: gb(m.size) }),
         el("td", { class: "mb-num", text: gb(m.resident) }),
-        el("td", { text: m.state + (m.held ? ", kept warm" : "") + (m.pinned ? ` (${gb(m.pinned)} pinned)` : "") }),
-        el("td", { class: "mb-num", text: gb(m.evictable) }),
-        el("td", { text: ago(m.last_used) }))))
+        el("td", {}, el("div", { text: m.state + (m.held ? ", kept warm" : "") + (m.pinned ? ` (${gb(m.pinned)} pinned)` : "") }),
+          el("div", { class: "mb-muted", text: `${gb(m.evictable)} evictable · ${ago(m.last_used)}` })))))
       : el("div", { class: "mb-muted", "data-mb": "models-empty",
                     text: "No model streams through membackend yet (ComfyUI loads models on a CPU device itself)." });
     return el("div", {}, el("h3", { text: "Models" }), body);
