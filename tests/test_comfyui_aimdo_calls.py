@@ -1,5 +1,7 @@
 """Every call a real ComfyUI tree makes into comfy-aimdo is accounted for: served by membackend's facade with a
-signature that accepts the tree's own call, or listed in ``wiring.LEFT_TO_AIMDO`` with the reason.
+signature that accepts the tree's own call, left to comfy-aimdo with the reason (``wiring.LEFT_TO_AIMDO``), or
+kept out by a ComfyUI switch membackend turns on -- the one answer ``membackend._comfyui.aimdo_names`` gives it
+(``tests/test_comfyui_aimdo_names.py`` checks that table against every public name of each comfy-aimdo release).
 
 The tree is the one named by ``MEMBACKEND_COMFYUI`` (``.ci/run`` points it at a real ComfyUI 0.33.0); the
 calls are read from its source with ``ast``, so a newer tree that calls a new name fails here until the
@@ -18,7 +20,7 @@ import pytest
 
 pytest.importorskip("comfy_aimdo")
 
-from membackend._comfyui import wiring  # noqa: E402
+from membackend._comfyui import aimdo_names, wiring  # noqa: E402
 
 TREE = os.environ.get("MEMBACKEND_COMFYUI")
 needs_tree = pytest.mark.skipif(not TREE, reason="MEMBACKEND_COMFYUI (a ComfyUI tree) is not set")
@@ -81,15 +83,22 @@ def _accepts(fn, call: ast.Call) -> str | None:
 
 
 @needs_tree
-def test_every_comfy_aimdo_name_the_tree_uses_is_served_or_left_with_a_reason():
+def test_every_comfy_aimdo_name_the_tree_uses_is_served_left_with_a_reason_or_kept_out():
     uses = aimdo_uses(Path(TREE))
     assert "comfy_aimdo.model_vbar.vbar_fault" in uses, "the tree looks like no aimdo-era ComfyUI"
-    served = wiring.served()
+    rows = aimdo_names.table()
     unaccounted = {name: [where for where, _ in sites] for name, sites in uses.items()
-                   if name not in served and name not in wiring.LEFT_TO_AIMDO}
+                   if aimdo_names.answer(name, rows) is None}
     assert not unaccounted, f"comfy-aimdo names this ComfyUI uses that the adapter neither serves nor lists: " \
                             f"{unaccounted}"
     assert all(len(why) > 20 for why in wiring.LEFT_TO_AIMDO.values())
+
+
+def test_a_name_the_table_does_not_answer_is_reported():
+    rows = aimdo_names.table()
+    assert aimdo_names.answer("comfy_aimdo.control.init_devices", rows).kind == aimdo_names.SERVED
+    assert aimdo_names.answer("comfy_aimdo.malloc_graph.record", rows).kind == aimdo_names.KEPT
+    assert aimdo_names.answer("comfy_aimdo.control.brand_new_call", rows) is None
 
 
 @needs_tree

@@ -361,3 +361,63 @@ def test_describe_load_words():
     assert said.startswith("reloaded 3.2 GB: evicted at ") and said.endswith(" for the VAE (the device was out of "
                                                                               "memory)"), said
     assert describe_load({"kind": "cold", "loaded": 5 * 10**9}) == "loaded 5.0 GB (cold)"
+
+
+def test_describe_load_says_nothing_loaded_and_streamed():
+    assert describe_load({"kind": "kept", "loaded": 0, "resident_before": 0}) == \
+        "nothing loaded: none of its layers ran"  # never loaded: not "kept"
+    shed = describe_load({"kind": "cold", "loaded": 4 * 10**9, "shed_during": 10**9})
+    assert shed.startswith("streamed: loaded 4.0 GB (cold)") and "1.0 GB of it shed again" in shed, shed
+    more = describe_load({"kind": "cold", "loaded": 4 * 10**9}, pages=2 * 10**9)
+    assert more.startswith("streamed: loaded 4.0 GB (cold)") and "2.0 GB of weights" in more, more
+    assert describe_load({"kind": "cold", "loaded": 2 * 10**9}, pages=2 * 10**9) == "loaded 2.0 GB (cold)"
+
+
+def test_a_models_size_is_its_weights_not_its_address_range(rt, caplog):
+    """ComfyUI reserves ten times a model's size of address space; the status, the panel and the per-load line
+    show the weights' bytes (what ComfyUI staged in the VBAR), and "warm" means those pages are resident."""
+    from membackend._comfyui import vbar as facade
+
+    d = rt.devices[0]
+    v = facade.ModelVBAR(10 * 6 * MiB, 0)  # ComfyUI's model_size() * 10
+    allocs = [v.alloc(3 * MiB), v.alloc(3 * MiB)]
+    rt.names[v._model.id] = "UNet"
+    rt.residency.use([v._model])
+    for a in allocs:
+        assert facade.vbar_fault(a) is not None
+        facade.vbar_unpin(a)
+    with caplog.at_level(logging.INFO, logger="membackend"):
+        rt.quiescent()
+    row = rt.status()["models"][v._model.id]
+    assert row["size"] == 6 * MiB and row["address_range"] == 60 * MiB, row
+    assert row["state"] == "warm", row  # every page of the weights resident: not "partly resident"
+    line = next(r.getMessage() for r in caplog.records if "load of UNet" in r.getMessage())
+    assert "load of UNet (6.3 MB): loaded 6.3 MB (cold)" in line, line
+    v.close()
+    assert d in rt.devices
+
+
+def test_unloading_everything_gives_back_what_the_backend_keeps(rt):
+    from membackend._comfyui import vbar as facade
+
+    v = facade.ModelVBAR(10 * 4 * MiB, 0)
+    a = v.alloc(4 * MiB)
+    assert facade.vbar_fault(a) is not None
+    facade.vbar_unpin(a)
+    rt.unload_vbar(v, "test")
+    rt.give_back()
+    st = rt.status()
+    assert st["reservations"] == [] and all(k["committed"] == 0 for k in st["kept"].values()), st["kept"]
+
+
+def test_keep_warm_lets_go_of_models_comfyui_dropped():
+    from membackend._comfyui.keepwarm import KeepWarm
+
+    class Patcher:
+        pass
+
+    keep, a, b = KeepWarm(), Patcher(), Patcher()
+    keep.ram_floor = 0  # no RAM pressure: nothing is given back on its own
+    keep.hold([a, b])
+    keep.release([a])  # ComfyUI unloaded it (POST /free, or its own choice of victim)
+    assert list(keep.held.values()) == [b] and id(a) not in keep.run_ids

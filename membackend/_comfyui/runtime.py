@@ -273,8 +273,11 @@ class Runtime:
         if args is not None:
             # aimdo's CUDA-graph capture and its compiler path record aimdo's own allocations; ComfyUI reads
             # these flags when it runs a model, after init_devices
+            # surface patches: they stay after a switch-off, as the facade does, since comfy-aimdo has no device
+            # to record graphs or compile on (its record would fail with "not initialized")
             for attr in ("disable_cuda_graphs", "disable_comfy_compiler"):
-                self.patches.replace(args, attr, True, required=False, label="--" + attr.replace("_", "-"))
+                self.patches.replace(args, attr, True, required=False, label="--" + attr.replace("_", "-"),
+                                     surface=True)
         pairs = [i if isinstance(i, tuple) else (i, 0) for i in ids] or [(0, 0)]
         self.session = self.manager.session(self.machine, selection=self.selection)
         self.devices = list(dict.fromkeys(self.device_for(index) for index, _ in pairs))

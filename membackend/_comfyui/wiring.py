@@ -10,9 +10,13 @@ own function with the same arguments, G6), and undone by ``Runtime.abort`` /
 
 * **The facade** (:mod:`.vbar`) over ``comfy_aimdo.model_vbar`` and
   ``comfy_aimdo.torch.aimdo_to_tensor``; comfy-aimdo's ``VRAMBuffer``, ``HostBuffer``,
-  ``ModelMMAP`` and ``read_file_to_device`` (:mod:`.buffers`); and wherever ComfyUI's
-  modules bound those names. These are the *surface*: an abort after start leaves
-  them for the dynamic patchers ComfyUI already made.
+  ``ModelMMAP`` and ``read_file_to_device`` (:mod:`.buffers`); comfy-aimdo 0.5.5's and
+  0.6.0's ``control.set/get_simple_vram_headroom`` and ``host_buffer.write_*_to_file``
+  (:mod:`.aimdo_newer`); and wherever ComfyUI's modules bound those names. These are the
+  *surface*: an abort after start leaves them for the dynamic patchers ComfyUI already made.
+  Every public name of comfy-aimdo 0.4.13, 0.5.5 and 0.6.0 is served here (:func:`served`),
+  left to comfy-aimdo with the reason (:data:`LEFT_TO_AIMDO`), or kept out by a ComfyUI switch
+  membackend sets (:mod:`.aimdo_names`, the one table of all three).
 * **Budgets (G3).** ``get_free_memory(dev=None, torch_free_too=False)`` answers the
   backend's usable budget (free minus headroom, from the platform's source) and
   ``get_total_memory(dev=None, torch_total_too=False)`` its total, for the devices the
@@ -37,7 +41,9 @@ own function with the same arguments, G6), and undone by ``Runtime.abort`` /
   dynamic model it removed whose nn.Module no loaded model still uses (clones share
   one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
   quiescent point (between nodes) while any page is pinned. Its patcher's
-  ``non_dynamic_delegate_model`` is dropped with it.
+  ``non_dynamic_delegate_model`` is dropped with it, and keep-warm lets go of it. When ComfyUI
+  unloads everything (``unload_all_models``: ``POST /free``), what the backend keeps for reuse
+  (recycled handles, kept address windows) goes back too.
 * **Idle.** ``execution.PromptQueue.task_done(item_id, ...)`` (the prompt worker calls it
   after each prompt): after ComfyUI's own, when ``get_tasks_remaining()`` says nothing
   is queued or running, :meth:`Runtime.idle` runs ``ResidencyManager.on_idle``. Patched
@@ -67,7 +73,10 @@ BUFFER_NAMES = (("comfy_aimdo.vram_buffer", "VRAMBuffer"), ("comfy_aimdo.host_bu
                 ("comfy_aimdo.model_mmap", "ModelMMAP"))
 
 
-#: comfy-aimdo names ComfyUI calls that membackend deliberately leaves to comfy-aimdo while it serves, and why
+#: Every public name of comfy-aimdo 0.4.13, 0.5.5 and 0.6.0 that membackend leaves to comfy-aimdo while it serves,
+#: and why no call of it reaches aimdo's native code for a device membackend serves (or why that is harmless).
+#: With :func:`served` and ``aimdo_names.KEPT_OUT`` it makes the table of :mod:`.aimdo_names`, which a test
+#: checks against the names read from each installed release.
 LEFT_TO_AIMDO = {
     "comfy_aimdo.control.init": "ComfyUI calls it before the prestartup scripts; it only loads aimdo's library "
                                 "(or fails to), which membackend then leaves unused",
@@ -77,6 +86,48 @@ LEFT_TO_AIMDO = {
                                           "set_log_info, which membackend serves",
     "comfy_aimdo.torch.hostbuf_to_tensor": "plain Python over the buffer's size and get_raw_address(), which "
                                            "membackend's HostBuffer answers",
+    "comfy_aimdo.control.lib": "aimdo's native library (ctypes), loaded by control.init before the prestartup "
+                               "scripts, or None where it failed to load; membackend never calls into it, and "
+                               "every name that would call it for a served device is served or kept out",
+    "comfy_aimdo.control.devctxs": "aimdo's own device contexts, filled only by aimdo's init_devices, which "
+                                   "membackend answers instead: empty while membackend serves, so what walks it "
+                                   "(analyze, get_total_vram_usage) makes no native call",
+    "comfy_aimdo.control.detect_vendor": "plain Python: reads torch's version file to pick aimdo's CUDA or ROCm "
+                                         "library for control.init; no native code, no device",
+    "comfy_aimdo.control.init_device": "plain Python over init_devices, looked up in comfy_aimdo.control when it "
+                                       "is called, where membackend's init_devices answers",
+    "comfy_aimdo.control.get_devctx": "aimdo's lookup of a device its own init_devices set up: for a device "
+                                      "membackend serves it finds none and raises RuntimeError ('not "
+                                      "initialized'), touching no device; ComfyUI does not call it, and aimdo's "
+                                      "callers of it (ModelVBAR, VRAMBuffer, record) are served or kept out",
+    "comfy_aimdo.control.deinit": "no ComfyUI release read calls it (0.33 to 0.38); it tears down only what aimdo's "
+                                  "own init_devices set up (device contexts, driver hooks), which never ran while "
+                                  "membackend serves",
+    "comfy_aimdo.control.get_total_vram_usage": "sums over aimdo's own device contexts: none while membackend "
+                                                "serves, so 0 with no native call (membackend's usage reaches "
+                                                "ComfyUI through get_free_memory and vbars_analyze, served)",
+    **{f"comfy_aimdo.{module}.lib": "control.lib as this module bound it when imported (None where aimdo's library "
+                                    "is not loaded); only this module's own functions and classes use it, and "
+                                    "each is served, kept out or left here with its reason"
+       for module in ("host_buffer", "model_mmap", "model_vbar", "storage", "vram_buffer")},
+    "comfy_aimdo.model_vbar.PageoutCallback": "a ctypes function-pointer type (0.6.0), no native call of its own: "
+                                              "aimdo's ModelVBAR wraps its pageout_callback in it, and membackend's "
+                                              "ModelVBAR, the one ComfyUI constructs while membackend serves, "
+                                              "takes the Python callable as it is",
+    # Comfy-Org/ComfyUI comfy/storage.py @2d656ace126d: fast_storage(path) imports it on Windows only
+    "comfy_aimdo.storage.fast_disk": "Windows only (ComfyUI 0.35+ comfy/storage.py fast_storage(); Linux reads "
+                                     "sysfs): asks aimdo's library whether the disk behind a model file is a fast "
+                                     "NVMe, from the disk's driver, touching no GPU and no aimdo device context; "
+                                     "None where the library is not loaded. Harmless while membackend serves",
+    "comfy_aimdo.torch.get_tensor_from_raw_ptr": "plain torch (a tensor over a raw address through "
+                                                 "__cuda_array_interface__), no aimdo native code; ComfyUI does not "
+                                                 "call it itself (aimdo's aimdo_to_tensor does, and that is served)",
+    "comfy_aimdo.torch.get_torch_allocator": "experimental in aimdo (it logs 'experimental and unsupported') and "
+                                             "called by no ComfyUI since 0.33; it only reads two function "
+                                             "addresses from aimdo's library, touching no device",
+    "comfy_aimdo.torch.CUDAPluggableAllocator": "made only by get_torch_allocator (above), which no ComfyUI since "
+                                                "0.33 calls; building one reads two function addresses from "
+                                                "aimdo's library, touching no device",
 }
 
 
@@ -87,6 +138,9 @@ def served() -> dict[str, Any]:
     out.update({f"{m}.{n}": getattr(buffers, n) for m, n in BUFFER_NAMES})
     out["comfy_aimdo.control.init_devices"] = Runtime.init_devices
     out.update({f"comfy_aimdo.control.set_log_{level}": aimdo_log_noop for level in AIMDO_LOG_LEVELS})
+    from . import aimdo_newer  # comfy-aimdo 0.5.5's and 0.6.0's names that would reach a served device
+
+    out.update({f"{m}.{n}": getattr(aimdo_newer, n) for m, n in aimdo_newer.NAMES})
     return out
 
 
@@ -113,6 +167,7 @@ def install_facade(rt: Runtime) -> None:
         if p.replace(mod, name, getattr(buffers, name), required=False, surface=True,
                      label=f"{modname}.{name}"):
             originals[name] = (p.original(mod, name), getattr(buffers, name))
+    originals.update(importlib.import_module(".aimdo_newer", __package__).install(rt))  # 0.5.5+ names, served
     # ComfyUI's modules that bound these names with ``from comfy_aimdo... import name``
     by_id = {id(theirs): (theirs, ours) for theirs, ours in originals.values()}
     for modname, mod in list(sys.modules.items()):
@@ -200,11 +255,15 @@ def wire(rt: Runtime) -> None:
                     new = [lm for lm in loaded if all(lm is not b for b in before)]
                     loaded[:] = new + [lm for lm in before if id(lm) in hidden or id(lm) in kept]
             removed = [lm for lm in before if all(lm is not a for a in loaded)]
-            if removed:
-                try:
+            try:
+                if removed:
                     _retire(rt, removed, loaded, sizes)
-                except Exception as exc:  # ComfyUI's own free_memory already ran: do not run it twice
-                    rt.abort(exc, "the full unload after free_memory")
+                if memory_required >= EVERYTHING and not rt.pending:
+                    # unload_all_models (POST /free): what the backend keeps for reuse goes back too (G1), so
+                    # the memory the driver holds returns to its start-up value
+                    rt.give_back()
+            except Exception as exc:  # ComfyUI's own free_memory already ran: do not run it twice
+                rt.abort(exc, "the full unload after free_memory")
             return result
         p.replace(mm, "free_memory", rt.guard("free_memory", original_free, free_memory))
     else:
@@ -268,6 +327,7 @@ def _name(rt: Runtime, patchers: list[Any]) -> None:
 def _retire(rt: Runtime, removed: list[Any], loaded: list[Any], sizes: dict[int, int]) -> None:
     """Full unload (G1) of removed dynamic models no loaded model still uses; drop their delegates (G5)."""
     in_use = {id(lm.model.model) for lm in loaded if not lm.is_dead() and lm.model is not None}
+    rt.keep.release([lm.model for lm in removed if lm.model is not None])  # ComfyUI dropped them: so do we
     for lm in removed:
         patcher = lm.model
         if patcher is None:
