@@ -386,9 +386,23 @@ def test_trim_calls_the_optional_hook_for_each_device_served():
 
 
 def test_without_the_optional_hooks_trim_is_zero_and_inspect_none():
-    s = Session(HostBackend(), machine=gather_machine())
+    from membackend_example import ExampleBackend  # the documented third-party example: the six verbs only
+
+    s = Session(ExampleBackend(), machine=gather_machine())
     s.reserve("cpu", 2 * MiB)
     assert s.trim() == 0 and s.inspect("cpu") is None
+    s.close()
+
+
+def test_the_host_backend_inspects_the_kernel():
+    s = Session(HostBackend(), machine=gather_machine())
+    r = s.reserve("cpu", 4 * MiB)
+    assert s.inspect("cpu").resident == 0 and s.inspect("cpu").reserved == 4 * MiB
+    assert s.fault(r, 0, 2 * MiB).ok
+    state = s.inspect("cpu")
+    assert (state.reserved, state.resident) == (4 * MiB, 2 * MiB) and "mincore" in state.source
+    s.release_reservation(r)
+    assert s.inspect("cpu").reserved == 0
     s.close()
 
 

@@ -18,11 +18,12 @@ concurrent faults never take more than ``capacity`` together.
 from __future__ import annotations
 
 import errno
+import sys
 import threading
 from array import array
 
 from .._version import __version__
-from .._drivers.host import FailingHostDriver, HostDriver, host_driver
+from .._drivers.host import FailingHostDriver, HostDriver, host_driver, resident_bytes
 from ..hookspec import hookimpl
 from .._hostmem import host_memory, os_page_size
 from .._settings.rules import HOST_PAGE_SIZE
@@ -33,6 +34,7 @@ from ..types import (
     ConfigError,
     Device,
     DriverError,
+    DriverState,
     Fault,
     Machine,
     Reservation,
@@ -89,7 +91,8 @@ class HostBackend:
         self.driver = driver or host_driver()
         self.resident = 0
         self._next_generation = 1
-        self._lock = threading.Lock()  # resident, the capacity check and the generation counter
+        self._live: dict[int, Reservation] = {}  # base -> every reservation not released yet (for inspect)
+        self._lock = threading.Lock()  # resident, the capacity check, the generation counter, the live ones
 
     @classmethod
     def from_settings(cls, settings) -> "HostBackend":
@@ -113,7 +116,10 @@ class HostBackend:
         ps = self.page_size
         rounded = -(-size // ps) * ps
         base = self.driver.reserve(rounded, ps)
-        return Reservation(device, base, rounded, ps, self.name, handle=_Pages(rounded // ps), requested=size)
+        r = Reservation(device, base, rounded, ps, self.name, handle=_Pages(rounded // ps), requested=size)
+        with self._lock:
+            self._live[base] = r
+        return r
 
     @hookimpl
     def membackend_fault(self, reservation: Reservation, offset: int, size: int) -> Fault:
@@ -200,7 +206,21 @@ class HostBackend:
         self.driver.release(reservation.base, reservation.size)
         with self._lock:
             self.resident -= dropped
+            self._live.pop(reservation.base, None)
         return dropped
+
+    @hookimpl
+    def membackend_inspect(self, device: Device) -> DriverState | None:
+        """The kernel's own view of the live reservations: their bytes, and the bytes of them it holds in RAM
+        (``mincore(2)``); None where the OS has no ``mincore`` (Windows)."""
+        self._serves(device)
+        if sys.platform == "win32":
+            return None
+        with self._lock:
+            live = list(self._live.values())
+        return DriverState(reserved=sum(r.size for r in live),
+                           resident=sum(resident_bytes(r.base, r.size) for r in live),
+                           source="the kernel (mincore over the live reservations)")
 
     @hookimpl
     def membackend_fence(self, device: Device, reservation: Reservation | None) -> None:
