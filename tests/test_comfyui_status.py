@@ -421,3 +421,32 @@ def test_keep_warm_lets_go_of_models_comfyui_dropped():
     keep.hold([a, b])
     keep.release([a])  # ComfyUI unloaded it (POST /free, or its own choice of victim)
     assert list(keep.held.values()) == [b] and id(a) not in keep.run_ids
+
+
+def test_a_hook_delegate_unloaded_in_place_of_its_owner_lets_the_owner_drop_it(rt):
+    """G5: ComfyUI loads a Hook delegate in place of its dynamic owner, so the owner itself may never be
+    unloaded; when the delegate is, the owner's cached legacy copy goes and nothing keeps its model alive."""
+    import gc
+
+    import torch
+
+    class Patcher:
+        def __init__(self, model):
+            self.model = model
+            self.non_dynamic_delegate_model = None
+
+        def model_size(self):
+            return 4 * MiB
+
+    owner = Patcher(torch.nn.Linear(4, 4))
+    delegate = Patcher(torch.nn.Linear(4, 4))
+    owner.non_dynamic_delegate_model = (delegate.model, ({}, {}, {}, {}))
+    rt.track_delegate(owner, delegate)
+    assert rt.status()["delegates"] == [{"owner": "Linear", "bytes": 4 * MiB}]
+    assert rt.status()["delegates_alive"] == 1
+    assert rt.drop_delegate(delegate)  # ComfyUI's free_memory removed the delegate's LoadedModel
+    assert owner.non_dynamic_delegate_model is None and rt.status()["delegates"] == []
+    del delegate
+    gc.collect()
+    assert rt.status()["delegates_alive"] == 0
+    assert not rt.drop_delegate(owner)  # dropped once: nothing more to do

@@ -329,3 +329,27 @@ def test_a_range_that_is_not_resident_is_answered_without_switching_off(rt, capl
         facade.aimdo_to_tensor(a, "cpu")
     assert t.numel() == PS and rt.aborted is None
     assert sum("not resident" in r.getMessage() for r in caplog.records) == 1  # reported once
+
+
+def test_a_failed_copy_fenced_while_making_room_does_not_switch_the_adapter_off(rt, caplog):
+    """A fault that must evict another model's pages fences the copies recorded on them; one of those copies
+    failed. The fault says so once and tries again (a failed token then counts as finished), and the adapter
+    keeps running (seen as a rare switch-off in the race test of tests/test_comfyui_races.py)."""
+    from concurrent.futures import Future
+
+    from membackend._fences import FutureToken
+
+    a = facade.ModelVBAR(16 * PS, 0)
+    whole = a.alloc(16 * PS)  # the whole budget (host_capacity 16 pages)
+    assert facade.vbar_fault(whole) is not None
+    facade.vbar_unpin(whole)
+    failed = Future()
+    failed.set_exception(OSError("copy failed"))
+    rt.residency.record(a._model, FutureToken(failed), a._dev)
+    b = facade.ModelVBAR(4 * PS, 0)
+    layer = b.alloc(PS)
+    with caplog.at_level("WARNING", logger="membackend"):
+        assert facade.vbar_fault(layer) is not None  # room made by evicting a, after the failed copy
+    assert rt.aborted is None
+    assert sum("making room for a fault failed" in r.getMessage() for r in caplog.records) == 1
+    facade.vbar_unpin(layer)

@@ -231,6 +231,10 @@ class Runtime:
         self._lock = threading.RLock()
         self._original_init: Callable[..., Any] | None = None
         self._reported: set[tuple[str, str]] = set()  # (where, error type) told once (report_once)
+        #: id of a Hook delegate's nn.Module -> (weak reference to its dynamic owner, the delegate's bytes)
+        self.delegates: dict[int, tuple[Any, int]] = {}
+        #: every Hook delegate's nn.Module while anything keeps it alive (the status counts them)
+        self.delegate_modules: weakref.WeakSet[Any] = weakref.WeakSet()
         kinds = tuple(getattr(selection.record.plugin, "device_kinds", ("cpu",)))
         self.kind = next((k for k in ("cuda", "hip") if k in kinds), "cpu")
 
@@ -571,7 +575,12 @@ class Runtime:
             say(f"full unload of {model.id} failed, retried at the next node ({exc})", logging.WARNING)
             return
         if dropped is None:
+            with self._pending_lock:
+                first = vbar not in self.pending
             self.put_off(vbar)  # destroying pinned pages is what aborts aimdo (#14396): wait
+            if first:  # said once, not at every node it keeps waiting
+                say(f"full unload of {model.id} on {vbar._dev} put off: a page is still pinned; it runs after the "
+                    f"node that uses it ({reason})")
             return
         self.cancel_put_off(vbar)
         if not dropped.alive:
@@ -612,6 +621,47 @@ class Runtime:
         if given:
             say(f"prompt queue empty: gave back {given} bytes the backend kept for reuse")
         return given
+
+    def track_delegate(self, owner: Any, delegate: Any) -> None:
+        """ComfyUI made (or reused) ``owner``'s non-dynamic Hook delegate: remember it by the delegate's
+        nn.Module, with its weights' bytes, so that its unload drops the owner's cached copy (G5)."""
+        module = getattr(delegate, "model", None)
+        if module is None:
+            return
+        try:
+            size = int(delegate.model_size())
+        except Exception:  # noqa: BLE001 - the size is for the status only
+            size = 0
+        with self._lock:
+            self.delegates[id(module)] = (weakref.ref(owner), size)
+            self.delegate_modules.add(module)
+
+    def drop_delegate(self, patcher: Any) -> bool:
+        """``patcher`` (a delegate or its owner) was unloaded: the owner lets go of its cached delegate."""
+        module = getattr(patcher, "model", None)
+        with self._lock:
+            found = [k for k, (ref, _) in self.delegates.items() if k == id(module) or ref() is patcher]
+            entries = [self.delegates.pop(k) for k in found]
+        dropped = False
+        for ref, size in entries:
+            owner = ref()
+            if owner is not None and getattr(owner, "non_dynamic_delegate_model", None) is not None:
+                owner.non_dynamic_delegate_model = None
+                dropped = True
+                say(f"the Hook delegate of {type(getattr(owner, 'model', owner)).__name__} ({gb(size)}) goes "
+                    "with its unload")
+        return dropped
+
+    def delegates_held(self) -> list[dict[str, Any]]:
+        """The Hook delegates still cached by their owner: the owner's model class and the delegate's bytes."""
+        with self._lock:
+            entries = list(self.delegates.values())
+        out = []
+        for ref, size in entries:
+            owner = ref()
+            if owner is not None and getattr(owner, "non_dynamic_delegate_model", None) is not None:
+                out.append({"owner": type(getattr(owner, "model", owner)).__name__, "bytes": size})
+        return out
 
     def give_back(self) -> int:
         """Everything was unloaded: the backend gives back what it keeps for reuse (``ResidencyManager.on_idle``:
@@ -678,7 +728,9 @@ class Runtime:
                                "idle": {"times": self.idles, "bytes": self.idle_bytes},
                                "how_to": HOW_TO, "line": _outcome.line if _outcome is not None else None,
                                "loads": loads, "load_count": load_count,
-                               "loaded_bytes": loaded_bytes, "keep_warm": self.keep.enabled}
+                               "loaded_bytes": loaded_bytes, "keep_warm": self.keep.enabled,
+                               "delegates": self.delegates_held(),
+                               "delegates_alive": len(list(self.delegate_modules))}
         if self.session is None:
             return out
         self.sample()

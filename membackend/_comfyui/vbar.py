@@ -68,6 +68,7 @@ __all__ = ["ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "v
            "vbars_analyze", "aimdo_to_tensor"]
 
 ALIGN = 512
+FENCE_WAIT = "fence token wait"  # the call a session's DriverError names when a recorded copy failed
 
 
 def _started() -> Any:
@@ -123,8 +124,16 @@ class ModelVBAR:
         if rt.aborted is not None:  # switched off: out of memory, as aimdo answers; ComfyUI casts its own copy
             return None
         rt.cancel_put_off(self)  # used again: its put-off unload is cancelled
-        for _ in range(2):
-            f = rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
+        for attempt in range(3):
+            try:
+                f = rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
+            except DriverError as exc:
+                if exc.call != FENCE_WAIT or attempt == 2:
+                    raise
+                # making room waited for a copy recorded on another model's pages, and that copy failed: told
+                # once; a failed token then counts as finished, so the next try can evict
+                rt.report_once("making room for a fault", exc, "the fault tries again")
+                continue
             if not f.ok:
                 return None
             r = self._model.reservation(self._dev)
@@ -133,7 +142,7 @@ class ModelVBAR:
             # a full unload on another thread (one that does not wait for pins: unload_all, stop) took the
             # reservation between the fault and here: fault again, which reserves anew, as any fresh fault
         else:
-            return None  # unloaded twice under us: out of memory, ComfyUI casts from its own copy
+            return None  # unloaded (or failed copies fenced) under us: out of memory, ComfyUI casts its own copy
         if f.mapped and rt.residency.tracer is not None:  # new pages: the cast path copies the layer
             self._copy_started[(alloc, int(size))] = time.perf_counter()
         return array("Q", (r.id, *f.generations))

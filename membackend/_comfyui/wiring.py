@@ -41,7 +41,9 @@ own function with the same arguments, G6), and undone by ``Runtime.abort`` /
   dynamic model it removed whose nn.Module no loaded model still uses (clones share
   one) is fully unloaded: fenced, freed, its reservation returned; put off to the next
   quiescent point (between nodes) while any page is pinned. Its patcher's
-  ``non_dynamic_delegate_model`` is dropped with it, and keep-warm lets go of it. When ComfyUI
+  ``non_dynamic_delegate_model`` is dropped with it, and keep-warm lets go of it. ComfyUI loads a Hook
+  delegate (``ModelPatcherDynamic.get_non_dynamic_delegate``, tracked) in place of its owner, so when
+  ``free_memory`` removes the delegate, the owner's cached copy is dropped too. When ComfyUI
   unloads everything (``unload_all_models``: ``POST /free``), what the backend keeps for reuse
   (recycled handles, kept address windows) goes back too.
 * **Idle.** ``execution.PromptQueue.task_done(item_id, ...)`` (the prompt worker calls it
@@ -287,6 +289,21 @@ def wire(rt: Runtime) -> None:
     else:
         p.skipped.append("comfy.model_management.load_models_gpu")
 
+    # ---- G5: the Hook delegate, tracked from the moment ComfyUI makes it
+    mp = sys.modules.get("comfy.model_patcher")
+    dynamic_cls = getattr(mp, "ModelPatcherDynamic", None)
+    if dynamic_cls is not None and hasattr(dynamic_cls, "get_non_dynamic_delegate"):
+        original_delegate = dynamic_cls.get_non_dynamic_delegate
+
+        def get_non_dynamic_delegate(patcher, *args, **kwargs):
+            delegate = rt.comfy(original_delegate, patcher, *args, **kwargs)
+            rt.track_delegate(patcher, delegate)
+            return delegate
+        p.replace(dynamic_cls, "get_non_dynamic_delegate",
+                  rt.guard("get_non_dynamic_delegate", original_delegate, get_non_dynamic_delegate))
+    else:
+        p.skipped.append("comfy.model_patcher.ModelPatcherDynamic.get_non_dynamic_delegate")
+
     # ---- idle: the prompt queue emptied
     queue_cls = getattr(sys.modules.get("execution"), "PromptQueue", None)  # imported by main.py before us
     if queue_cls is not None and hasattr(queue_cls, "task_done") and hasattr(queue_cls, "get_tasks_remaining"):
@@ -332,6 +349,9 @@ def _retire(rt: Runtime, removed: list[Any], loaded: list[Any], sizes: dict[int,
         patcher = lm.model
         if patcher is None:
             continue
+        # G5: a Hook delegate unloaded, or its owner: the owner's cached legacy copy goes (ComfyUI loads the
+        # delegate in place of its owner, so the owner itself may never have been loaded)
+        rt.drop_delegate(patcher)
         if getattr(patcher, "non_dynamic_delegate_model", None) is not None:
             patcher.non_dynamic_delegate_model = None  # G5: the legacy second copy goes with its owner
         if id(patcher.model) in in_use:
