@@ -173,6 +173,19 @@ def test_panel_shows_the_models_loads_and_chart_the_standin_streamed(tmp_path):
         assert shown == {k: (v["name"], v["resident"]) for k, v in models.items()}
         text = page.locator("[data-mb=models]").inner_text()
         assert "not resident" in text and "partly resident" in text and "ago" in text, text
+        # a model's size is its weights' bytes (the address range is in the tooltip)
+        assert {r.get_attribute("data-model"): int(r.get_attribute("data-size")) for r in rows.all()} == \
+            {k: v["size"] for k, v in models.items()}
+        # the table fits the sidebar at ComfyUI's default width: nothing clipped, no horizontal scroll
+        for width in (300, 360):
+            page.evaluate(f"document.querySelector('#membackend-panel').style.width = '{width}px'")
+            fits = page.evaluate("""() => { const t = document.querySelector('[data-mb=models]');
+                const p = document.querySelector('#membackend-panel');
+                return [t.scrollWidth, p.clientWidth, [...t.querySelectorAll('td, th')].every(
+                    (c) => c.scrollWidth <= c.clientWidth + 1)]; }""")
+            assert fits[0] <= fits[1] and fits[2], (width, fits)
+        legend = page.locator("[data-mb=chart] + .mb-legend").inner_text()
+        assert "reserved (address space)" in legend, legend
         loads = page.locator("[data-mb=loads] li")
         kinds = [loads.nth(i).get_attribute("data-kind") for i in range(loads.count())]
         assert kinds == ["reloaded", "cold", "kept", "cold"], kinds  # newest first

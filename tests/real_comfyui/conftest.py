@@ -169,3 +169,90 @@ class ServedRuns:
 @pytest.fixture(scope="session")
 def served(trees, comfy_python, report) -> ServedRuns:
     return ServedRuns(trees, comfy_python, report)
+
+
+@pytest.fixture(scope="session")
+def weight_models(rc_settings: Settings, comfy_python: harness.ComfyPython, trees: harness.Trees, report,
+                  tmp_path_factory) -> dict:
+    """The weights suite's models (:func:`weights.build_models`), built once, read by every tree copy."""
+    from . import weights
+
+    folder = tmp_path_factory.mktemp("models")
+    try:
+        built = weights.build_models(folder, tree=trees.stock, python=comfy_python)
+    except harness.HarnessError as exc:
+        pytest.fail(f"could not build the test models: {exc}", pytrace=False)
+    for tree in (trees.stock, trees.node):
+        weights.model_paths(tree, folder)
+    report.put("models", built)
+    return built
+
+
+class WeightRuns:
+    """The weights suite's served runs, each started once, on first use (see test_weights.py)."""
+
+    def __init__(self, trees: harness.Trees, python: harness.ComfyPython, report: harness.Report):
+        self.trees, self.python, self.report = trees, python, report
+        self.done: dict = {}
+        self._stock = None
+
+    def stock(self):
+        from . import weights
+
+        if self._stock is None:
+            self._stock = weights.run_stock(trees=self.trees, python=self.python, logs=self.report.folder / "logs")
+            self.report.put("weights_stock", self._stock.row())
+        return self._stock
+
+    def __getitem__(self, name: str):
+        from . import weights
+
+        if name not in self.done:
+            env, _ = {**weights.BACKENDS, **weights.COMPARISONS}[name]
+            self.done[name] = weights.run_weights(name, env, trees=self.trees, python=self.python,
+                                                  logs=self.report.folder / "logs")
+            self.report.put("weights", {k: v.row() for k, v in self.done.items()})
+        return self.done[name]
+
+
+@pytest.fixture(scope="session")
+def weight_runs(trees, comfy_python, report, weight_models) -> WeightRuns:
+    return WeightRuns(trees, comfy_python, report)
+
+
+class SeedRuns:
+    """The seed reports' scripted runs (see test_seeds.py) and the stock images they are compared with."""
+
+    def __init__(self, trees: harness.Trees, python: harness.ComfyPython, report: harness.Report):
+        self.trees, self.python, self.report = trees, python, report
+        self.done: dict = {}
+        self.stock: dict = {}
+
+    def __getitem__(self, name: str):
+        from . import weights
+
+        if name not in self.done:
+            env, flags, script = weights.SEEDS[name]
+            self.done[name] = weights.run_script(name, env, script, trees=self.trees, python=self.python,
+                                                 logs=self.report.folder / "logs",
+                                                 flags=(*weights.DYNAMIC_FLAGS, *flags))
+            self.report.put("seeds", {k: v.row() for k, v in self.done.items()})
+        return self.done[name]
+
+    def stock_images(self, name: str) -> dict:
+        """The stock image of each prompt step of seed ``name``'s script, by label."""
+        from . import weights
+
+        if name not in self.stock:
+            _, _, script = weights.SEEDS[name]
+            prompts = [(label, wf) for kind, label, wf in script if kind == "prompt"]
+            hashes = weights.stock_images([wf for _, wf in prompts], trees=self.trees, python=self.python,
+                                          logs=self.report.folder / "logs", label=f"seed-{name}")
+            self.stock[name] = dict(zip([label for label, _ in prompts], hashes))
+            self.report.put("seeds_stock", self.stock)
+        return self.stock[name]
+
+
+@pytest.fixture(scope="session")
+def seed_runs(trees, comfy_python, report, weight_models) -> SeedRuns:
+    return SeedRuns(trees, comfy_python, report)

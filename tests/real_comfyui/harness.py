@@ -233,6 +233,17 @@ def _real_comfyui_probe():
 
 _atexit.register(_real_comfyui_probe)
 
+# the test-only CPU shim (tests/real_comfyui/cpu_shim.py), when the harness asks for it: ComfyUI's explicit
+# CPU checks on its dynamic path are lifted before ComfyUI imports comfy
+if _os.environ.get("REAL_COMFYUI_CPU_SHIM"):
+    import importlib.util as _shim_util
+
+    _shim_spec = _shim_util.spec_from_file_location("membackend_cpu_shim", _os.environ["REAL_COMFYUI_CPU_SHIM"])
+    _shim = _shim_util.module_from_spec(_shim_spec)
+    _sys.modules["membackend_cpu_shim"] = _shim
+    _shim_spec.loader.exec_module(_shim)
+    _shim.install()
+
 # another sitecustomize further along the path (the interpreter's own) still runs
 try:
     import importlib.machinery as _machinery
