@@ -100,7 +100,9 @@ def test_doctor_prints_each_fact_with_its_source(capsys, monkeypatch):
     machine = json.loads(out)["machine"]
     assert machine["sources"]["os"].startswith("user override MEMBACKEND_MACHINE__OS")
     assert machine["devices"][0]["sources"]["total_memory"] == "cuda: cuDeviceTotalMem"
-    assert machine["discovery"] == ["cuda (sim:gb10-128gb): 1 device(s), driver 13.0 (cuDriverGetVersion)"]
+    assert machine["discovery"] == ["cuda (sim:gb10-128gb): 1 device(s), driver 13.0 (cuDriverGetVersion)",
+                                    "cuda (sim:gb10-128gb): device memory: memory of this process (memfd_create, "
+                                    "mmap): the bytes a GPU would hold"]
 
 
 def test_doctor_says_why_a_real_driver_listed_nothing(capsys):

@@ -240,7 +240,8 @@ def _cuda(opener: Callable[[], Any], os_name: str, nvml: list[dict] | None) -> t
         d.close()
     except DriverError:
         pass
-    return devices, [f"{where}: {count} device(s){version}"] + notes
+    memory = d.memory_note()
+    return devices, [f"{where}: {count} device(s){version}"] + ([f"{where}: {memory}"] if memory else []) + notes
 
 
 def _fill_from_nvml(f: _Facts, d: Any, nvml: list[dict], os_name: str) -> None:
@@ -351,7 +352,9 @@ def _hip(openers: Sequence[Callable[[], Any]], os_name: str) -> tuple[list[Devic
             if f.failed:
                 problems.append(f"{where}: hip:{i} did not answer for " + "; ".join(f.failed))
             devices.append(f.device(d.label))
-        return devices, notes + [f"{where}: {count} device(s){version}"] + problems
+        memory = d.memory_note()
+        return devices, notes + [f"{where}: {count} device(s){version}"] + ([f"{where}: {memory}"] if memory else []) \
+            + problems
     return [], notes
 
 

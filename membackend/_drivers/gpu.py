@@ -77,6 +77,11 @@ class GpuDriver:
     #: True where device memory is ordinary memory of this process that the CPU reads and writes at the
     #: same addresses (a simulated device that holds its bytes): torch views it as a CPU tensor then
     cpu_addressable = False
+
+    def memory_note(self) -> str | None:
+        """Where this driver's device memory lives, when that is worth a line in the doctor (a simulated
+        driver's bytes: memory of this process, or books only and why); None for a real driver."""
+        return None
     SUCCESS: Any = 0
     OOM: Any = 2
     NOT_READY: Any = 600

@@ -272,12 +272,39 @@ class Phase:
 
 
 @dataclass
-class WeightsRun:
-    """What one served configuration of the weights suite gave (see :func:`run_weights`)."""
+class ServedRun:
+    """What every served run of this module records: its configuration, the driver's counters at the end,
+    the server's membackend lines and tracebacks, the error that stopped it, how long it took."""
 
     name: str
     env: dict[str, str]
     flags: tuple[str, ...]
+    driver: dict[str, Any] = field(default_factory=dict)  # per device: hazards and API call counts at the end
+    membackend_lines: list[str] = field(default_factory=list)
+    exceptions: list[str] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def read_end(self, st: dict[str, Any]) -> None:
+        """The driver's counters from the last status."""
+        self.driver = {d: {"hazards": v.get("hazards"), "calls": v.get("calls")}
+                       for d, v in (st.get("kept") or {}).items()}
+
+    def read_log(self, log: Path, trees: harness.Trees) -> None:
+        """The server's membackend lines and the exception ending each traceback in its log."""
+        if log.is_file():
+            out = log.read_text(encoding="utf-8", errors="replace")
+            self.membackend_lines = harness.membackend_lines(out)
+            self.exceptions = sorted(harness.exceptions(out, trees.scratch, trees.stock, trees.node).elements())
+
+
+@dataclass
+class WeightsRun(ServedRun):
+    """What one served configuration of the weights suite gave (see :func:`run_weights`)."""
+
     backend: str | None = None
     state: str | None = None
     page_size: int = 0
@@ -291,14 +318,6 @@ class WeightsRun:
     committed_start: dict[str, int] = field(default_factory=dict)
     committed_after_free: dict[str, int] = field(default_factory=dict)
     free_seconds: float | None = None
-    driver: dict[str, Any] = field(default_factory=dict)  # per device: hazards and API call counts at the end
-    membackend_lines: list[str] = field(default_factory=list)
-    exceptions: list[str] = field(default_factory=list)
-    error: str | None = None
-    seconds: float = 0.0
-
-    def row(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _phase(server: harness.Server, seed: int, workflows: dict[str, Callable[[int], dict[str, Any]]],
@@ -361,14 +380,10 @@ def run_weights(name: str, env: dict[str, str], *, trees: harness.Trees, python:
             st, got.free_seconds = free_all(server)
             got.reservations_after_free = st.get("reservations")
             got.committed_after_free = committed(st)
-            got.driver = {d: {"hazards": v.get("hazards"), "calls": v.get("calls")}
-                          for d, v in (st.get("kept") or {}).items()}
+            got.read_end(st)
     except (harness.HarnessError, OSError, ValueError, KeyError) as exc:
         got.error = str(exc) if isinstance(exc, harness.HarnessError) else f"{type(exc).__name__}: {exc}"
-    if log.is_file():
-        out = log.read_text(encoding="utf-8", errors="replace")
-        got.membackend_lines = harness.membackend_lines(out)
-        got.exceptions = sorted(harness.exceptions(out, trees.scratch, trees.stock, trees.node).elements())
+    got.read_log(log, trees)
     got.seconds = round(time.monotonic() - t0, 1)
     return got
 
@@ -432,20 +447,11 @@ class Step:
 
 
 @dataclass
-class Scripted:
-    name: str
-    env: dict[str, str]
-    flags: tuple[str, ...]
+class Scripted(ServedRun):
+    """What one scripted run gave (see :func:`run_script`): the status at start-up and after each step."""
+
     start: Step | None = None
     steps: list[Step] = field(default_factory=list)
-    driver: dict[str, Any] = field(default_factory=dict)
-    membackend_lines: list[str] = field(default_factory=list)
-    exceptions: list[str] = field(default_factory=list)
-    error: str | None = None
-    seconds: float = 0.0
-
-    def row(self) -> dict[str, Any]:
-        return asdict(self)
 
     def step(self, label: str) -> Step:
         return next(s for s in self.steps if s.label == label)
@@ -501,15 +507,10 @@ def run_script(name: str, env: dict[str, str], script: list[tuple[str, str, Any]
                 seen = _seen(kind, label, server, before, status(server))
                 seen.image, seen.answer = image, answer
                 got.steps.append(seen)
-            st = status(server)
-            got.driver = {d: {"hazards": v.get("hazards"), "calls": v.get("calls")}
-                          for d, v in (st.get("kept") or {}).items()}
+            got.read_end(status(server))
     except (harness.HarnessError, OSError, ValueError, KeyError, StopIteration) as exc:
         got.error = str(exc) if isinstance(exc, harness.HarnessError) else f"{type(exc).__name__}: {exc}"
-    if log.is_file():
-        out = log.read_text(encoding="utf-8", errors="replace")
-        got.membackend_lines = harness.membackend_lines(out)
-        got.exceptions = sorted(harness.exceptions(out, trees.scratch, trees.stock, trees.node).elements())
+    got.read_log(log, trees)
     got.seconds = round(time.monotonic() - t0, 1)
     return got
 

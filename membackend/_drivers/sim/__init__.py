@@ -72,6 +72,9 @@ class _Simulated:
         operating system could not back them: ``sim.memory.reason`` says why)."""
         return self.sim.memory.backed
 
+    def memory_note(self) -> str | None:
+        return f"device memory: {self.sim.memory.reason}"
+
     def budget(self, source: str, index: int) -> tuple[int, int, str]:
         sim = self.sim
         if source == "wddm":  # DXGI's budget and this process's usage of the device

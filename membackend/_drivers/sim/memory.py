@@ -77,7 +77,7 @@ class SimMemory:
     """
 
     backed = True
-    reason = "device memory is memory of this process (memfd_create, mmap)"
+    reason = "memory of this process (memfd_create, mmap): the bytes a GPU would hold"
 
     def __init__(self, label: str):
         libc = ctypes.CDLL(None, use_errno=True)
