@@ -172,7 +172,8 @@ def test_panel_shows_the_models_loads_and_chart_the_standin_streamed(tmp_path):
                  for i in range(rows.count())}
         assert shown == {k: (v["name"], v["resident"]) for k, v in models.items()}
         text = page.locator("[data-mb=models]").inner_text()
-        assert "not resident" in text and "partly resident" in text and "ago" in text, text
+        # states by the weights' pages: one model wholly resident (warm), one evicted (not resident)
+        assert "warm" in text and "not resident" in text and "ago" in text, text
         # a model's size is its weights' bytes (the address range is in the tooltip)
         assert {r.get_attribute("data-model"): int(r.get_attribute("data-size")) for r in rows.all()} == \
             {k: v["size"] for k, v in models.items()}

