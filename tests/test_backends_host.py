@@ -470,3 +470,44 @@ def test_bad_injection_arguments_are_typed(probability, seed, key):
         backend.membackend_inject_failures(probability, seed)
     assert info.value.key == key and info.value.accepted
     assert backend.driver is real
+
+
+def test_inspect_never_asks_the_kernel_about_a_range_a_release_gives_back():
+    """The status polls inspect while ComfyUI's worker releases reservations: mincore of a range unmapped
+    between the snapshot and the call would fail (ENOMEM). 4 threads reserve, fault and release while one
+    inspects; no error, and the kernel's figures end at zero."""
+    import threading
+
+    from membackend._machine import gather_machine
+    from membackend._session import Session
+
+    s = Session(HostBackend(), machine=gather_machine())
+    stop, errors = threading.Event(), []
+
+    def churn():
+        try:
+            while not stop.is_set():
+                r = s.reserve("cpu", 8 * MiB)
+                s.fault(r, 0, 2 * MiB)
+                s.release_reservation(r)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def look():
+        try:
+            for _ in range(400):
+                s.inspect("cpu")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    threads = [threading.Thread(target=churn) for _ in range(4)] + [threading.Thread(target=look)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [], errors
+    state = s.inspect("cpu")
+    assert (state.reserved, state.resident) == (0, 0)
+    s.close()

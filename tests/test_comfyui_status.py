@@ -450,3 +450,15 @@ def test_a_hook_delegate_unloaded_in_place_of_its_owner_lets_the_owner_drop_it(r
     gc.collect()
     assert rt.status()["delegates_alive"] == 0
     assert not rt.drop_delegate(owner)  # dropped once: nothing more to do
+
+
+def test_the_status_answers_when_inspecting_a_device_fails(rt, monkeypatch):
+    """The status route is for people: a driver that cannot be inspected now leaves its figures out."""
+    from membackend.types import DriverError
+
+    def broken(device):
+        raise DriverError(12, "mincore", "a range went away")
+
+    monkeypatch.setattr(rt.session, "inspect", broken)
+    st = rt.status()
+    assert st["running"] and st["kept"] == {} and st["budgets"]

@@ -92,7 +92,10 @@ class HostBackend:
         self.resident = 0
         self._next_generation = 1
         self._live: dict[int, Reservation] = {}  # base -> every reservation not released yet (for inspect)
-        self._lock = threading.Lock()  # resident, the capacity check, the generation counter, the live ones
+        self._lock = threading.Lock()  # resident, the capacity check and the generation counter
+        #: the live reservations; held across inspect's mincore and release's munmap, so that inspect never asks
+        #: the kernel about a range a release is giving back (faults never take it)
+        self._live_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings) -> "HostBackend":
@@ -117,7 +120,7 @@ class HostBackend:
         rounded = -(-size // ps) * ps
         base = self.driver.reserve(rounded, ps)
         r = Reservation(device, base, rounded, ps, self.name, handle=_Pages(rounded // ps), requested=size)
-        with self._lock:
+        with self._live_lock:
             self._live[base] = r
         return r
 
@@ -203,10 +206,11 @@ class HostBackend:
     def membackend_release_reservation(self, reservation: Reservation) -> int:
         pages: _Pages = reservation.handle
         dropped = pages.resident.count(1) * reservation.page_size
-        self.driver.release(reservation.base, reservation.size)
+        with self._live_lock:
+            self.driver.release(reservation.base, reservation.size)
+            self._live.pop(reservation.base, None)
         with self._lock:
             self.resident -= dropped
-            self._live.pop(reservation.base, None)
         return dropped
 
     @hookimpl
@@ -216,10 +220,10 @@ class HostBackend:
         self._serves(device)
         if sys.platform == "win32":
             return None
-        with self._lock:
+        with self._live_lock:  # no release unmaps a range while the kernel is asked about it
             live = list(self._live.values())
-        return DriverState(reserved=sum(r.size for r in live),
-                           resident=sum(resident_bytes(r.base, r.size) for r in live),
+            resident = sum(resident_bytes(r.base, r.size) for r in live)
+        return DriverState(reserved=sum(r.size for r in live), resident=resident,
                            source="the kernel (mincore over the live reservations)")
 
     @hookimpl

@@ -743,7 +743,11 @@ class Runtime:
             lo, hi = self.headroom_range(d)
             headroom[str(d)] = {"bytes": value, "source": source, "live": source == LIVE_SOURCE,
                                 "min": lo, "max": hi}
-            state = self.session.inspect(d)  # what the backend keeps for reuse (kept address windows included)
+            try:  # what the backend keeps for reuse (kept address windows included); the status never fails on it
+                state = self.session.inspect(d)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("membackend: inspecting %s for the status failed: %s: %s", d, type(exc).__name__, exc)
+                state = None
             if state is not None:
                 held[str(d)] = {"held": state.held, "committed": committed_bytes(state), "source": state.source,
                                 "hazards": state.hazards, "calls": dict(state.calls or {})}
