@@ -88,7 +88,8 @@ def test_a_reservation_is_address_space_without_access():
         _read(d, va, 1)  # mapped, no access set yet (cuMemSetAccess)
     assert _code(exc.value) == ILLEGAL_ADDRESS
     with open("/proc/self/maps") as f:  # the operating system agrees: no access to the range
-        rows = [line.split() for line in f if int(line.split("-")[0], 16) <= va < int(line.split()[0].split("-")[1], 16)]
+        rows = [line.split() for line in f
+                if int(line.split("-")[0], 16) <= va < int(line.split()[0].split("-")[1], 16)]
     assert rows and rows[0][1].startswith("---")
 
 

@@ -766,9 +766,10 @@ class Runtime:
     def model_details(self) -> dict[str, Any]:
         """Per model (by id): ``resident`` and ``reserved`` (``ResidencyManager.stats``), and ``name``,
         ``size`` (its weights' bytes, as ComfyUI staged them), ``address_range`` (the bytes of address space
-        ComfyUI reserved for it, about ten times its size), ``device``, ``pinned`` and ``evictable`` bytes, ``state`` (``pinned``: a layer is in use
-        now; ``warm``: wholly resident; ``partly resident``; ``not resident``), ``held`` (kept warm by the
-        adapter) and ``last_used`` (epoch seconds, None: not loaded by ComfyUI yet)."""
+        ComfyUI reserved for it, about ten times its size), ``device``, ``pinned`` and ``evictable`` bytes,
+        ``state`` (``pinned``: a layer is in use now; ``warm``: every page of its weights resident; ``partly
+        resident``; ``not resident``), ``held`` (kept warm by the adapter) and ``last_used`` (epoch seconds,
+        None: not loaded by ComfyUI yet)."""
         held = {id(v._model) for p in list(self.keep.held.values())
                 for v in (getattr(getattr(p, "model", None), "dynamic_vbars", None) or {}).values()
                 if hasattr(v, "_model")}

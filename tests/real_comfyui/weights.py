@@ -3,8 +3,8 @@
 Everything here runs in the real tree's own Python (:class:`harness.ComfyPython`), in children:
 
 * :func:`build_models` -- random-weight models made with ComfyUI's own classes, the same bytes every time:
-  an SD1 ``AutoencoderKL`` (``models/vae``; the TAESD is the harness's, :func:`harness.build_vae`), an SD1.5-shaped checkpoint (``models/checkpoints``:
-  ComfyUI's ``UNetModel`` with SD1.5's channels, context and heads but one res block per level, so that a
+  an SD1 ``AutoencoderKL`` (``models/vae``; the TAESD is the harness's, :func:`harness.build_vae`), an
+  SD1.5-shaped checkpoint (``models/checkpoints``: ComfyUI's ``UNetModel`` with SD1.5's channels, context and heads but one res block per level, so that a
   run stays in minutes on two cores; ComfyUI's own detection reads it as ``SD15``; CLIP-L; the SD1 VAE;
   stored in fp16, as SD1.5 checkpoints are, so ComfyUI's cast path runs) and a LoRA on the UNet's attention
   (``models/loras``) for the Hook seed, with the checkpoint again in fp32 (:data:`CHECKPOINT_FP32`).
@@ -21,11 +21,12 @@ Nothing is downloaded; the models go into one folder the trees read through ``ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import harness
 
@@ -322,6 +323,15 @@ class WeightsRun(ServedRun):
     free_seconds: float | None = None
 
 
+@contextlib.contextmanager
+def shimmed(trees: harness.Trees, label: str, env: dict[str, str], flags: tuple[str, ...], *,
+            python: harness.ComfyPython, log: Path) -> Iterator[harness.Server]:
+    """A scratch copy of the node tree served with ``flags``, ``env`` and the CPU shim (:data:`SHIM`)."""
+    with trees.scratch_copy(trees.node, label) as tree, \
+            harness.serve(tree, flags, {**env, "REAL_COMFYUI_CPU_SHIM": str(SHIM)}, python=python, log=log) as server:
+        yield server
+
+
 def _phase(server: harness.Server, seed: int, workflows: dict[str, Callable[[int], dict[str, Any]]],
            before: dict[str, Any]) -> tuple[Phase, dict[str, Any]]:
     t0 = time.monotonic()
@@ -350,9 +360,7 @@ def run_weights(name: str, env: dict[str, str], *, trees: harness.Trees, python:
     log = logs / f"weights-{harness.safe_name(name)}.log"
     t0 = time.monotonic()
     try:
-        with trees.scratch_copy(trees.node, f"weights-{name}") as tree, \
-                harness.serve(tree, flags, {**env, "REAL_COMFYUI_CPU_SHIM": str(SHIM)}, python=python,
-                              log=log) as server:
+        with shimmed(trees, f"weights-{name}", env, flags, python=python, log=log) as server:
             st = status(server)
             got.backend, got.state = st.get("backend"), st.get("state")
             got.committed_start = committed(st)
@@ -485,9 +493,7 @@ def run_script(name: str, env: dict[str, str], script: list[tuple[str, str, Any]
     log = logs / f"script-{harness.safe_name(name)}.log"
     t0 = time.monotonic()
     try:
-        with trees.scratch_copy(trees.node, f"script-{name}") as tree, \
-                harness.serve(tree, flags, {**env, "REAL_COMFYUI_CPU_SHIM": str(SHIM)}, python=python,
-                              log=log) as server:
+        with shimmed(trees, f"script-{name}", env, flags, python=python, log=log) as server:
             st = status(server)
             got.start = _seen("start", "start", server, st, st)
             device = next(iter(st.get("budgets") or {"cuda:0": None}))
