@@ -55,7 +55,10 @@ from .types import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Session", "MAX_RESERVATION", "HEADROOM_LIVE"]
+__all__ = ["Session", "MAX_RESERVATION", "HEADROOM_LIVE", "FENCE_WAIT"]
+
+#: the ``call`` of the ``DriverError`` a fence raises when recorded asynchronous work failed
+FENCE_WAIT = "fence token wait"
 
 #: the ``source`` of :meth:`Session.set_headroom` for a change while running (the ComfyUI memory panel's
 #: VRAM cap): it wins over every other source of the headroom
@@ -789,7 +792,7 @@ class Session:
             raise first
         count = sum(len(tokens) for _dev, tokens in taken.values())
         left = sum(len(tokens) for _dev, tokens in running.values())
-        raise DriverError(type(first).__name__, "fence token wait",
+        raise DriverError(type(first).__name__, FENCE_WAIT,
                           f"{first} ({len(errors)} of {count} token(s) on reservation #{reservation.id} failed; "
                           f"{left} still running kept for the next fence, the failed ones count as finished)") \
             from first

@@ -614,12 +614,9 @@ class Runtime:
         (``ResidencyManager.on_idle``); resident models stay resident (G4). Returns the bytes given back."""
         if self.residency is None or self.aborted is not None:
             return 0
-        given = self.residency.on_idle()
+        given = self._give_back("prompt queue empty")
         self.idles += 1
         self.idle_bytes += given
-        self.sample(force=True)
-        if given:
-            say(f"prompt queue empty: gave back {given} bytes the backend kept for reuse")
         return given
 
     def track_delegate(self, owner: Any, delegate: Any) -> None:
@@ -667,12 +664,13 @@ class Runtime:
         """Everything was unloaded: the backend gives back what it keeps for reuse (``ResidencyManager.on_idle``:
         recycled handles, kept address windows), so the memory the driver holds is back at its start-up
         value. Returns the bytes given back."""
-        if self.residency is None:
-            return 0
+        return self._give_back("every model unloaded") if self.residency is not None else 0
+
+    def _give_back(self, why: str) -> int:
         given = self.residency.on_idle()
         self.sample(force=True)
         if given:
-            say(f"every model unloaded: gave back {gb(given)} the backend kept for reuse")
+            say(f"{why}: gave back {gb(given)} the backend kept for reuse")
         return given
 
     def put_off(self, vbar: Any) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 
 from .._residency import ModelKind
 from ..types import DriverError
+from .._session import FENCE_WAIT
 from .._tensors import NotResident, check_resident, tensor_at
 from .buffers import VRAMBuffer
 from .buffers import tensor_of as buffer_tensor
@@ -68,7 +69,6 @@ __all__ = ["ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "v
            "vbars_analyze", "aimdo_to_tensor"]
 
 ALIGN = 512
-FENCE_WAIT = "fence token wait"  # the call a session's DriverError names when a recorded copy failed
 
 
 def _started() -> Any:
@@ -217,18 +217,20 @@ class ModelVBAR:
     def tensor_failed(self, alloc: int, size: int, device: Any, exc: Exception) -> Any:
         """``aimdo_to_tensor`` could not make the tensor over a faulted range (G6): unpin the range now,
         report once (switching the adapter off unless the range merely was not resident), and answer a
-        scratch tensor of ``size`` bytes on ``device`` for ComfyUI to copy its weights into."""
+        scratch tensor of ``size`` bytes on ``device`` for ComfyUI to copy its weights into. A range that
+        was not resident was not pinned by a fault either (pinned pages are never evicted): nothing is
+        unpinned then, so no other layer's pin on a shared page is taken."""
         import torch
 
         rt = self._rt
-        try:
-            self._rt.residency.unpin(self._model, alloc - self.base_addr, int(size), self._dev)
-            self._unpinned.add((alloc, int(size)))
-        except Exception as unpin_exc:  # noqa: BLE001 - reported with the cause below
-            log.debug("membackend: unpinning after a failed tensor: %s", unpin_exc)
         if isinstance(exc, NotResident):
             rt.report_once("aimdo_to_tensor", exc, "ComfyUI casts that weight from its own copy")
         else:
+            try:
+                rt.residency.unpin(self._model, alloc - self.base_addr, int(size), self._dev)
+                self._unpinned.add((alloc, int(size)))
+            except Exception as unpin_exc:  # noqa: BLE001 - reported with the cause below
+                log.debug("membackend: unpinning after a failed tensor: %s", unpin_exc)
             rt.abort(exc, "aimdo_to_tensor")
         return torch.empty(int(size), dtype=torch.uint8, device=device)
 
