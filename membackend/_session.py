@@ -21,13 +21,14 @@ import itertools
 import logging
 import operator
 import threading
+from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, NoReturn
 
 import pluggy
 
 from . import hookspec
-from ._fences import FutureToken
+from ._fences import FutureToken, work_died
 from ._ledger import Ledger, still_running
 from .types import (
     Budget,
@@ -174,6 +175,9 @@ class Session:
         #: added under the reservation's lock, removed without any lock by the finalizer of the tensor's storage
         self._views: dict[Reservation, dict[int, tuple[int, int]]] = {}
         self._view_keys = itertools.count(1)
+        #: reservation id -> how often a fence began and ended taking its waited tokens off (odd: under way);
+        #: written under the reservation's lock, read without it by device-wide fences (:meth:`_may_have_work`)
+        self._moving: dict[int, int] = {}
         known = self.devices()
         self._known = frozenset(known)
         self._known_kinds = frozenset(d.kind for d in known)
@@ -403,6 +407,7 @@ class Session:
             self.ledger.on_release(reservation)
             self._live.pop(reservation, None)
             self._views.pop(reservation, None)
+            self._moving.pop(reservation.id, None)
         return dropped
 
     # ------------------------------------------------------------------ tensor views
@@ -455,8 +460,9 @@ class Session:
         ``FutureToken``) or a :class:`concurrent.futures.Future` of the work, e.g. a copy thread's
         ``executor.submit(copy)``: it is wrapped in a :class:`membackend._fences.FutureToken`, finished
         when ``done()`` is true and waited for with ``result()``, so a copy that raised makes the next
-        fence raise ``DriverError`` once instead of passing for finished. Anything else is
-        ``InvalidToken`` and nothing is recorded.
+        fence raise ``DriverError`` once instead of passing for finished -- also when its thread stopped
+        with ``KeyboardInterrupt`` or ``SystemExit``, which never reaches the fencing thread as such.
+        Anything else is ``InvalidToken`` and nothing is recorded.
 
         Serialised with the reservation's other verbs: a record that loses a
         race with ``release_reservation`` raises ``ReservationReleased`` and
@@ -481,8 +487,16 @@ class Session:
     def fence(self, device: Any = None, reservation: Reservation | None = None) -> None:
         """Wait for recorded work on the reservation, or on the whole device when it is None.
 
+        Returns only after every token recorded before it began has finished
+        (G2), including tokens another thread's ``free``, ``release_reservation``
+        or fence is waiting for at that moment: they stay recorded until that
+        wait completed, and this fence then waits for the reservation's lock.
         A device-wide fence waits for each reservation's tokens under that
-        reservation's lock, so a concurrent free of one of them waits too.
+        reservation's lock, one reservation at a time, so a concurrent free of
+        one of them waits too; reservations with nothing recorded are skipped
+        without taking their lock. A failed or died copy raises ``DriverError``
+        once (see :meth:`_wait_tokens`); a device-wide fence first waits for
+        every other reservation, then raises the first failure.
         """
         if reservation is not None:
             lock = self._lock_of(reservation, "fence")
@@ -499,7 +513,7 @@ class Session:
         device = self._device(device)
         errors: list[BaseException] = []
         for r, lock in list(self._live.items()):
-            if r.device != device or r.id not in self._pending_ids:
+            if r.device != device or not self._may_have_work(r):
                 continue
             with lock:
                 if not r.released:
@@ -762,37 +776,97 @@ class Session:
     def _wait_tokens(self, reservation: Reservation) -> None:
         """Wait for every token recorded on ``reservation`` (its lock held).
 
+        The tokens stay recorded -- visible to a device-wide :meth:`fence` on
+        another thread -- until their waits have completed, so that fence
+        waits for them too instead of passing a copy still running (G2). Under
+        the reservation's lock nobody else records or takes its tokens, so the
+        snapshot waited for is what is then taken (:meth:`_settle`).
+
         Every token is waited for even when one fails; then every token whose
         ``done()`` says it is still running is kept, so the next fence waits
-        again (G2); a failed token (``wait()`` and ``done()`` raise) is reported
-        once and counts as finished (G1); the first failure is raised typed.
+        again (G2); a failed token (``wait()`` raised and ``done()`` is true or
+        raises) is reported once and counts as finished (G1); the first failure
+        is raised typed: a ``DriverError`` with call :data:`FENCE_WAIT` (a
+        membackend error a token raised passes as it is). A copy whose own thread
+        stopped with ``KeyboardInterrupt`` or ``SystemExit`` (a future holding it,
+        :func:`~membackend._fences.work_died`) is such a failure too, never
+        re-raised in this thread (G6). A ``BaseException`` that is not the
+        work's own (the caller's thread interrupted while it waits) propagates
+        and every token stays recorded.
         """
-        taken = self.ledger.take_pending(reservation.device, reservation)
-        if not taken:
+        tokens = self.ledger.pending(reservation)
+        if not tokens:
             return
-        errors: list[Exception] = []
-        try:
-            for _dev, tokens in taken.values():
-                for t in tokens:
-                    try:
-                        t.wait()
-                    except Exception as exc:
-                        errors.append(exc)
-        except BaseException:
-            self.ledger.restore_pending(taken)
-            raise
+        errors: list[BaseException] = []
+        for t in tokens:
+            try:
+                t.wait()
+            except Exception as exc:
+                errors.append(exc)
+            except BaseException as exc:
+                if not work_died(t, exc):
+                    raise  # the caller's own thread was interrupted: nothing taken, every token stays recorded
+                errors.append(exc)
+        left = self._settle(reservation, tokens, failed=bool(errors))
         if not errors:
             return
-        # a token still running is kept (G2: the next fence waits again); one that failed for good is reported
-        # here, once, and then counts as finished, so it never keeps the range from being freed (G1)
-        running = {rid: (dev, [t for t in tokens if still_running(t)]) for rid, (dev, tokens) in taken.items()}
-        self.ledger.restore_pending(running)
         first = errors[0]
         if isinstance(first, MembackendError):
             raise first
-        count = sum(len(tokens) for _dev, tokens in taken.values())
-        left = sum(len(tokens) for _dev, tokens in running.values())
+        count = len(tokens)
+        what = str(first)
+        if not isinstance(first, Exception):  # KeyboardInterrupt, SystemExit: the work's thread stopped
+            what = (f"{what + ': ' if what else ''}the recorded work's own thread stopped with "
+                    f"{type(first).__name__} before it finished, so what it wrote to the range is undefined "
+                    f"(copy it again); accepted: work that finishes, or fails with an Exception")
         raise DriverError(type(first).__name__, FENCE_WAIT,
-                          f"{first} ({len(errors)} of {count} token(s) on reservation #{reservation.id} failed; "
+                          f"{what} ({len(errors)} of {count} token(s) on reservation #{reservation.id} failed; "
                           f"{left} still running kept for the next fence, the failed ones count as finished)") \
             from first
+
+    def _settle(self, reservation: Reservation, waited: list[FenceToken], failed: bool) -> int:
+        """Take the tokens just ``waited`` for off ``reservation`` (its lock held); returns how many of them
+        are kept because they are still running.
+
+        After waits that all returned every one has finished; after a wait that
+        ``failed``, the ones still running are kept (G2) and the failed ones count
+        as finished (reported once). Anything recorded past the reservation's
+        lock meanwhile (straight into the ledger) is not this fence's to drop:
+        it stays, for the sanitizer to see. The ledger takes and puts back in two
+        steps; the odd count in ``_moving`` tells a device fence that it must
+        not trust what the ledger says in between (:meth:`_may_have_work`).
+        """
+        rid = reservation.id
+        self._moving[rid] = self._moving.get(rid, 0) + 1
+        try:
+            taken = self.ledger.take_pending(reservation.device, reservation)
+            dev, now = taken.get(rid, (reservation.device, []))
+            mine = Counter(map(id, waited))
+            kept, running = [], 0
+            for t in now:
+                if not mine[id(t)]:
+                    kept.append(t)  # recorded past the lock while this fence waited
+                elif failed and still_running(t):
+                    mine[id(t)] -= 1
+                    kept.append(t)
+                    running += 1
+                else:
+                    mine[id(t)] -= 1
+            if kept:
+                self.ledger.restore_pending({rid: (dev, kept)})
+        finally:
+            self._moving[rid] += 1
+        return running
+
+    def _may_have_work(self, r: Reservation) -> bool:
+        """Whether tokens recorded on ``r`` may still be unfinished, without taking its lock (a device fence).
+
+        A token stays recorded until its wait completed, except while a fence
+        takes the waited ones off and puts back those it keeps (:meth:`_settle`,
+        two steps in the ledger): the count of those moves, odd while one is
+        under way and read on both sides of the check, says whether the answer
+        could have missed one. False is then safe: nothing recorded before the
+        check is unfinished.
+        """
+        moves = self._moving.get(r.id, 0)
+        return r.id in self._pending_ids or moves % 2 == 1 or self._moving.get(r.id, 0) != moves
