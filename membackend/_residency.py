@@ -99,12 +99,14 @@ def _locked(method: _F) -> _F:
 def _as_int(value: Any, what: str) -> int:
     if value.__class__ is int:
         return value
+    from ._settings import quoted
+
     if isinstance(value, bool):
         raise InvalidSize(f"{what} must be an integer number of bytes, got {value!r}; accepted: an int, not a bool")
     try:
         return operator.index(value)
     except TypeError:
-        raise InvalidSize(f"{what} must be an integer number of bytes, got {value!r}") from None
+        raise InvalidSize(f"{what} must be an integer number of bytes, got {quoted(value)}") from None
 
 
 def _changed(exc: BaseException) -> tuple[int, int]:

@@ -56,6 +56,7 @@ __all__ = [
     "BackendDisabled",
     "PluginError",
     "ConfigError",
+    "ConfigChanged",
     "DriverError",
     "SanitizerError",
 ]
@@ -179,6 +180,11 @@ class ConfigError(MembackendError, ValueError):
         if accepted:
             text += f"; accepted: {accepted}"
         super().__init__(text)
+
+
+class ConfigChanged(ConfigError):
+    """A config file changed while membackend was saving a setting into it (edited or replaced since the
+    save read it): nothing was written, so the change made meanwhile is kept. Saving again reads it anew."""
 
 
 class DriverError(MembackendError, OSError):

@@ -25,6 +25,7 @@ from membackend._settings import (
     DEFAULTS,
     FIELDS,
     SIZE_ACCEPTED,
+    SIZE_MAX,
     UNITS,
     Settings,
     format_bytes,
@@ -32,6 +33,7 @@ from membackend._settings import (
     parse_bytes,
 )
 from membackend._settings import rules
+from membackend._settings.rules import RuleError
 from membackend.platform import Platform, PlatformSetting, flag, size
 from membackend.types import Candidate, Capabilities, ConfigError, Device
 
@@ -166,13 +168,39 @@ def test_every_unit_named_in_size_accepted_parses_in_any_case():
        case=st.sampled_from([str.lower, str.upper, str.title]))
 def test_parse_bytes_reads_back_what_format_bytes_writes_in_every_unit(n, unit, case):
     text = format_bytes(n, case(unit))
+    if n > SIZE_MAX:  # written, but no setting takes it
+        with pytest.raises(RuleError, match="larger than 8EiB"):
+            parse_bytes(text)
+        return
     assert parse_bytes(text) == n, text
     assert parse_bytes(format_bytes(n)) == n
 
 
 @given(k=st.integers(min_value=0, max_value=10**6), unit=st.sampled_from(sorted(UNITS)), space=st.booleans())
 def test_a_whole_number_of_units_is_that_many_times_the_unit(k, unit, space):
-    assert parse_bytes(f"{k}{' ' if space else ''}{unit}") == k * UNITS[unit]
+    text = f"{k}{' ' if space else ''}{unit}"
+    if k * UNITS[unit] > SIZE_MAX:
+        with pytest.raises(RuleError, match="larger than 8EiB"):
+            parse_bytes(text)
+    else:
+        assert parse_bytes(text) == k * UNITS[unit]
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, 10**5000, "1" + "0" * 41 + "b", 1e300, float(1 << 64), (1 << 63) + 1,
+                                   "8.000001EiB", "0." + "1" * 5000, "x" * 10_000_000],
+                         ids=["5000 nines", "10**5000", "42 digits", "1e300", "2**64 float", "2**63+1", "8.000001EiB",
+                              "5000 decimals", "10 MB of x"])
+def test_sizes_have_an_upper_bound_and_a_short_message(value):
+    with pytest.raises(RuleError) as info:
+        parse_bytes(value)
+    assert "is not a size" in str(info.value) and len(str(info.value)) < 400, str(info.value)[:500]
+
+
+def test_minus_zero_is_zero_and_8eib_is_the_largest_size():
+    assert [parse_bytes(v) for v in ("-0", "-0.0", " -0 GiB ", "8EiB", SIZE_MAX)] == [0, 0, 0, SIZE_MAX, SIZE_MAX]
+    for value in ("-1", "-0.5", "-1KiB"):
+        with pytest.raises(RuleError, match="negative"):
+            parse_bytes(value)
 
 
 def test_format_bytes_picks_the_largest_binary_unit_that_divides():

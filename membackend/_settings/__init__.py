@@ -31,13 +31,16 @@ from .rules import (
     NAME_PATTERN,
     PROBE_TIMEOUT_ABOVE,
     PROBE_TIMEOUT_MAX,
+    QUOTE_LIMIT,
     SIZE_ACCEPTED,
+    SIZE_MAX,
     TRACE_ACCEPTED,
     UNITS,
     Rule,
     RuleError,
     format_bytes,
     parse_bytes,
+    quoted,
 )
 from .rules import DEVICE_FIELDS as _DEVICE_TABLE
 from .rules import FIELDS as _TABLE
@@ -53,8 +56,8 @@ from .sources import (
     config_file,
     platform_env_name,
     resolve_platform,
-    save_setting,
 )
+from .save import save_setting
 
 if TYPE_CHECKING:  # built by model.models() on first use; the names resolve through __getattr__ below
     from pydantic import BaseModel as _BaseModel
@@ -62,7 +65,7 @@ if TYPE_CHECKING:  # built by model.models() on first use; the names resolve thr
     Settings = MachineOverrides = DeviceOverride = _BaseModel
 
 __all__ = ["Settings", "MachineOverrides", "DeviceOverride", "load_settings", "parse_bytes", "format_bytes",
-           "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "NAME_PATTERN", "PlatformValues",
+           "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "SIZE_MAX", "QUOTE_LIMIT", "quoted", "NAME_PATTERN", "PlatformValues",
            "Rule", "RuleError"]
 
 #: the names of the fields of :class:`Settings`, :class:`MachineOverrides` and :class:`DeviceOverride`, in order

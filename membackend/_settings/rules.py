@@ -15,6 +15,7 @@ tables of the ``machine`` overrides. Nothing here imports pydantic.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 from ..types import DEVICE_KINDS
 
-__all__ = ["Rule", "RuleError", "Field", "parse_bytes", "format_bytes", "size", "flag", "name", "seconds",
+__all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "SIZE_MAX", "QUOTE_LIMIT", "format_bytes", "size", "flag", "name", "seconds",
            "FIELDS", "MACHINE_FIELDS", "DEVICE_FIELDS", "FIELD_NAMES", "SIZE_ACCEPTED", "NAME_PATTERN",
            "HOST_PAGE_SIZE", "UNITS", "check_appendable"]
 
@@ -37,13 +38,19 @@ UNITS: dict[str, int] = {
     **{u + "b": 1000 ** (i + 1) for i, u in enumerate(("k", "m", "g", "t", "p", "e"))},
     **{u + "ib": 1024 ** (i + 1) for i, u in enumerate(("k", "m", "g", "t", "p", "e"))},
 }
+#: the largest size any setting, variable, route or command takes: 8 EiB, what 64-bit drivers' sizes hold with
+#: room to spare and far above any machine's memory; larger is a typo, refused as such
+SIZE_MAX = 1 << 63
 SIZE_ACCEPTED = (
-    "a byte count >= 0: an int, or a number and a unit like '512MiB', '1.5GB', '2 GiB'; units in any case: "
-    "b, k/kb, m/mb, g/gb, t/tb, p/pb, e/eb (powers of 1000), kib, mib, gib, tib, pib, eib (powers of 1024)"
+    "a byte count from 0 to 8EiB: an int, or a number and a unit like '512MiB', '1.5GB', '2 GiB'; units in any "
+    "case: b, k/kb, m/mb, g/gb, t/tb, p/pb, e/eb (powers of 1000), kib, mib, gib, tib, pib, eib (powers of 1024)"
 )
+#: the most characters of a value an error message quotes (a 10 MB body is not sent back whole)
+QUOTE_LIMIT = 200
 FLAG_ACCEPTED = "true/false, 1/0, yes/no, on/off (any case)"
 TRACE_ACCEPTED = "a path to a file that can be opened for appending (missing parent directories are created)"
 PROBE_TIMEOUT_ABOVE, PROBE_TIMEOUT_MAX = 0, 600  # probe_timeout: seconds, > 0 and <= 600
+PAGE_MAX = 1 << 30  # the largest page: Linux's largest huge page; a larger one backs a whole model at once
 #: the host backend's page size when the ``page_size`` setting is not given
 HOST_PAGE_SIZE = 2 << 20
 OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -58,6 +65,20 @@ class RuleError(ValueError):
         self.message = message
         self.path = tuple(path)
         self.accepted = accepted
+
+
+def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
+    """``value`` as an error message quotes it: its ``repr``, cut to about ``limit`` characters (saying how
+    long it was), and an int too long to print named by its size. Never raises."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"<an integer of {value.bit_length()} bits>"
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters in all)"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails is named by its type
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= limit + 20 else f"{text[:limit]}... ({len(text):,} characters in all)"
 
 
 class Rule:
@@ -99,46 +120,56 @@ class Rule:
 
 # --------------------------------------------------------------------------- sizes
 
-_SIZE = re.compile(r"\s*(?P<whole>[0-9]*)(?:\.(?P<frac>[0-9]+))?\s*(?P<unit>[A-Za-z]*)\s*", re.ASCII)
+_SIZE = re.compile(r"\s*(?P<sign>-?)(?P<whole>[0-9]*)(?:\.(?P<frac>[0-9]+))?\s*(?P<unit>[A-Za-z]*)\s*", re.ASCII)
+# digits a size may have before and after its point: 8 EiB in bytes has 19 digits, and one byte written exactly
+# in EiB (format_bytes) has 60 decimals
+_WHOLE_DIGITS, _FRACTION_DIGITS = 40, 100
 
 
 def parse_bytes(value: Any) -> int:
-    """``'512MiB'`` → 536870912; ints >= 0 pass through. Raises :class:`RuleError` (a ``ValueError``) on
-    anything else, saying why.
+    """``'512MiB'`` → 536870912; ints from 0 to :data:`SIZE_MAX` pass through. Raises :class:`RuleError` (a
+    ``ValueError``) on anything else, saying why and quoting at most :data:`QUOTE_LIMIT` characters of it.
 
     The grammar (:data:`SIZE_ACCEPTED`): a decimal number (``12``, ``1.5``,
     ``.5``), optional spaces, an optional unit from :data:`UNITS` in any case,
     surrounding spaces ignored. The arithmetic is exact (no float): a fraction
     of a byte is dropped. A whole float (``2.0``, as TOML may write it) is its
     int; booleans are refused (``headroom = true`` is a mistake, not one
-    byte), and so are negative numbers, exponents and digit separators.
+    byte), and so are negative numbers (``-0`` is zero), exponents, digit
+    separators and anything above :data:`SIZE_MAX`.
     """
     if isinstance(value, bool):
-        raise RuleError(f"{value!r} is not a size (a boolean)")
+        raise RuleError(f"{quoted(value)} is not a size (a boolean)")
     if isinstance(value, int):
         if value < 0:
-            raise RuleError(f"{value!r} is not a size (negative)")
-        return value
+            raise RuleError(f"{quoted(value)} is not a size (negative)")
+        return _bounded(value, value)
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0 or not value.is_integer():
-            raise RuleError(f"{value!r} is not a size (not a whole number of bytes >= 0)")
-        return int(value)
+            raise RuleError(f"{quoted(value)} is not a size (not a whole number of bytes >= 0)")
+        return _bounded(int(value), value)
     if not isinstance(value, str):
-        raise RuleError(f"{value!r} is not a size ({type(value).__name__})")
+        raise RuleError(f"{quoted(value)} is not a size ({type(value).__name__})")
     m = _SIZE.fullmatch(value)
     if m is None or not (m["whole"] or m["frac"]):
         why = "negative" if value.strip().startswith("-") else "not a number and a unit"
-        raise RuleError(f"{value!r} is not a size ({why})")
+        raise RuleError(f"{quoted(value)} is not a size ({why})")
+    whole, frac = m["whole"].lstrip("0"), (m["frac"] or "").rstrip("0")
+    if len(whole) > _WHOLE_DIGITS or len(frac) > _FRACTION_DIGITS:
+        raise RuleError(f"{quoted(value)} is not a size (too many digits: at most 8EiB = {SIZE_MAX} bytes)")
+    if m["sign"] and (whole or frac):
+        raise RuleError(f"{quoted(value)} is not a size (negative)")
     multiplier = UNITS.get(m["unit"].lower() or "b")
     if multiplier is None:
-        raise RuleError(f"{value!r} is not a size (unknown unit {m['unit']!r})")
-    frac = m["frac"] or ""
-    try:
-        whole, part = int(m["whole"] or "0"), int(frac or "0")
-    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
-        raise RuleError(f"{value[:40]!r}... is not a size (too many digits)") from None
+        raise RuleError(f"{quoted(value)} is not a size (unknown unit {quoted(m['unit'])})")
     scale = 10 ** len(frac)
-    return (whole * scale + part) * multiplier // scale
+    return _bounded((int(whole or "0") * scale + int(frac or "0")) * multiplier // scale, value)
+
+
+def _bounded(n: int, value: Any) -> int:
+    if n > SIZE_MAX:
+        raise RuleError(f"{quoted(value)} is not a size (larger than 8EiB = {SIZE_MAX} bytes)")
+    return n
 
 
 def format_bytes(n: int, unit: str | None = None) -> str:
@@ -170,8 +201,8 @@ def format_bytes(n: int, unit: str | None = None) -> str:
 
 def _page_size(value: Any) -> int:
     n = parse_bytes(value)
-    if n < OS_PAGE or n & (n - 1) or n % OS_PAGE:
-        raise RuleError(f"{value!r} is not a power of two multiple of the OS page ({OS_PAGE})")
+    if n < OS_PAGE or n & (n - 1) or n % OS_PAGE or n > PAGE_MAX:
+        raise RuleError(f"{quoted(value)} is not a power of two multiple of the OS page ({OS_PAGE}) up to 1GiB")
     return n
 
 
@@ -187,23 +218,23 @@ def _flag(value: Any) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise RuleError(f"{value!r} is not a boolean")
+    raise RuleError(f"{quoted(value)} is not a boolean")
 
 
 def _name(value: Any) -> str:
     if isinstance(value, str) and _NAME.fullmatch(value):
         return value
-    raise RuleError(f"{value!r} is not a name (lower-case letters, digits, '_' and '-', starting with a letter)")
+    raise RuleError(f"{quoted(value)} is not a name (lower-case letters, digits, '_' and '-', starting with a letter)")
 
 
 def _names(value: Any) -> list[str]:
     if isinstance(value, str):
         value = [part.strip() for part in value.split(",") if part.strip()]
     if not isinstance(value, (list, tuple)):
-        raise RuleError(f"{value!r} is not a list of backend names")
+        raise RuleError(f"{quoted(value)} is not a list of backend names")
     for item in value:
         if not (isinstance(item, str) and _NAME.fullmatch(item)):
-            raise RuleError(f"{item!r} is not a backend name")
+            raise RuleError(f"{quoted(item)} is not a backend name")
         if item == "host":
             raise RuleError("'host' is the fallback and cannot be blocked")
     return list(value)
@@ -215,13 +246,13 @@ _NUMBER = re.compile(r"\s*[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?\s*"
 def _seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)) or \
             (isinstance(value, str) and not _NUMBER.fullmatch(value)):
-        raise RuleError(f"{value!r} is not a number of seconds")
+        raise RuleError(f"{quoted(value)} is not a number of seconds")
     try:
         x = float(value)
     except (OverflowError, ValueError):
-        raise RuleError(f"{value!r} is not a number of seconds") from None
+        raise RuleError(f"{quoted(value)} is not a number of seconds") from None
     if not PROBE_TIMEOUT_ABOVE < x <= PROBE_TIMEOUT_MAX:  # NaN fails too
-        raise RuleError(f"{value!r} is not > {PROBE_TIMEOUT_ABOVE} and <= {PROBE_TIMEOUT_MAX} seconds")
+        raise RuleError(f"{quoted(value)} is not > {PROBE_TIMEOUT_ABOVE} and <= {PROBE_TIMEOUT_MAX} seconds")
     return x
 
 
@@ -242,8 +273,9 @@ def check_appendable(path: Path) -> None:
         for directory in reversed(missing):
             directory.mkdir()
             created.append(directory)
-        with path.open("a"):
-            pass
+        # O_NONBLOCK: a FIFO nobody reads is refused (ENXIO) instead of waiting for a reader forever
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o666)
+        os.close(fd)
     except OSError:
         for directory in reversed(created):
             try:
@@ -257,27 +289,30 @@ def _trace(value: Any) -> Path:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value or "\x00" in value:
-        raise RuleError(f"{value!r} is not a path")
+        raise RuleError(f"{quoted(value)} is not a path")
     path = Path(value)
     try:
         check_appendable(path)
     except OSError as exc:
-        raise RuleError(f"cannot open {value!r} for appending: {exc.strerror or exc}") from None
+        why = "a FIFO (named pipe) nobody reads" if exc.errno == errno.ENXIO else exc.strerror or exc
+        raise RuleError(f"cannot open {quoted(value)} for appending: {why}") from None
     return path
 
 
 def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
-    raise RuleError(f"{value!r} is not text")
+    raise RuleError(f"{quoted(value)} is not text")
 
 
 def _count(minimum: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip(), re.ASCII):
+            if len(value.strip().lstrip("0")) > _WHOLE_DIGITS:
+                raise RuleError(f"{quoted(value)} is not a whole number >= {minimum} (too many digits)")
             value = int(value.strip())
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise RuleError(f"{value!r} is not a whole number >= {minimum}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum or value > SIZE_MAX:
+            raise RuleError(f"{quoted(value)} is not a whole number from {minimum} to {SIZE_MAX}")
         return value
     return parse
 
@@ -286,14 +321,14 @@ def _one_of(what: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if isinstance(value, str) and value.lower() in choices:
             return value.lower()
-        raise RuleError(f"unknown {what} {value!r}")
+        raise RuleError(f"unknown {what} {quoted(value)}")
     return parse
 
 
 def _luid(value: Any) -> str:
     if isinstance(value, str) and re.fullmatch(r"[0-9a-fA-F]{16}", value):
         return value.lower()
-    raise RuleError(f"{value!r} is not an adapter LUID")
+    raise RuleError(f"{quoted(value)} is not an adapter LUID")
 
 
 #: the rules a platform may use for the settings it declares (:mod:`membackend.platform` exports them)
@@ -343,7 +378,7 @@ def _parse_table(fields: tuple[Field, ...], value: Any, what: str) -> dict[str, 
     if hasattr(value, "model_dump"):  # one of the models themselves
         value = value.model_dump(exclude_unset=True)
     if not isinstance(value, dict):
-        raise RuleError(f"{value!r} is not a table of {what}")
+        raise RuleError(f"{quoted(value)} is not a table of {what}")
     by_name = {f.name: f for f in fields}
     out: dict[str, Any] = {}
     for key, raw in value.items():
@@ -390,7 +425,7 @@ def _devices(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         value = _json(value)
     if not isinstance(value, (list, tuple)):
-        raise RuleError(f"{value!r} is not a list of devices")
+        raise RuleError(f"{quoted(value)} is not a list of devices")
     out = []
     for i, item in enumerate(value):
         try:
@@ -429,7 +464,7 @@ FIELDS: tuple[Field, ...] = (
     Field("headroom", size.or_none(), None,
           "bytes kept free on every device; replaces the platform's or backend's own (a live change and "
           "ComfyUI's --reserve-vram/--vram-headroom win over it)", int | None),
-    Field("page_size", Rule("page size", _page_size, "a power of two, a multiple of the OS page size, e.g. '2MiB'"),
+    Field("page_size", Rule("page size", _page_size, "a power of two, a multiple of the OS page size, at most 1GiB, e.g. '2MiB'"),
           HOST_PAGE_SIZE, "the host backend's page size in bytes (default 2 MiB); GPU platforms use their own "
                           "(Platform.page_size)", int),
     Field("host_capacity", size.or_none(), None, "cap on what the host backend may keep resident (default: no cap)",

@@ -36,7 +36,7 @@ from ..types import ConfigError
 from .rules import _NAME, BY_NAME, FIELD_NAMES, FIELDS, MACHINE_FIELDS, RuleError, _json
 
 __all__ = ["Sources", "Resolved", "PlatformValues", "resolve", "resolve_platform", "platform_env_name",
-           "config_file", "save_setting", "ENV_PREFIX", "CONFIG_ENV", "CONFIG_NAME", "PYPROJECT_LABEL"]
+           "config_file", "ENV_PREFIX", "CONFIG_ENV", "CONFIG_NAME", "PYPROJECT_LABEL"]
 
 ENV_PREFIX = "MEMBACKEND_"
 CONFIG_ENV = "MEMBACKEND_CONFIG"
@@ -90,62 +90,6 @@ def read_toml(path: Path, table: tuple[str, ...] = ()) -> dict[str, Any]:
     for key in table:
         data = data.get(key, {}) if isinstance(data, dict) else {}
     return data if isinstance(data, dict) else {}
-
-
-def save_setting(key: str, value: str, path: Path | None = None) -> Path:
-    """Write ``key = "value"`` among the top-level settings of ``path`` (default :func:`config_file`), so
-    that the next start reads it; returns the file written.
-
-    ``key`` must be one of membackend's own settings and ``value`` must pass its rule (what the file
-    would hold is checked before anything is written). An existing top-level ``key`` line is replaced;
-    otherwise the line goes above the file's first table, everything else in the file kept as it was.
-    The file is replaced whole (a temporary file renamed over it), so a failed write leaves it as it
-    was. Raises ``ConfigError`` naming the file for a key or value not accepted, a file that is not
-    TOML, or one that cannot be written.
-    """
-    import json
-    import re
-
-    target = config_file() if path is None else Path(path)
-    field = BY_NAME.get(key)
-    if field is None or field.rule is None or not isinstance(value, str):
-        raise ConfigError(key, str(target), f"not a setting membackend saves as text: {key} = {value!r}",
-                          "one of " + ", ".join(f.name for f in FIELDS if f.rule is not None) + ", as text")
-    try:
-        field.rule(value)
-    except RuleError as exc:
-        raise ConfigError(key, str(target), str(exc), field.accepted) from None
-    read_toml(target)  # an existing file must be TOML we can read (ConfigError otherwise)
-    try:
-        text = target.read_text(encoding="utf-8") if target.is_file() else ""
-    except OSError as exc:
-        raise ConfigError("config", str(target), f"cannot be read: {exc.strerror or exc}", CONFIG_ACCEPTED) from None
-    line = f"{key} = {json.dumps(value)}"  # a JSON string is a TOML basic string
-    lines = text.splitlines()
-    first_table = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), len(lines))
-    mine = re.compile(rf"^\s*{re.escape(key)}\s*=")
-    at = next((i for i in range(first_table) if mine.match(lines[i])), None)
-    if at is not None:
-        lines[at] = line
-    else:
-        lines.insert(first_table, line)
-    new = "\n".join(lines) + "\n"
-    try:
-        tomllib.loads(new)
-    except tomllib.TOMLDecodeError as exc:  # e.g. a multi-line value under the key we replaced
-        raise ConfigError("config", str(target), f"cannot place {key} in it safely ({exc})",
-                          "a membackend.toml whose top-level settings are one line each") from None
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        if target.parent != Path(""):
-            target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(new, encoding="utf-8")
-        os.replace(tmp, target)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError("config", str(target), f"cannot be written: {exc.strerror or exc}",
-                          "a membackend.toml in a folder this process may write to") from None
-    return target
 
 
 def platform_env_name(platform: str, key: str) -> str:

@@ -1,0 +1,301 @@
+"""Saving one setting into the user's ``membackend.toml`` without disturbing anything else in it.
+
+What :func:`save_setting` promises:
+
+* one value changes and nothing else: the file is edited with ``tomlkit``, which keeps comments, blank
+  lines, quoting and the order of everything (a line's trailing comment stays with the value it
+  describes, and a file written with CRLF line ends keeps them); the result is parsed again and must read
+  as the old file with that one value changed, or nothing is written;
+* the file saved is the real one: a symlink is followed to its target, which keeps its mode and owner;
+  a file with other hard links is written in place, so every name sees the new value;
+* a file without write permission, or one the saving user could not give back to its owner, is refused
+  with a :class:`~membackend.types.ConfigError` before anything is written;
+* the write is atomic: a temporary file created exclusively (``O_EXCL``, an unpredictable name) beside the
+  target, flushed to disk, then renamed over the target (the folder flushed after); a failure at any step
+  removes the temporary file and leaves the target as it was;
+* one save at a time: a lock in this process, and on POSIX an advisory lock on the target's folder that
+  other membackend processes take too;
+* nothing the user wrote is lost: a file that changed between the save's read and its rename is not
+  overwritten (:class:`~membackend.types.ConfigChanged`, which the headroom route answers as 409).
+
+Only a change made in the last instant between that final check and the rename could still be lost; an
+editor that saves by renaming its own temporary file is seen (the target's inode changes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+import tomllib
+from pathlib import Path
+from typing import Iterator
+
+from ..types import ConfigChanged, ConfigError
+from .rules import BY_NAME, FIELDS, RuleError
+from .sources import CONFIG_ACCEPTED, config_file
+
+__all__ = ["save_setting"]
+
+try:  # POSIX only: Windows has no advisory file locks of this kind (the in-process lock still holds there)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+_SAVING = threading.Lock()  # one save at a time in this process (two at once left invalid TOML)
+WRITABLE = "a membackend.toml this process may write, in a folder it may create files in"
+
+
+def save_setting(key: str, value: str, path: Path | None = None) -> Path:
+    """Set ``key = "value"`` among the top-level settings of ``path`` (default :func:`config_file`), so that
+    the next start reads it; returns the path saved to (a symlink's own path, as given).
+
+    ``key`` must be one of membackend's own settings and ``value`` must pass its rule; both are checked
+    before the file is touched. An existing top-level value of ``key`` is replaced in place (its comment
+    kept); a new one goes among the top-level settings, above the first table. A file that does not exist
+    is created (mode from the umask). Raises ``ConfigError`` naming the file for a key or value not
+    accepted, a file that is not UTF-8 TOML or holds ``key`` as a table, one that may not be written (read-
+    only, a folder without write permission, an owner it cannot be given back to), and ``ConfigChanged``
+    when the file changed while it was being saved. On any error the file is as it was.
+    """
+    target = config_file() if path is None else Path(path)
+    field = BY_NAME.get(key)
+    if field is None or field.rule is None or not isinstance(value, str):
+        shown = value if isinstance(value, str) else type(value).__name__
+        raise ConfigError(key, str(target), f"not a setting membackend saves as text: {key} = {shown!r:.200}",
+                          "one of " + ", ".join(f.name for f in FIELDS if f.rule is not None) + ", as text")
+    try:
+        field.rule(value)
+    except RuleError as exc:
+        raise ConfigError(key, str(target), str(exc), field.accepted) from None
+    real = Path(os.path.realpath(target))  # a symlink (or a chain of them) is followed to the file it names
+    with _SAVING, _folder_locked(real.parent, target):
+        _save_once(real, target, key, value)
+    return target
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path, shown: Path) -> Iterator[None]:
+    """Hold an advisory lock on ``folder`` (created when missing) that every membackend save into it takes:
+    the folder, not the file, since a save renames a new file over the old one. No lock on Windows."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(shown, f"its folder cannot be created: {exc.strerror or exc}") from None
+    if fcntl is None:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError as exc:
+        raise _unwritable(shown, f"its folder cannot be opened: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the fd closes
+        yield
+    finally:
+        os.close(fd)
+
+
+def _save_once(real: Path, shown: Path, key: str, value: str) -> None:
+    """Read, edit and write ``real`` (the folder's lock held)."""
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the save
+    except FileNotFoundError:
+        _create(real, shown, key, value)
+        return
+    except OSError as exc:
+        raise _unwritable(shown, f"cannot be read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError("config", str(shown), "is not a regular file", CONFIG_ACCEPTED)
+        if not st.st_mode & 0o222 or not os.access(real, os.W_OK):  # root may write anything: the mode decides
+            raise _unwritable(shown, f"is read-only (mode {stat.filemode(st.st_mode)}); nothing was written")
+        old = _read_all(fd)
+        new = _edited(old, shown, key, value)
+        if st.st_nlink > 1:
+            _write_in_place(real, shown, fd, old, new)
+        else:
+            _replace(real, shown, st, old, new)
+    finally:
+        os.close(fd)
+
+
+def _create(real: Path, shown: Path, key: str, value: str) -> None:
+    """A new file holding only ``key``: written beside it and linked into place, so that a file someone
+    created meanwhile is never overwritten."""
+    folder = real.parent
+    new = _edited(b"", shown, key, value)
+    tmp = _temporary(folder, real, shown, new, mode=0o666 & ~_umask(), owner=None)
+    try:
+        os.link(tmp, real)
+    except FileExistsError:
+        raise ConfigChanged("config", str(shown), "was created by someone else while this save ran; nothing "
+                            "was written", "the file as it is now: read it, then save again") from None
+    except OSError as exc:
+        raise _unwritable(shown, f"cannot be written: {exc.strerror or exc}") from None
+    finally:
+        os.unlink(tmp)
+    _sync_folder(folder)
+
+
+def _replace(real: Path, shown: Path, st: os.stat_result, old: bytes, new: bytes) -> None:
+    """Write ``new`` to a temporary file beside ``real`` with its mode and owner, then rename it over
+    ``real`` unless ``real`` no longer holds ``old``."""
+    tmp = _temporary(real.parent, real, shown, new, mode=stat.S_IMODE(st.st_mode), owner=(st.st_uid, st.st_gid))
+    try:
+        _unchanged(real, shown, st, old)
+        os.replace(tmp, real)
+    except OSError as exc:
+        raise _unwritable(shown, f"cannot be written: {exc.strerror or exc}") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    _sync_folder(real.parent)
+
+
+def _write_in_place(real: Path, shown: Path, fd: int, old: bytes, new: bytes) -> None:
+    """A file with other hard links: renaming would leave them on the old text, so it is rewritten
+    through its own inode (one write, then a truncate and a flush to disk)."""
+    try:
+        out = os.open(real, os.O_WRONLY)
+    except OSError as exc:
+        raise _unwritable(shown, f"cannot be written: {exc.strerror or exc}") from None
+    try:
+        now, was = os.fstat(out), os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (was.st_dev, was.st_ino) or _read_all(fd) != old:
+            raise _changed(shown)  # replaced or edited since it was read
+        view = memoryview(new)
+        at = 0
+        while at < len(view):
+            at += os.write(out, view[at:])
+        os.ftruncate(out, len(new))
+        os.fsync(out)
+    except OSError as exc:
+        raise _unwritable(shown, f"could not be written whole: {exc.strerror or exc}") from None
+    finally:
+        os.close(out)
+
+
+def _temporary(folder: Path, real: Path, shown: Path, data: bytes, mode: int,
+               owner: tuple[int, int] | None) -> str:
+    """A file created exclusively in ``folder`` under an unpredictable name, holding ``data`` with
+    ``mode`` (and ``owner``), flushed to disk; its path. A failure removes it and raises ``ConfigError``."""
+    import tempfile  # here, not at import: ComfyUI's start reads the settings, only a save writes them
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise _unwritable(shown, f"no file can be created beside it in {str(folder)!r:.200}: "
+                          f"{exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), mode)
+            if owner is not None and hasattr(os, "fchown"):
+                st = os.fstat(f.fileno())
+                if (st.st_uid, st.st_gid) != owner:
+                    try:
+                        os.fchown(f.fileno(), *owner)
+                    except PermissionError:
+                        raise _unwritable(shown, f"belongs to uid {owner[0]} gid {owner[1]}, and a file saved by "
+                                          f"this user (uid {st.st_uid}) could not be given back to it; nothing "
+                                          f"was written") from None
+            os.fsync(f.fileno())
+    except BaseException as exc:
+        os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _unwritable(shown, f"cannot be written: {exc.strerror or exc}") from None
+        raise
+    return tmp
+
+
+def _edited(old: bytes, shown: Path, key: str, value: str) -> bytes:
+    """``old`` with the top-level ``key`` set to ``value``, formatting kept; checked to read back as ``old``
+    with that one value changed."""
+    import tomlkit
+    from tomlkit.exceptions import TOMLKitError
+
+    try:
+        text = old.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", str(shown), f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                          CONFIG_ACCEPTED) from None
+    try:
+        before = tomllib.loads(text)
+        doc = tomlkit.parse(text)
+    except (tomllib.TOMLDecodeError, TOMLKitError) as exc:
+        raise ConfigError("config", str(shown), f"not valid TOML: {exc}", CONFIG_ACCEPTED) from None
+    if isinstance(before.get(key), dict):
+        raise ConfigError(key, str(shown), f"the file holds {key!r} as a table, which saving would replace; "
+                          "nothing was written", f"a membackend.toml whose {key} is a value, not a table")
+    doc[key] = value
+    out = doc.as_string()
+    if "\r\n" in text and "\n" not in text.replace("\r\n", ""):  # a CRLF file stays CRLF (tomlkit adds "\n")
+        out = out.replace("\r\n", "\n").replace("\n", "\r\n")
+    after = tomllib.loads(out)
+    if after.get(key) != value or {k: v for k, v in after.items() if k != key} != \
+            {k: v for k, v in before.items() if k != key}:
+        raise ConfigError(key, str(shown), "the edited file would not read as the old one with this one value "
+                          "changed; nothing was written", "a membackend.toml whose top-level settings are plain "
+                          "values")
+    return out.encode("utf-8")
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything in the file ``fd`` from its start (lseek and read: Windows has no ``pread``)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _unchanged(real: Path, shown: Path, st: os.stat_result, old: bytes) -> None:
+    """Raise ``ConfigChanged`` unless ``real`` is still the file read, holding what was read."""
+    try:
+        with open(real, "rb") as f:
+            now = os.fstat(f.fileno())
+            same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino) and f.read() == old
+    except FileNotFoundError:
+        same = False
+    if not same:
+        raise _changed(shown)
+
+
+def _changed(shown: Path) -> ConfigChanged:
+    return ConfigChanged("config", str(shown), "changed while this save ran (edited or replaced since it was "
+                         "read); it was not overwritten and your edit is kept", "the file as it is now: save again")
+
+
+def _unwritable(shown: Path, why: str) -> ConfigError:
+    return ConfigError("config", str(shown), why, WRITABLE)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, a race with other threads)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a rename in ``folder`` to disk where the platform allows it (not on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
