@@ -383,10 +383,14 @@ def _replay(a: argparse.Namespace) -> int:
     from ._replay.compare import replay
 
     try:
-        if a.plot:  # before the replay runs: a wrong suffix or a missing extra must not cost the run
-            from ._replay.plot import check_plot_target
+        if a.plot is not None:  # before the replay runs: an empty path, a wrong suffix or a missing extra
+            from ._replay.plot import check_plot_target  # must not cost the run
 
-            check_plot_target(a.plot)
+            try:
+                check_plot_target(a.plot)
+            except MembackendError as exc:
+                print(f"membackend: --plot: {exc}", file=sys.stderr)
+                return 2
         comparison = replay(a.source, backend=a.backend, profile=a.profile, policy=a.policy, seeds=a.seeds,
                             record=a.record, run=a.run, keep_machine=a.keep_machine)
     except MembackendError as exc:  # a trace error names its file and line; a write error its file
@@ -399,7 +403,7 @@ def _replay(a: argparse.Namespace) -> int:
         print(json.dumps(comparison.to_json(), indent=2, default=str))
     else:
         print(comparison.table())
-    if a.plot:
+    if a.plot is not None:
         from ._replay.plot import write_plot
 
         sc = comparison.scenario
@@ -426,13 +430,16 @@ def _bench(a: argparse.Namespace) -> int:
     return 0 if result["guarantees_held"] else 1
 
 
+POSITIVE_MAX = 1_000_000  # seeds, runs: more is a typo (a million seeds would run for days)
+
+
 def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a whole number >= 1 is accepted, got {text!r}")
+    from ._settings import quoted
+
+    digits = text.strip()
+    n = int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 7 else 0
+    if not 1 <= n <= POSITIVE_MAX:
+        raise argparse.ArgumentTypeError(f"a whole number from 1 to {POSITIVE_MAX:,} is accepted, got {quoted(text)}")
     return n
 
 

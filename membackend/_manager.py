@@ -301,19 +301,33 @@ class BackendManager:
             raise BackendDisabled(sel.reason)
         obs = list(observers)
         tracer = None
+        source_of = getattr(self.settings, "source_of", None)  # the session owns the headroom setting
         if self.settings.trace is not None:
             from ._trace import TraceObserver
+            from .types import ConfigError
 
-            # what a replay on another machine needs to know about this one
-            tracer = TraceObserver(self.settings.trace, backend=sel.record.name, sim_profile=self.settings.sim_profile,
-                                   devices=[{"device": str(d.device), "name": d.name,
-                                             "total_memory": d.total_memory} for d in machine.devices])
+            try:  # what a replay on another machine needs to know about this one
+                tracer = TraceObserver(self.settings.trace, backend=sel.record.name,
+                                       sim_profile=self.settings.sim_profile,
+                                       devices=[{"device": str(d.device), "name": d.name,
+                                                 "total_memory": d.total_memory} for d in machine.devices])
+            except OSError as exc:  # a full disk (/dev/full), a FIFO nobody reads: refused before any verb runs
+                shown = str(self.settings.trace)
+                shown = shown if len(shown) <= 200 else f"{shown[:80]}...{shown[-117:]}"
+                raise ConfigError("trace", source_of("trace") if callable(source_of) else "settings",
+                                  f"cannot write the trace {shown!r}: {exc.strerror or exc}",
+                                  "a path to a regular file (or a device such as /dev/null) that can be opened "
+                                  "for appending, on a disk with room for it") from exc
             obs.append(tracer)
-        source_of = getattr(self.settings, "source_of", None)  # the session owns the headroom setting
-        return Session(sel.record.plugin, machine=machine, ledger=Ledger(sanitize=self.settings.sanitize),
-                       observers=obs, headroom=self.settings.headroom,
-                       headroom_source=source_of("headroom") if callable(source_of) else None,
-                       candidate=sel.candidates.get(sel.record.name), how=sel.how, tracer=tracer)
+        try:
+            return Session(sel.record.plugin, machine=machine, ledger=Ledger(sanitize=self.settings.sanitize),
+                           observers=obs, headroom=self.settings.headroom,
+                           headroom_source=source_of("headroom") if callable(source_of) else None,
+                           candidate=sel.candidates.get(sel.record.name), how=sel.how, tracer=tracer)
+        except BaseException:
+            if tracer is not None:  # the session was not made: its trace file does not stay open
+                tracer.close()
+            raise
 
 
 def create_session(**settings: Any) -> Session:

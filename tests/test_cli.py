@@ -433,3 +433,16 @@ def test_the_stand_in_cuda_types_carry_cuda_pythons_names_and_values():
                     for inner, v in vars(value).items():
                         assert int(getattr(default, inner)) == int(v), f"{name}.{field}.{inner}"
     assert checked >= 40
+
+
+def test_every_command_refuses_a_size_with_thousands_of_digits_in_one_short_line(tmp_path):
+    huge = "9" * 5000
+    env = {**__import__("os").environ, "MEMBACKEND_HEADROOM": huge, "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA": huge}
+    for argv in (["doctor"], ["doctor", "--json"], ["backends"], ["budget"], ["budget", "--json"]):
+        proc = subprocess.run([sys.executable, "-m", "membackend._cli", *argv], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+        assert "is not a size (too many digits" in proc.stderr and len(proc.stderr) < 2000, (argv, proc.stderr[:500])
+    proc = subprocess.run([sys.executable, "-m", "membackend._cli", "replay", "hook-unload", "--seeds", huge],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "from 1 to 1,000,000" in proc.stderr and len(proc.stderr) < 2000, proc.stderr[:500]

@@ -387,34 +387,17 @@ class _Run:
 class _RecordingTracer(TraceObserver):
     """The tracer of ``run_side(record=...)``: a write that fails (a full disk) is kept in
     :attr:`failed` instead of raised into the verb being traced -- it is the record file's failure,
-    not the backend's -- and nothing more is written; ``run_side`` ends the run at that event."""
+    not the backend's -- and nothing more is written; ``run_side`` ends the run at that event and
+    raises :class:`TraceWriteError` (so no warning is logged: the error says it)."""
 
     def __init__(self, path: str | Path, **header: Any):
-        self.failed: OSError | None = None
         try:
-            super().__init__(path, **header)
-        except OSError as exc:  # the file cannot be opened, or its header not written
-            f = getattr(self, "_file", None)
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            super().__init__(path, **header)  # nothing is left open when it raises
+        except OSError as exc:  # the file cannot be opened (a FIFO nobody reads), or its header not written
             raise TraceWriteError(path, exc) from None
 
-    def event(self, event: str, **fields: Any) -> None:
-        if self.failed is not None:
-            return
-        try:
-            super().event(event, **fields)
-        except OSError as exc:
-            self.failed = exc
-
-    def close(self) -> None:
-        try:
-            super().close()
-        except OSError as exc:  # the buffer's last lines did not fit either
-            self.failed = self.failed or exc
+    def _stopped(self, exc: OSError) -> None:
+        pass  # run_side raises TraceWriteError once everything is released
 
 
 def _fresh_record_path(record: str) -> Path:

@@ -165,7 +165,13 @@ def write_plot(
 
 def check_plot_target(path: str | os.PathLike[str]) -> pathlib.Path:
     """Check, before any work, that :func:`write_plot` can write ``path``: a known suffix, matplotlib
-    importable for its formats, an existing folder. Raises what :func:`write_plot` would."""
+    importable for its formats, an existing folder. Raises what :func:`write_plot` would; an empty
+    ``path`` (which ``pathlib`` would read as the current folder) is a :class:`PlotFormatError`."""
+    if not os.fspath(path):
+        raise PlotFormatError(
+            "an empty path names no file to write the plot to; accepted: a file path ending in"
+            f" {', '.join(ACCEPTED_SUFFIXES)} ({', '.join(MATPLOTLIB_SUFFIXES)} need membackend[plot])"
+        )
     target = pathlib.Path(path)
     suffix = target.suffix.lower()
     if suffix not in ACCEPTED_SUFFIXES:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,12 +32,18 @@ from .._trace import TRACE_FORMAT, TRACE_VERSION, trace_header
 from ..types import MembackendError
 
 __all__ = ["TraceError", "TraceWriteError", "Trace", "TraceEvents", "WORKLOAD_EVENTS", "MAX_LINE_BYTES",
-           "MAX_COUNT", "HEADER_MACHINE_FIELDS", "parse_lines", "read_trace", "write_trace"]
+           "MAX_COUNT", "MAX_SHOWN", "HEADER_MACHINE_FIELDS", "parse_lines", "read_trace", "write_trace",
+           "shown_path", "file_kind", "open_regular"]
 
 #: the longest line a reader takes (a trace line is one small JSON object; longer is not a trace)
 MAX_LINE_BYTES = 1 << 20
 #: the largest size or offset accepted: what the drivers' 64-bit signed size arguments hold
 MAX_COUNT = (1 << 63) - 1
+#: the most characters of a path (or any user input) an error message quotes
+MAX_SHOWN = 200
+
+#: what ``membackend replay`` takes as a trace file (the end of every refusal of one)
+ACCEPTED_FILE = "a regular trace file (written with MEMBACKEND_TRACE or membackend replay --record)"
 
 #: the requests a replay re-executes, with the fields each needs
 WORKLOAD_EVENTS: dict[str, tuple[str, ...]] = {
@@ -83,11 +90,72 @@ class TraceWriteError(MembackendError, OSError):
     def __init__(self, path: str | Path, cause: OSError):
         reason = cause.strerror or str(cause) or type(cause).__name__
         super().__init__(cause.errno, reason, str(path))
-        self.message = (f"cannot write the trace {str(path)!r}: {reason}; accepted: a file in a folder this "
+        self.message = (f"cannot write the trace {shown_path(path)!r}: {reason}; accepted: a file in a folder this "
                         "process may write to, on a disk with room for it")
 
     def __str__(self) -> str:
         return self.message
+
+
+def shown_path(path: str | os.PathLike[str], limit: int = MAX_SHOWN) -> str:
+    """``path`` as an error message shows it: whole up to ``limit`` characters, else its start and its
+    end (the file's name) around ``...``, so a message stays one readable line."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        text = os.fsdecode(text)
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 5
+    return f"{text[:head]}...{text[len(text) - (limit - head - 3):]}"
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` that is not a regular file is, in words ("a FIFO (named pipe)", ...)."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "not a regular file"
+
+
+def _not_regular(source: str, mode: int) -> TraceError:
+    kind = file_kind(mode)
+    if kind == "a folder":
+        return TraceError(f"{source}: a folder, not a file; accepted: {ACCEPTED_FILE}")
+    return TraceError(f"{source}: {kind}, not a regular file; accepted: {ACCEPTED_FILE}")
+
+
+def open_regular(path: Path, source: str) -> Any:
+    """Open ``path`` for reading (binary) if it is a regular file, else raise :class:`TraceError`
+    naming ``source``, what the path is (a FIFO, a socket, a device, a folder) and what is accepted.
+
+    Never blocks: the path is looked at (``os.stat``, following links) before it is opened, and it
+    is opened with ``O_NONBLOCK`` (a FIFO swapped in meanwhile opens at once and is refused by its
+    ``fstat``), so no FIFO, terminal or device is ever waited on. Raises ``FileNotFoundError`` for
+    a path that is not there and ``OSError`` for one that cannot be read; the caller words those."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(source, st.st_mode)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between the look and the opening
+            raise _not_regular(source, st.st_mode)
+        if flags & getattr(os, "O_NONBLOCK", 0):  # no effect on a regular file; cleared all the same
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _show(value: Any, limit: int = 60) -> str:
@@ -284,7 +352,9 @@ class TraceEvents:
         """``(line number, event)`` for each workload event, in order."""
         changed = TraceError(f"{self.source}: the file changed since it was read; run the replay again")
         try:
-            f = self.path.open("rb")
+            f = open_regular(self.path, self.source)
+        except TraceError:  # a FIFO, a device or a folder in its place
+            raise changed from None
         except OSError as exc:
             raise TraceError(f"{self.source}: cannot read it again: {exc.strerror or exc}") from None
         with f:
@@ -400,11 +470,18 @@ def _unreadable(source: str, exc: OSError) -> TraceError:
 def read_trace(path: str | Path, run: int | None = None) -> Trace:
     """Read a trace file (``run`` as for :func:`parse_lines`): every line is checked now, the
     events are streamed from the file when a replay iterates them. A missing, unreadable or
-    malformed file is a :class:`TraceError` naming it (and the line)."""
+    malformed file is a :class:`TraceError` naming it (and the line).
+
+    Only a regular file (or a link to one) is read: a FIFO, a socket, a device (``/dev/zero``,
+    ``/dev/stdin``) or a folder is a :class:`TraceError` saying what it is, and is never opened in
+    a way that could block (see :func:`open_regular`). Messages show at most :data:`MAX_SHOWN`
+    characters of the path."""
     p = Path(path)
-    source = str(p)
+    source = shown_path(path)  # as given: "./run.sock" stays "./run.sock"
     try:
-        f = p.open("rb")
+        f = open_regular(p, source)
+    except TraceError:  # a FIFO, a socket, a device, a folder: said by open_regular
+        raise
     except FileNotFoundError:
         raise TraceError(f"{source}: no such file; accepted: the path of a trace file (written with "
                          "MEMBACKEND_TRACE or membackend replay --record)") from None
@@ -412,6 +489,8 @@ def read_trace(path: str | Path, run: int | None = None) -> Trace:
         raise TraceError(f"{source}: a folder, not a file; accepted: the path of a trace file") from None
     except OSError as exc:
         raise _unreadable(source, exc) from None
+    except ValueError:  # a NUL byte in the path
+        raise TraceError(f"{source!r} is not a path (it holds a NUL byte); accepted: {ACCEPTED_FILE}") from None
     with f:
         try:
             st = os.fstat(f.fileno())
