@@ -520,6 +520,12 @@ class Capabilities:
       ``reserve_churn_window`` bytes are kept and reused instead of freed, and
       given back while the frees the limit allows last (see
       :mod:`membackend._backends.vmm` for the bound on what stays).
+    * ``reserve_churn_keep``: under a reserve-churn limit, the most released
+      windows a device keeps (None: ``KEPT_WINDOWS_PER_DEVICE``, or as many
+      large reservations as the device had alive at once). An int bounds the
+      device strictly: a fresh large window is refused when the frees left
+      could not bring every device back within it, so a device runs at most
+      this many large reservations at once once the frees are spent.
     """
 
     release_on_full_unload: bool = True
@@ -531,6 +537,7 @@ class Capabilities:
     address_quota: int | None = None
     reserve_churn_limit: int | None = None
     reserve_churn_window: int = 1 << 30
+    reserve_churn_keep: int | None = None
 
     def __post_init__(self) -> None:
         if self.fence_granularity not in ("reservation", "device"):
@@ -540,6 +547,9 @@ class Capabilities:
         if self.reserve_churn_limit is not None and (not isinstance(self.reserve_churn_limit, int)
                                                      or self.reserve_churn_limit < 1):
             raise ValueError(f"reserve_churn_limit {self.reserve_churn_limit!r}; accepted: None or an int >= 1")
+        keep = self.reserve_churn_keep
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"reserve_churn_keep {keep!r}; accepted: None or an int >= 1")
 
 
 @dataclass(frozen=True)

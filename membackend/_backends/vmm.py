@@ -23,7 +23,9 @@ Mechanism only, per device:
   reserve-churn limit a large window is kept for the next reserve that fits
   instead (see below);
 * trim: give back kept handles and windows (the session calls it on close,
-  the residency manager after a full unload of everything and at idle);
+  the residency manager after a full unload of everything and at idle:
+  ``ResidencyManager.on_idle``, which the ComfyUI adapter calls when the
+  prompt queue empties);
 * fence: recorded work arrives as :class:`~membackend._drivers.gpu.EventToken`
   from :meth:`VmmBackend.fence_token` (the session waits for those); a
   device-wide fence synchronizes the device;
@@ -39,17 +41,28 @@ Mechanism only, per device:
 process has freed enough large windows, rocm-systems #6191) a released window
 of at least ``reserve_churn_window`` bytes is kept on its device and reused by
 the next large reserve it holds. Frees of large windows are counted; the
-backend spends at most the limit minus :data:`CHURN_MARGIN` of them, on
-trim (given back whenever one is left) and on keeping a device's kept windows
-within its bound: :data:`KEPT_WINDOWS_PER_DEVICE`, or more where the device
-had more large reservations alive at once. That bound is what stays reserved
-once no free is left, and it is kept by construction: a fresh large reserve
-that could never be brought back within it is refused with
-:class:`AddressWindowsExhausted` (a ``MemoryError``, so an out-of-memory, never
-a ``DriverError``), as is one the driver itself refuses for want of memory
-(frees this backend did not see, e.g. another library in the process, may
-have spent the limit). :meth:`VmmBackend.kept_windows` reports the windows,
-the frees spent and the bound (``membackend doctor`` prints it).
+backend spends at most the limit minus :data:`CHURN_MARGIN` of them (the
+*allowance*), on keeping each device's kept windows within its bound (at
+release: the smallest go, the larger hold more models) and on trim (idle,
+unload of everything, close: every kept window goes back while the
+allowance permits; when only some may go, the smallest go and the largest
+stay). The bound is the platform's ``reserve_churn_keep`` windows per device
+(strict: large reservations alive count against the frees they will need),
+or, where the platform sets none, :data:`KEPT_WINDOWS_PER_DEVICE` or more
+where the device had more large reservations alive at once. The allowance
+*permits* a free when one is left and, after it, the frees left still cover
+every device's large windows (alive and kept) past its bound; so the bound
+is kept by construction: a fresh large reserve that could never be brought
+back within it is refused with :class:`AddressWindowsExhausted` (a
+``MemoryError``, so an out-of-memory, never a ``DriverError``), as is one the
+driver itself refuses for want of memory (frees this backend did not see,
+e.g. another library in the process, may have spent the limit). A fresh
+window after which no free would be left to spare is reserved as large as
+the largest the device has served, so the windows that stay once the frees
+are spent hold every model the device ran before (one at a time, under a
+bound of one). :meth:`VmmBackend.kept_windows` reports the windows, their
+bytes, the bound, the frees spent and why they stay (``membackend doctor``
+prints it).
 
 The right device is made current before every call that touches one. Calls
 on different reservations may arrive from several threads (the session
@@ -112,13 +125,18 @@ class KeptWindows:
     """What a backend under a reserve-churn limit keeps reserved on one device after release.
 
     ``windows``/``bytes``: released address windows kept for reuse (charged to
-    the process's commit on Windows ROCm); ``bound``: the most that stay kept
-    on the device once no large free is left (:data:`KEPT_WINDOWS_PER_DEVICE`,
-    or the most large reservations the device had alive at once);
+    the process's commit on Windows ROCm), ``largest`` the largest of them;
+    ``bound``: the most that stay kept on the device once no large free is
+    left (the platform's ``reserve_churn_keep``; where it sets none,
+    :data:`KEPT_WINDOWS_PER_DEVICE` or the most large reservations the device
+    had alive at once), ``bound_rule`` how it is set, in words;
     ``large_frees_spent`` of ``large_frees_allowed`` (the platform's
     ``churn_limit`` minus :data:`CHURN_MARGIN`), process-wide for this backend
     (frees made by other code in the process are not seen);
-    ``can_give_back``: a trim would free windows.
+    ``give_back``: how many of the windows a trim now would free (the churn
+    allowance permitting), ``can_give_back`` whether it is any;
+    ``reason``: why the windows are kept, in words (for the doctor, the
+    status and logs). Figures of one moment, taken under the backend's lock.
     """
 
     device: Device
@@ -130,20 +148,19 @@ class KeptWindows:
     large_frees_allowed: int
     churn_limit: int
     can_give_back: bool
+    give_back: int = 0
+    bound_rule: str = ""
+    reason: str = ""
 
     def describe(self) -> str:
         """One line for the doctor and logs."""
         if not self.windows:
             kept = "no address window kept"
         else:
-            if self.can_give_back:
-                why = "given back on the next trim: idle, unload of everything, close"
-            else:
-                why = "they stay: the platform allows no more large frees"
-            kept = f"{self.windows} address window(s) kept, {self.bytes / GiB:,.2f} GiB ({why})"
-        return (f"{self.device}: {kept}; at most {self.bound} stay once no large free is left; large frees "
-                f"{self.large_frees_spent} of {self.large_frees_allowed} spent (large reserves fail after "
-                f"{self.churn_limit}, rocm-systems #6191)")
+            kept = f"{self.windows} address window(s) kept, {self.bytes / GiB:,.2f} GiB ({self.reason})"
+        return (f"{self.device}: {kept}; at most {self.bound} stay once no large free is left ({self.bound_rule}); "
+                f"large frees {self.large_frees_spent} of {self.large_frees_allowed} spent (large reserves fail "
+                f"after {self.churn_limit}, rocm-systems #6191)")
 
 
 class _Range:
@@ -167,9 +184,10 @@ class _Range:
 
 class _DeviceState:
     __slots__ = ("granularity", "page_size", "page_in_sync", "dirty", "reserved", "resident", "spare", "windows",
-                 "large_alive", "large_peak", "integrated")
+                 "large_alive", "large_peak", "largest", "keep", "integrated")
 
-    def __init__(self, granularity: int, page_size: int, page_in_sync: bool, integrated: bool = False):
+    def __init__(self, granularity: int, page_size: int, page_in_sync: bool, integrated: bool = False,
+                 keep: int | None = None):
         self.granularity = granularity
         self.integrated = integrated  # one pool with the host (a device fact: asked once, not per budget)
         self.page_size = page_size
@@ -181,6 +199,8 @@ class _DeviceState:
         self.windows: list[tuple[int, int]] = []  # (base, size) of released large windows kept for reuse
         self.large_alive = 0  # live reservations on large windows (under a reserve-churn limit)
         self.large_peak = 0  # the most of those alive at once
+        self.largest = 0  # the largest large window this device has served
+        self.keep = keep  # the platform's strict bound (reserve_churn_keep); None: the peak rule
 
     @property
     def pooled(self) -> int:
@@ -189,12 +209,18 @@ class _DeviceState:
     @property
     def window_bound(self) -> int:
         """The most kept windows this device holds once no large free is left."""
+        if self.keep is not None:
+            return self.keep
         return max(KEPT_WINDOWS_PER_DEVICE, self.large_peak)
 
     def over_bound(self, more_alive: int = 0) -> int:
-        """Large windows (alive and kept) past the bound, with ``more_alive`` more reservations alive."""
+        """Large windows (alive and kept) past the bound, with ``more_alive`` more reservations alive: the
+        frees it takes to bring the device back within its bound once every reservation is released. Under
+        the platform's strict bound every large window counts; under the peak rule the ones alive never do
+        (the bound grows to them)."""
         alive = self.large_alive + more_alive
-        return max(0, alive + len(self.windows) - max(KEPT_WINDOWS_PER_DEVICE, self.large_peak, alive))
+        ceiling = self.keep if self.keep is not None else max(KEPT_WINDOWS_PER_DEVICE, self.large_peak, alive)
+        return max(0, alive + len(self.windows) - ceiling)
 
 
 class VmmBackend:
@@ -306,7 +332,8 @@ class VmmBackend:
             d.set_device(index)
             g = d.granularity(index)
             page = max(g, -(-self.requested_page_size // g) * g)
-            state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index), self._integrated(index))
+            state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index), self._integrated(index),
+                                                        keep=self.capabilities.reserve_churn_keep)
         else:
             d.set_device(index)
         return state
@@ -402,14 +429,17 @@ class VmmBackend:
             window = self._pooled_window(state, rounded) if large else None
             if window is None:
                 self._check_quota(device, rounded)
+                span = rounded
                 if large:
                     self._check_window_bound(device, state, rounded)
-                window = (self._reserve_window(device, rounded, ps, large), rounded)
+                    span = self._lasting_span(state, rounded)
+                window = (self._reserve_window(device, span, ps, large), span)
             base, span = window
             state.reserved += span
             if self._is_large(span):
                 state.large_alive += 1
                 state.large_peak = max(state.large_peak, state.large_alive)
+                state.largest = max(state.largest, span)
         return Reservation(device, base, rounded, ps, self.name, handle=_Range(index, rounded // ps, span),
                            requested=size)
 
@@ -429,9 +459,27 @@ class VmmBackend:
                                 f"the driver refused a large address window ({exc}), as the platform does once "
                                 f"the process has spent its large frees") from exc
 
+    def _lasting_span(self, state: _DeviceState, size: int) -> int:
+        """The bytes of a fresh large window of ``size``: ``size``, or the largest window the device has served
+        when, with this window, no free is left to spare (the frees left only just cover every device's windows
+        past its bound). Such a window may be one that stays once the frees are spent: sized so, it holds every
+        model the device ran before, where one sized to a small model would leave the larger ones out of memory
+        for the rest of the process. Never past the address quota (then ``size``)."""
+        if state.largest <= size:
+            return size
+        over = sum(s.over_bound(1 if s is state else 0) for s in self._devices.values())
+        if over < self._large_frees_left():
+            return size
+        quota = self.capabilities.address_quota
+        if quota is not None:
+            in_use = sum(s.reserved + s.resident + s.pooled for s in self._devices.values())
+            if in_use + 2 * state.largest > quota:
+                return size
+        return state.largest
+
     def _check_window_bound(self, device: Device, state: _DeviceState, size: int) -> None:
         """Refuse a fresh large window that could never be given back within the devices' bounds: the
-        frees left must cover every device's kept windows past its bound (this one with the new window)."""
+        frees left must cover every device's large windows past its bound (this one with the new window)."""
         over = sum(s.over_bound(1 if s is state else 0) for s in self._devices.values())
         if over > self._large_frees_left():
             raise self._refused(device, state, size, "a new large address window could never be given back: "
@@ -657,8 +705,9 @@ class VmmBackend:
 
     def _keep_within_bound(self, device: Device, state: _DeviceState) -> None:
         """More windows kept than the device's bound: free the smallest (the larger hold more models) while
-        the frees last; the bound check at reserve leaves enough of them. Never fails the release: a window
-        whose free fails stays kept (trim tries it again)."""
+        the frees last; the bound check at reserve leaves enough of them (under a strict bound this is where a
+        run of several large models on one device spends its frees). Never fails the release: a window whose
+        free fails stays kept (trim tries it again)."""
         while len(state.windows) > state.window_bound and self._large_frees_left() > 0:
             smallest = min(state.windows, key=lambda w: w[1])
             try:
@@ -710,11 +759,18 @@ class VmmBackend:
     def membackend_trim(self, device: Device) -> int:
         """Release the physical handles kept for reuse and free the kept windows on ``device``.
 
-        Under a reserve-churn limit a kept window is freed (largest first: the
-        most commit given back per free) only while the platform allows: a
-        large free is left, and after it the frees left still cover every
-        device's kept windows past its bound. What stays is reported by
-        :meth:`kept_windows` (and ``held`` in :meth:`membackend_inspect`).
+        The session calls it on close, the residency manager after a full
+        unload of everything and at idle (``ResidencyManager.on_idle``: the
+        ComfyUI adapter's "prompt queue empty"): that is the idle give-back.
+        Under a reserve-churn limit a kept window is freed only while the churn
+        allowance permits: a large free is left, and after it the frees left
+        still cover every device's large windows past its bound (never a free
+        the allowance does not permit: that is what keeps large reserves
+        working, rocm-systems #6191). Every kept window goes when the allowance
+        permits as many frees; when it permits fewer, the smallest go and the
+        largest stay (they hold every model the smaller ones could). What stays
+        is reported by :meth:`kept_windows` (and ``held`` in
+        :meth:`membackend_inspect`).
         """
         index = self._device_index(device)
         with self._lock:
@@ -727,7 +783,7 @@ class VmmBackend:
                 self.driver.release(state.spare[-1])
                 state.spare.pop()
                 released += state.page_size
-            for window in sorted(state.windows, key=lambda w: w[1], reverse=True):
+            for window in sorted(state.windows, key=lambda w: w[1]):
                 if not self._may_free_kept(state, window[1]):
                     self._report_kept(device, state)
                     break
@@ -754,8 +810,9 @@ class VmmBackend:
         return max(0, self._large_frees_allowed() - self._large_frees)
 
     def _may_free_kept(self, state: _DeviceState, size: int) -> bool:
-        """A kept window may be freed when it is small, or when a large free is left and, after it, the frees
-        left still cover the kept windows past their bounds on every device (see :meth:`_check_window_bound`)."""
+        """A kept window may be freed (the churn allowance permits it) when it is small, or when a large free is
+        left and, after it, the frees left still cover the large windows past their bounds on every device (see
+        :meth:`_check_window_bound`)."""
         if not self._is_large(size):
             return True
         left = self._large_frees_left()
@@ -779,15 +836,55 @@ class VmmBackend:
             state = self._devices.get(index)
             return self._kept(device, state)
 
+    def _would_give_back(self, state: _DeviceState) -> int:
+        """How many of ``state``'s kept windows a trim now would free: :meth:`membackend_trim`'s loop (smallest
+        first, each while :meth:`_may_free_kept`), counted without freeing anything."""
+        left = self._large_frees_left()
+        over = sum(s.over_bound() for s in self._devices.values())
+        here = state.over_bound()
+        n = 0
+        for size in sorted(size for _, size in state.windows):
+            if self._is_large(size):
+                after = over - (1 if here else 0)
+                if left < 1 or after > left - 1:
+                    break
+                left, over, here = left - 1, after, max(0, here - 1)
+            n += 1
+        return n
+
     def _kept(self, device: Device, state: _DeviceState | None) -> KeptWindows:
         windows = state.windows if state is not None else []
-        may_free = state is not None and any(self._may_free_kept(state, size) for _, size in windows)
+        give_back = self._would_give_back(state) if state is not None else 0
+        keep = self.capabilities.reserve_churn_keep
+        if keep is not None:
+            rule = f"the platform's bound: {keep} per device"
+        else:
+            peak = state.large_peak if state is not None else 0
+            rule = (f"{KEPT_WINDOWS_PER_DEVICE} per device, or as many large reservations as the device had alive "
+                    f"at once ({peak})")
+        left = self._large_frees_left()
+        trim = "the next trim (idle, unload of everything, close)"
+        if not windows:
+            reason = "none kept"
+        elif give_back == len(windows):
+            reason = f"kept for reuse by the next large reserve, which then spends no large free; {trim} gives " \
+                     f"them back: the churn allowance permits it"
+        elif left < 1:
+            reason = (f"they stay: the platform allows no more large frees ({self._large_frees} of "
+                      f"{self._large_frees_allowed()} spent); reusing them spends none")
+        elif give_back:
+            reason = (f"{trim} gives {give_back} back, the smallest; the rest stay: the churn allowance permits "
+                      f"no more ({left} large free(s) left, held to bring every device within its bound)")
+        else:
+            reason = (f"they stay: the {left} large free(s) left are held to bring the large windows past the "
+                      f"devices' bounds back within them")
         return KeptWindows(
             device=device, windows=len(windows), bytes=sum(size for _, size in windows),
             largest=max((size for _, size in windows), default=0),
-            bound=state.window_bound if state is not None else KEPT_WINDOWS_PER_DEVICE,
+            bound=state.window_bound if state is not None else (keep or KEPT_WINDOWS_PER_DEVICE),
             large_frees_spent=self._large_frees, large_frees_allowed=self._large_frees_allowed(),
-            churn_limit=self.capabilities.reserve_churn_limit or 0, can_give_back=may_free)
+            churn_limit=self.capabilities.reserve_churn_limit or 0, can_give_back=give_back > 0,
+            give_back=give_back, bound_rule=rule, reason=reason)
 
     def trim(self, device: Device) -> int:
         """Same as :meth:`membackend_trim` (kept for callers that hold the backend)."""

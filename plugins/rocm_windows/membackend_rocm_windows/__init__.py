@@ -25,15 +25,26 @@ the mechanism and the policy must treat the platform:
   iteration 14, rocm-systems #6191): ``reserve_churn_limit=14`` makes the
   mechanism keep released windows of at least 1 GiB per device and reuse
   them for equal or smaller reservations. They count as committed while
-  kept and go back on a trim (idle, unload of everything, close) while the
-  platform allows: at most 12 large frees (14 minus a margin of 2) are
-  spent in the process. Once they are, what stays is bounded: at most 4
-  windows per device (or as many large reservations as the device had
-  alive at once), and a large reserve that no kept window holds and that
-  could not stay within that bound is refused as out of memory
+  kept (the #15993 plateau, in small, if nothing bounded them), so:
+
+  - at most ``kept_windows`` of them stay per device (default 1, the
+    ``kept_windows`` setting; ``reserve_churn_keep``): a release past it
+    frees the smallest;
+  - the rest go back on a trim (idle: the prompt queue emptied, unload of
+    everything, close) whenever the churn allowance permits: at most 12
+    large frees (14 minus a margin of 2) are spent in the process, and never
+    one that would leave too few to bring every device back within its bound.
+
+  The bound is strict: large reservations alive count against the frees
+  they will need, so once the frees are spent a device runs at most
+  ``kept_windows`` large models at once (the residency manager unloads an
+  idle one to make room), and the window it gets last is sized to hold the
+  largest model it served. A large reserve that no kept window holds and no
+  new window may serve is refused as out of memory
   (``AddressWindowsExhausted``, a ``MemoryError``), as is one the runtime
   itself fails — never a ``DriverError``. ``membackend doctor`` shows the
-  windows kept, the frees spent and the bound (``VmmBackend.kept_windows``).
+  windows kept, their bytes, the bound, the frees spent and why they stay
+  (``VmmBackend.kept_windows``).
 * **Device synchronize after fresh mappings** (``page_in_sync="always"``).
   AMD's Windows driver is a WDDM driver too: Windows' video memory manager
   (``dxgmms2``, where ComfyUI #16246's bugcheck was) pages its allocations
@@ -55,12 +66,15 @@ the mechanism and the policy must treat the platform:
 * **Pages** of 32 MiB, comfy-aimdo's VBAR page: fewer mappings per model
   (#9823: 3072 mappings of 32 MiB in one reservation are healthy).
 
-**Settings.** ``PLATFORM`` declares one setting, ``address_quota``
-(:data:`SETTINGS`); membackend reads it with its own settings when it builds
-the backend (a ``BackendManager``), and hands it to :func:`capabilities` and
+**Settings.** ``PLATFORM`` declares two settings (:data:`SETTINGS`):
+``address_quota`` and ``kept_windows`` (``MEMBACKEND_ROCM_WINDOWS_KEPT_WINDOWS``,
+or ``kept_windows`` in a ``[rocm_windows]`` table: the address windows kept
+per device, a whole number of at least 1, default 1).
+membackend reads them with its own settings when it builds the backend (a
+``BackendManager``), and hands them to :func:`capabilities` and
 :func:`probe`. A bad value is a ``ConfigError`` naming
-``rocm_windows.address_quota`` and its source, so membackend lists the plugin
-as broken with that message. ``OCL_SET_SVM_SIZE`` is the HIP runtime's own
+``rocm_windows.<name>``, its source and what is accepted, so membackend lists
+the plugin as broken with that message. ``OCL_SET_SVM_SIZE`` is the HIP runtime's own
 variable, not a membackend setting: it is read from the process environment
 as the runtime reads it, when the capabilities are made (the backend's build)
 and by the probe; a value the runtime could not use is logged and the ROCm
@@ -75,13 +89,13 @@ import os
 import re
 from typing import Any, Mapping
 
-from membackend.platform import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
-from membackend.platform import (SIZE_ACCEPTED, Platform, PlatformSetting, PlatformValues, Rule, size,
+from membackend.platform import CHURN_MARGIN
+from membackend.platform import (SIZE_ACCEPTED, Platform, PlatformSetting, PlatformValues, Rule, RuleError, size,
                                  vmm_unsupported)
 from membackend.types import Candidate, Capabilities, Machine, Score
 
-__all__ = ["PLATFORM", "SETTINGS", "address_quota", "capabilities", "policy", "probe", "NAME", "QUOTA_ENV",
-           "SVM_ENV"]
+__all__ = ["PLATFORM", "SETTINGS", "address_quota", "kept_windows", "capabilities", "policy", "probe", "NAME",
+           "QUOTA_ENV", "KEPT_ENV", "SVM_ENV"]
 __version__ = "0.1.0"
 
 log = logging.getLogger(__name__)
@@ -89,6 +103,7 @@ log = logging.getLogger(__name__)
 MiB, GiB = 1 << 20, 1 << 30
 NAME = "rocm_windows"
 QUOTA_ENV = "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA"  # the variable of the address_quota setting
+KEPT_ENV = "MEMBACKEND_ROCM_WINDOWS_KEPT_WINDOWS"  # the variable of the kept_windows setting
 SVM_ENV = "OCL_SET_SVM_SIZE"
 SVM_UNIT = MiB  # OCL_SET_SVM_SIZE counts MiB: 4194304 is ComfyUI's "4TB" (PR #16199), 262144 its 256 GB
 SVM_MAX = 2**32 - 1  # the runtime reads it as a 32-bit uint (ROCm CLR flags: "OCL_SET_SVM_SIZE uint")
@@ -97,6 +112,9 @@ MIN_QUOTA = 1 * GiB  # below this no model fits: "256" is a unit slip (bytes), n
 QUOTA_MARGIN = 16  # 1/16 kept below the crash point: #9823 crashed on the window that reached 256 GiB
 CHURN_LIMIT = 14  # rocm-systems #6191: the reproducer's reserve fails at iteration 14
 CHURN_WINDOW = 1 * GiB  # #6191 churns VBARs of 64 and 192 x 32 MiB pages (2 and 6 GiB); smaller ones are freed
+KEPT_DEFAULT = 1  # released windows kept per device: every kept window is commit a fully unloaded model leaves
+#   behind (#15993: 41.58 GB of private bytes, 7.33 GB once released); one still spares the next load of the
+#   device's largest model a fresh reserve. More: the kept_windows setting
 PAGE_SIZE = 32 * MiB  # comfy-aimdo's VBAR_PAGE_SIZE
 SCORE_TORCH = 70  # Windows, a ROCm build of torch, AMD devices listed
 SCORE_LISTED = 60  # Windows, AMD devices listed by discovery (hip-python or the HIP runtime's ctypes binding), no torch
@@ -119,12 +137,33 @@ def _quota(raw: Any) -> int:
     return quota
 
 
+def _kept(raw: Any) -> int:
+    """The ``kept_windows`` setting: a whole number of windows, at least 1 (text from the environment, an int
+    from a table or a keyword argument)."""
+    value = raw
+    if isinstance(raw, str) and re.fullmatch(r"\s*[0-9]+\s*", raw):
+        value = int(raw)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RuleError(f"{raw!r} is not a whole number of windows")
+    if value < 1:
+        raise RuleError(f"{raw!r} keeps no window: every release of a large model would spend one of the "
+                        f"{CHURN_LIMIT - CHURN_MARGIN} large frees the platform allows, and large models are "
+                        "refused once they are spent")
+    return value
+
+
 #: the ``address_quota`` setting's rule: a size (membackend's rule), at least 1 GiB (:data:`MIN_QUOTA`)
 quota_rule = Rule("size", _quota, f"{SIZE_ACCEPTED}; at least 1 GiB")
+#: the ``kept_windows`` setting's rule: a whole number, at least 1
+kept_rule = Rule("count", _kept, "a whole number of address windows per device, at least 1")
 #: the settings this platform declares (membackend reads them under its name; see the module docstring)
 SETTINGS = (PlatformSetting("address_quota", parse=quota_rule, default=None,
                             doc="the runtime's per-process GPU address quota (default: OCL_SET_SVM_SIZE, else "
-                                "256 GiB); reserves are refused at the quota minus 1/16"),)
+                                "256 GiB); reserves are refused at the quota minus 1/16"),
+            PlatformSetting("kept_windows", parse=kept_rule, default=KEPT_DEFAULT,
+                            doc="released address windows (>= 1 GiB) kept per device against the reserve/free "
+                                "churn defect; each is commit-charged until given back, and once the platform's "
+                                "large frees are spent a device runs at most this many large models at once"))
 
 
 def address_quota(settings: PlatformValues | None = None, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
@@ -148,6 +187,14 @@ def address_quota(settings: PlatformValues | None = None, environ: Mapping[str, 
     return ROCM_DEFAULT_QUOTA, "the ROCm default"
 
 
+def kept_windows(settings: PlatformValues | None = None) -> tuple[int, str]:
+    """The address windows kept per device (the ``kept_windows`` setting, default :data:`KEPT_DEFAULT`), and
+    where the value came from."""
+    if settings is None or "kept_windows" not in settings:
+        return KEPT_DEFAULT, f"{NAME}.kept_windows from default"
+    return settings["kept_windows"], f"{NAME}.kept_windows from {settings.source('kept_windows')}"
+
+
 def enforced(quota: int) -> int:
     """The limit checked before every reserve: the quota minus the crash margin."""
     return quota - quota // QUOTA_MARGIN
@@ -160,21 +207,24 @@ def _size(n: int) -> str:
 def policy(settings: PlatformValues | None = None, environ: Mapping[str, str] | None = None) -> str:
     """What the platform changes, in words, with the quota in force (see :func:`address_quota`)."""
     quota, source = address_quota(settings, environ)
+    kept, kept_source = kept_windows(settings)
     return (f"reservations released on full unload; address quota {_size(enforced(quota))} "
             f"({_size(quota)} from {source}, 1/{QUOTA_MARGIN} kept as margin); released windows of "
-            f">= {_size(CHURN_WINDOW)} kept per device against the reserve/free churn defect, given back "
-            f"while {CHURN_LIMIT - CHURN_MARGIN} of its {CHURN_LIMIT} large frees last, at most "
-            f"{KEPT_WINDOWS_PER_DEVICE} per device kept after")
+            f">= {_size(CHURN_WINDOW)} kept against the reserve/free churn defect, at most {kept} per device "
+            f"({kept_source}), given back at idle while {CHURN_LIMIT - CHURN_MARGIN} of its {CHURN_LIMIT} large "
+            f"frees last")
 
 
 def capabilities(settings: PlatformValues | None = None) -> Capabilities:
-    """The mechanism and policy knobs, with the address quota in force (see :func:`address_quota`)."""
+    """The mechanism and policy knobs, with the address quota and the windows kept per device in force (see
+    :func:`address_quota`, :func:`kept_windows`)."""
     quota, _source = address_quota(settings)
     return Capabilities(
         release_on_full_unload=True,
         address_quota=enforced(quota),
         reserve_churn_limit=CHURN_LIMIT,
         reserve_churn_window=CHURN_WINDOW,
+        reserve_churn_keep=kept_windows(settings)[0],
         fence_granularity="reservation",
         page_in_sync="always",  # a WDDM driver: VidMm pages fresh mappings in (see the module docstring)
     )

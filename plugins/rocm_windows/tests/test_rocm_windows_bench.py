@@ -22,7 +22,8 @@ def test_bench_prints_seed_cycles_and_quota_side_by_side(capsys):
     assert plugin["reservations_alive"] == plugin["driver_reservations"] == 0
     by = {(r["backend"], r["policy"], r["unload"]): r for r in data["cycles"]}
     ours = by[("rocm_windows", "membackend", "full_unload")]
-    assert ours["done"] == 20 and ours["error"] is None and ours["large_frees"] == 0 and ours["commit_flat_after_2"]
+    # one window kept per device: each cycle's release past it frees the smaller window while the frees last
+    assert ours["done"] == 20 and ours["error"] is None and ours["large_frees"] <= 12 and ours["commit_flat_after_2"]
     assert ours["peak_quota_used"] <= ours["quota_limit"] and ours["crashes"] == 0
     assert by[("vmm", "membackend", "full_unload")]["error"] is not None  # the churn defect, without the pool
     vmm_quota, our_quota = data["quota"]
