@@ -199,10 +199,39 @@ def test_panel_shows_the_models_loads_and_chart_the_standin_streamed(tmp_path):
         ys = {p.split(",")[1] for p in chart.locator("polyline[data-series=reserved]").get_attribute("points").split()}
         assert len(ys) >= 2  # the video's reservation raised the line
         assert "evicted" in page.locator("[data-mb=unloads]").inner_text()
+        assert page.locator("[data-mb=kept-windows]").count() == 0  # the host backend keeps no window
         assert not errors, errors
         if _shots() is not None:
             _shots().mkdir(parents=True, exist_ok=True)
             page.locator("#membackend-panel").screenshot(path=str(_shots() / "comfyui-memory-panel-models.png"))
+
+
+def test_panel_shows_the_address_windows_a_backend_keeps(tmp_path):
+    """rocm_windows keeps released address windows against the driver's reserve-churn defect: the panel says how
+    many, how large, the bound and why, per device (the status's ``kept_windows``)."""
+    status = {"running": True, "state": "running", "version": "x", "line": "membackend x: using rocm_windows",
+              "reason": "test", "how_to": "", "backend": "rocm_windows", "models": {}, "loads": [], "unloads": [],
+              "budgets": {"hip:0": {"total": 24 << 30, "free": 20 << 30, "headroom": 0, "usable": 20 << 30,
+                                    "source": "hipMemGetInfo"}},
+              "headroom": {"hip:0": {"bytes": 0, "source": "default", "live": False, "min": 0, "max": 24 << 30}},
+              "kept_windows": {"hip:0": {"windows": 1, "bytes": 3 << 30, "largest": 3 << 30, "bound": 1,
+                                         "bound_rule": "the kept_windows setting", "give_back": 0,
+                                         "reason": "released large windows kept for the next reserve",
+                                         "large_frees_spent": 12, "large_frees_allowed": 12,
+                                         "line": "hip:0: 1 address window(s) kept, 3.00 GiB"}},
+              "history": {}}
+    with _serve_panel(status) as url, _browser(tmp_path) as context:
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(url + "/")
+        page.wait_for_function("window.panelReady === true && document.querySelector('[data-mb=device]')",
+                               timeout=TIMEOUT_MS)
+        kept = page.locator("[data-mb=device][data-device='hip:0'] [data-mb=kept-windows]")
+        assert kept.count() == 1 and kept.get_attribute("data-bytes") == str(3 << 30)
+        text = kept.inner_text()
+        assert "kept address windows: 1" in text and "at most 1" in text and "kept for the next reserve" in text, text
+        assert not errors, errors
 
 
 # ---------------------------------------------------------------------------------------------- the real tree

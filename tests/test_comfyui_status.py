@@ -153,8 +153,8 @@ def test_routes_register_on_the_server_and_answer_json(rt, monkeypatch):
         def post(self, path):
             return lambda fn: handlers.setdefault(("POST", path), fn)
 
-    def json_response(data, status=200):
-        return types.SimpleNamespace(status=status, body=json.dumps(data))
+    def json_response(data, status=200, dumps=json.dumps):  # aiohttp.web.json_response's parameters used
+        return types.SimpleNamespace(status=status, body=dumps(data))
 
     server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=types.SimpleNamespace(routes=Routes())),
                                    web=types.SimpleNamespace(json_response=json_response))
@@ -462,3 +462,101 @@ def test_the_status_answers_when_inspecting_a_device_fails(rt, monkeypatch):
     monkeypatch.setattr(rt.session, "inspect", broken)
     st = rt.status()
     assert st["running"] and st["kept"] == {} and st["budgets"]
+
+
+# ------------------------------------------------------------------------------- bounded input, bounded answers
+
+
+@pytest.mark.parametrize("headroom", ["9" * 5000, 10**5000, -(10**5000), "x" * 10_000_000, 1e300, "8.5EiB",
+                                      float("inf"), [1] * 100_000, {"a": "b" * 1_000_000}],
+                         ids=["5000 digits", "10**5000", "-10**5000", "10 MB text", "1e300", "8.5EiB", "inf",
+                              "a long list", "a 1 MB table"])
+def test_a_huge_headroom_is_a_typed_refusal_with_a_short_answer(rt, headroom):
+    before = rt.headroom_in_force(rt.devices[0])
+    code, answer = routes.change_headroom({"headroom": headroom})
+    assert code == 400 and answer["error"] in ("InvalidSize", "ConfigError"), str(answer)[:500]
+    assert len(json.dumps(answer)) < 3000, len(json.dumps(answer))
+    assert rt.headroom_in_force(rt.devices[0]) == before
+    code, answer = routes.change_headroom({"headroom": headroom, "extra": 1})  # the whole body refused, quoted short
+    assert code == 400 and len(json.dumps(answer)) < 3000
+    json.dumps(routes.status(), allow_nan=False)
+
+
+def test_a_long_device_name_is_quoted_short(rt):
+    code, answer = routes.change_headroom({"device": "cuda:" + "9" * 1_000_000, "headroom": "1GiB"})
+    assert code == 400 and answer["error"] == "WrongDevice" and len(answer["message"]) < 1000, answer["message"][:300]
+
+
+def test_minus_zero_is_a_headroom_of_zero(rt):
+    code, answer = routes.change_headroom({"headroom": "-0"})
+    assert code == 200 and answer["headroom"] == 0, answer
+
+
+def test_a_save_that_meets_an_edit_answers_409_and_keeps_both(rt, tmp_path, monkeypatch):
+    from membackend._settings import save as saving
+
+    config = tmp_path / "membackend.toml"
+    config.write_text('log_level = "info"\n')
+    monkeypatch.setenv("MEMBACKEND_CONFIG", str(config))
+    monkeypatch.delenv("MEMBACKEND_HEADROOM", raising=False)
+    real_edited = saving._edited
+
+    def edited_meanwhile(*args):  # the user's editor writes the file while the save runs
+        out = real_edited(*args)
+        config.write_text('log_level = "debug"\n')
+        return out
+
+    monkeypatch.setattr(saving, "_edited", edited_meanwhile)
+    d = rt.devices[0]
+    before = rt.headroom_in_force(d)
+    code, answer = routes.change_headroom({"headroom": "1GiB", "save": True})
+    assert code == 409 and answer["error"] == "ConfigChanged" and "your edit is kept" in answer["message"], answer
+    assert config.read_text() == 'log_level = "debug"\n' and rt.headroom_in_force(d) == before
+
+
+def test_the_status_stays_small_under_20000_headroom_changes(rt, monkeypatch):
+    before = len(json.dumps(routes.status()))
+    clock = [1_000_000.0]
+    monkeypatch.setattr(adapter.time, "time", lambda: clock[0])
+    for i in range(20_000):
+        clock[0] += 0.01  # 100 changes a second for 200 s
+        assert routes.change_headroom({"headroom": f"{i % 7}MiB"})[0] == 200
+    st = routes.status()
+    samples = st["history"][str(rt.devices[0])]
+    assert len(samples) <= 202 and len(json.dumps(st)) < before + 20_000, (before, len(json.dumps(st)))
+    for i in range(2 * adapter.HISTORY_KEPT):  # forced samples a second apart: the count bound holds too
+        clock[0] += 0.001
+        rt.sample(force=True)
+    assert len(routes.status()["history"][str(rt.devices[0])]) == adapter.HISTORY_KEPT
+
+
+def test_the_routes_answer_strict_json_whatever_the_status_holds():
+    answer = {"ok": 1, "nan": float("nan"), "inf": float("-inf"), "huge": 10**5000, "obj": object(), "t": (1, 2)}
+    out = json.loads(routes.dumps(answer))
+    assert out["ok"] == 1 and out["nan"] is None and out["inf"] is None and out["t"] == [1, 2]
+    assert "bits" in out["huge"] and isinstance(out["obj"], str)
+    assert routes.dumps({"a": 1}) == json.dumps({"a": 1})
+
+
+def test_the_status_shows_the_address_windows_rocm_windows_keeps():
+    settings = load_settings(sim_profile="rocm-win-2gpu", headroom=0, backend="rocm_windows")
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+    runtime.start([(0, 0)])
+    runtime.started = True
+    adapter.decided("armed", "test", "", runtime)
+    try:
+        d = runtime.devices[0]
+        m = runtime.residency.register("unet", 3 << 30, d, "diffusion")
+        runtime.residency.fault(m, 0, 64 << 20, d)
+        runtime.residency.unpin(m, 0, 64 << 20, d)
+        runtime.residency.full_unload(m)  # the released 3 GiB window is kept against the churn defect
+        kept = routes.status()["kept_windows"][str(d)]
+        report = runtime.session.backend.kept_windows(d)
+        assert (kept["windows"], kept["bytes"], kept["bound"]) == (report.windows, report.bytes, report.bound)
+        assert kept["windows"] == 1 and kept["bytes"] >= 3 << 30 and kept["line"] == report.describe()
+        assert kept["reason"] and json.loads(routes.dumps(routes.status()))["kept_windows"][str(d)]["windows"] == 1
+    finally:
+        runtime.stop()
+        adapter.decided("stock", "test over", "", None)

@@ -353,3 +353,97 @@ def test_a_failed_copy_fenced_while_making_room_does_not_switch_the_adapter_off(
     assert rt.aborted is None
     assert sum("making room for a fault failed" in r.getMessage() for r in caplog.records) == 1
     facade.vbar_unpin(layer)
+
+
+@pytest.mark.parametrize("how", ["unload_vbar", "unload_all", "stop"])
+def test_a_tensor_over_a_pinned_layer_holds_its_range_until_the_unpin(rt, how):
+    import threading
+
+    from membackend.types import PartialFailure, TensorAlive
+
+    v = facade.ModelVBAR(4 * PS, 0)
+    w = torch.arange(1000, dtype=torch.float32)
+    a = v.alloc(w.numel() * 4)
+    facade.vbar_fault(a)
+    t = facade.aimdo_to_tensor(a, "cpu").view(torch.float32)
+    t.copy_(w)
+    r = v._model.reservation(v._dev)
+    refused = []
+
+    def unload():  # another thread: ComfyUI's unload, its /free, a host stopping the adapter
+        try:
+            {"unload_vbar": lambda: rt.unload_vbar(v, "test"), "unload_all": rt.residency.unload_all,
+             "stop": rt.stop}[how]()
+        except PartialFailure as exc:
+            refused.extend(e for _, e in exc.failures)
+
+    worker = threading.Thread(target=unload)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive()  # deferred or refused, never blocked
+    assert not r.released  # the range stays under the tensor (released, the read below would be a segfault)
+    assert torch.equal(t, w)
+    assert all(isinstance(e, TensorAlive) for e in refused), refused
+    with pytest.raises(TensorAlive):  # nothing below the policy releases it either
+        rt.session.release_reservation(r)
+    facade.vbar_unpin(a)  # the layer is done: its hold ends
+    if how == "unload_vbar":
+        facade.vbars_reset_watermark_limits()  # the put-off unload runs at the quiescent point
+    elif how == "unload_all":
+        rt.residency.unload_all()  # unloading again, as ComfyUI's next /free would
+    assert r.released and rt.session.ledger.account(v._dev).reserved == 0 and rt.aborted is None
+    if how == "stop":
+        assert not rt.stopping and rt.session.reservations() == []
+    else:  # used again: reserved anew, new pages, the caller copies again
+        assert facade.vbar_fault(a) is not None and v._model.reservation(v._dev) is not r
+        facade.vbar_unpin(a)
+
+
+def test_closing_a_vbar_ends_its_tensors_holds(rt):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(4000)
+    facade.vbar_fault(a)
+    facade.aimdo_to_tensor(a, "cpu")
+    v.close()  # ComfyUI is done with the model: no unpin will come
+    assert rt.session.reservations() == [] and rt.aborted is None
+
+
+@pytest.mark.parametrize("failure", ["an OSError", "a DriverError of its own", "KeyboardInterrupt"])
+def test_another_models_failed_copy_never_switches_the_adapter_off(failure):
+    """A fault that must evict another model fences that model's copies; one of them failed. The fault is told
+    once and tries again (the failed copy then counts as finished), as free_memory does: never an abort."""
+    from concurrent.futures import Future
+
+    from membackend._fences import FutureToken
+    from membackend.types import DriverError
+
+    settings = load_settings(backend="host", headroom=0, host_capacity=4 * PS, page_size=PS)
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+    runtime.session = mgr.session(machine, selection=runtime.selection)
+    runtime.residency = ResidencyManager(runtime.session)
+    runtime.devices = [runtime.device_for(0)]
+    adapter.decided("armed", "test", "", runtime)
+    try:
+        victims = [facade.ModelVBAR(PS, 0) for _ in range(4)]
+        user = facade.ModelVBAR(4 * PS, 0)
+        for v in victims:  # the victims fill the capacity, unpinned: evictable; each with a copy that failed
+            a = v.alloc(PS)
+            facade.vbar_fault(a)
+            facade.vbar_unpin(a)
+            copy = Future()
+            copy.set_exception({"an OSError": OSError("copy failed"),
+                                "a DriverError of its own": DriverError(700, "cuMemcpyAsync", "illegal address"),
+                                "KeyboardInterrupt": KeyboardInterrupt()}[failure])
+            runtime.residency.record(v._model, FutureToken(copy), v._dev)
+        a = user.alloc(PS)
+        first = facade.vbar_fault(a)  # out of memory at worst (ComfyUI casts from its own copy), never an abort
+        assert runtime.aborted is None
+        if first is not None:
+            facade.vbar_unpin(a)
+        assert facade.vbar_fault(a) is not None and runtime.aborted is None  # the failed copies are settled
+        facade.vbar_unpin(a)
+    finally:
+        runtime.stop()
+        adapter.decided("stock", "test over", "", None)

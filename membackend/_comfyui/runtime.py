@@ -49,13 +49,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("membackend")
 
 __all__ = ["Runtime", "Outcome", "current", "outcome", "say", "HOW_TO", "UNLOADS_KEPT", "LOADS_KEPT",
-           "HISTORY_SECONDS", "describe_load", "gb"]
+           "HISTORY_SECONDS", "HISTORY_KEPT", "describe_load", "gb"]
 
 HOW_TO = "MEMBACKEND_BACKEND=<name> forces another, MEMBACKEND_DISABLE=1 turns membackend off"
 UNLOADS_KEPT = 100  # the status shows the most recent full unloads; the count of all is kept too
 LOADS_KEPT = 100  # likewise the most recent loads (one per model each time ComfyUI loads it)
 HISTORY_SECONDS = 600.0  # the status keeps this much of each device's reserved/resident/committed history
 HISTORY_EVERY = 1.0  # seconds: at most one history sample per device this often
+#: samples kept per device, whatever their age (forced samples come on top of the one a second); a live headroom
+#: change's sample replaces one taken less than HISTORY_EVERY before it, so 20,000 changes keep the status small
+HISTORY_KEPT = 1000
 LIVE_SOURCE = "live change (lasts until ComfyUI stops)"
 #: comfy-aimdo's log-level functions; ComfyUI calls one after init_devices said yes (they need aimdo's library)
 AIMDO_LOG_LEVELS = ("none", "critical", "error", "warning", "info", "debug", "verbose", "vverbose")
@@ -221,10 +224,14 @@ class Runtime:
         #: model id -> its weights' bytes: what ComfyUI staged in its VBAR (ModelVBAR.alloc), not the address range
         self.weights: dict[str, int] = {}
         self.last_used: dict[str, float] = {}  # model id -> when ComfyUI last loaded it (epoch seconds)
-        #: per device: (time, reserved, resident, committed or None) samples, the last HISTORY_SECONDS
+        #: per device: (time, reserved, resident, committed or None) samples, the last HISTORY_SECONDS (at most
+        #: HISTORY_KEPT of them)
         self.history: dict[str, collections.deque[tuple[float, int, int, int | None]]] = {}
         self._sampled = 0.0
         self._headroom_lock = threading.Lock()  # one live change at a time
+        self._stop_lock = threading.Lock()  # stop() and the unpin that ends the last hold close once
+        self.stopping = False  # stop() ran and the session is not closed yet (a tensor held a range)
+        self._stop_told = False
         self._loads_lock = threading.Lock()  # the load records (taken under the policy's lock: nothing inside)
         self._wire = wire
         self._ids = itertools.count(1)
@@ -315,6 +322,8 @@ class Runtime:
     def device_named(self, name: Any) -> Device:
         """One of the devices membackend serves, from ``"cuda:0"``, ``0`` or None (the first);
         :class:`~membackend.types.WrongDevice` for any other."""
+        from .._settings import quoted
+
         served = ", ".join(map(str, self.devices)) or "none"
         if name is None:
             if not self.devices:
@@ -323,7 +332,7 @@ class Runtime:
         try:
             dev = self.device_for(name) if isinstance(name, int) and not isinstance(name, bool) else Device.parse(name)
         except Exception:
-            raise WrongDevice(f"device {name!r} is not a device name; accepted: one of {served}") from None
+            raise WrongDevice(f"device {quoted(name)} is not a device name; accepted: one of {served}") from None
         if dev not in self.devices:
             raise WrongDevice(f"membackend does not serve {dev}; accepted: one of {served}")
         return dev
@@ -339,22 +348,22 @@ class Runtime:
     def parse_headroom(self, device: Device, value: Any) -> int | None:
         """A headroom as the settings read one (``"2GiB"``, ``1.5e9``, bytes; None: back to the start-up
         value); :class:`~membackend.types.InvalidSize` naming the accepted form and range otherwise."""
-        from .._settings import SIZE_ACCEPTED, parse_bytes
+        from .._settings import SIZE_ACCEPTED, parse_bytes, quoted
 
         lo, hi = self.headroom_range(device)
         accepted = f"accepted: {SIZE_ACCEPTED}, from {lo} to {hi} bytes (the total of {device}), or null"
         if value is None:
             return None
         if isinstance(value, float) and value != value:  # NaN: parse_bytes would name it oddly
-            raise InvalidSize(f"headroom {value!r} is not a number of bytes; {accepted}")
+            raise InvalidSize(f"headroom {quoted(value)} is not a number of bytes; {accepted}")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-            raise InvalidSize(f"headroom {value!r} is negative; {accepted}")
+            raise InvalidSize(f"headroom {quoted(value)} is negative; {accepted}")
         try:
             n = parse_bytes(value)
         except ValueError as exc:
             raise InvalidSize(f"headroom: {exc}; {accepted}") from None
         if n > hi:
-            raise InvalidSize(f"headroom {value!r} ({n} bytes) is above the total of {device} ({hi} bytes); "
+            raise InvalidSize(f"headroom {quoted(value)} ({n} bytes) is above the total of {device} ({hi} bytes); "
                               f"{accepted}")
         return n
 
@@ -388,7 +397,7 @@ class Runtime:
         b = self.session.budget_query(dev)
         say(f"headroom on {dev} is now {gb(now)} ({source}; was {gb(before)}, {before_source})"
             + (f"; gave back {gb(freed)} that no longer fit" if freed else ""))
-        self.sample(force=True)
+        self.sample(force=True, coalesce=True)
         return {**extra, "device": str(dev), "headroom": now, "source": source, "previous": before,
                 "previous_source": before_source, "freed": freed,
                 "budget": {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
@@ -426,9 +435,11 @@ class Runtime:
             self.loaded_bytes += int(rec.get("loaded", 0))
         say(f"load of {name} ({gb(self.weights.get(rec['model'], rec['size']))}): {words}")
 
-    def sample(self, force: bool = False) -> None:
-        """Add one history sample per device (at most one a second unless ``force``). Never raises: the
-        chart is for people, and a sample that fails (a driver that cannot be inspected now) is skipped."""
+    def sample(self, force: bool = False, coalesce: bool = False) -> None:
+        """Add one history sample per device (at most one a second unless ``force``; with ``coalesce`` it
+        replaces a sample less than a second old). At most :data:`HISTORY_KEPT` samples per device stay, none
+        older than :data:`HISTORY_SECONDS`. Never raises: the chart is for people, and a sample that fails (a
+        driver that cannot be inspected now) is skipped."""
         if self.session is None:
             return
         now = time.time()
@@ -447,8 +458,11 @@ class Runtime:
             return
         with self._lock:  # status() copies the history under the same lock
             for d, row in rows:
-                hist = self.history.setdefault(d, collections.deque())
-                hist.append(row)
+                hist = self.history.setdefault(d, collections.deque(maxlen=HISTORY_KEPT))
+                if coalesce and hist and now - hist[-1][0] < HISTORY_EVERY:  # a burst of changes: the newest stands
+                    hist[-1] = row
+                else:
+                    hist.append(row)
                 while hist and now - hist[0][0] > HISTORY_SECONDS:
                     hist.popleft()
 
@@ -732,7 +746,7 @@ class Runtime:
         if self.session is None:
             return out
         self.sample()
-        budgets, held, headroom = {}, {}, {}
+        budgets, held, headroom, windows = {}, {}, {}, {}
         for d in self.devices:
             b = self.session.budget_query(d)
             budgets[str(d)] = {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
@@ -749,8 +763,13 @@ class Runtime:
             if state is not None:
                 held[str(d)] = {"held": state.held, "committed": committed_bytes(state), "source": state.source,
                                 "hazards": state.hazards, "calls": dict(state.calls or {})}
+            kept = self._kept_windows(d)
+            if kept is not None:
+                windows[str(d)] = kept
         out["budgets"] = budgets
         out["kept"] = held
+        #: per device, the released address windows a backend under a reserve-churn limit keeps (rocm_windows)
+        out["kept_windows"] = windows
         out["reservations"] = [{"id": r.id, "device": str(r.device), "size": r.size, "page_size": r.page_size}
                                for r in self.session.reservations()]
         out["headroom"] = headroom
@@ -760,6 +779,24 @@ class Runtime:
         with self._lock:  # sample() appends from other threads
             out["history"] = {d: [list(x) for x in h] for d, h in self.history.items()}
         return out
+
+    def _kept_windows(self, device: Device) -> dict[str, Any] | None:
+        """What the backend says it keeps of released address windows on ``device`` (``kept_windows``: the vmm
+        backend under a reserve-churn limit), with its line; None where it keeps none or cannot say."""
+        report = getattr(self.session.backend, "kept_windows", None)
+        if report is None:
+            return None
+        try:
+            r = report(device)
+        except Exception as exc:  # noqa: BLE001 - the status never fails on it
+            log.debug("membackend: kept windows of %s for the status: %s: %s", device, type(exc).__name__, exc)
+            return None
+        if r is None:
+            return None
+        return {"windows": r.windows, "bytes": r.bytes, "largest": r.largest, "bound": r.bound,
+                "bound_rule": r.bound_rule, "reason": r.reason, "give_back": r.give_back,
+                "large_frees_spent": r.large_frees_spent, "large_frees_allowed": r.large_frees_allowed,
+                "line": r.describe()}
 
     def model_details(self) -> dict[str, Any]:
         """Per model (by id): ``resident`` and ``reserved`` (``ResidencyManager.stats``), and ``name``,
@@ -805,9 +842,37 @@ class Runtime:
                 log.debug("membackend: closing the session after a failed start: %s", exc)
 
     def stop(self) -> None:
-        """Undo everything (tests, or a host application shutting the adapter down)."""
+        """Undo everything (tests, or a host application shutting the adapter down).
+
+        Every model is fully unloaded and the session closed, never under a tensor ComfyUI still reads: while
+        a layer's tensor holds its range (from ``aimdo_to_tensor`` to the range's unpin, on another thread),
+        that model keeps its range, and the unloads and the close run at that unpin."""
         self.patches.restore()
         self.keep.clear()
         _forget(self)
         if self.session is not None:
+            self.stopping = True
+            self.finish_stop()
+
+    def finish_stop(self) -> bool:
+        """The unloads and the close of :meth:`stop`, unless a tensor still holds a range (then False: the
+        facade's unpin that ends the hold calls this again). Never raises once stopping: told instead."""
+        from ..types import TensorAlive
+
+        with self._stop_lock:
+            if not self.stopping:
+                return True
+            if self.residency is not None:
+                try:
+                    self.residency.unload_all()
+                except PartialFailure as exc:
+                    if any(isinstance(e, TensorAlive) for _, e in exc.failures):
+                        if not self._stop_told:
+                            self._stop_told = True
+                            say("stopping: a model range is in use on another thread (a layer's tensor); it is "
+                                "released, and the session closed, when that layer is done")
+                        return False
+                    log.warning("membackend: stopping: %s", exc)  # the close below tries those again
+            self.stopping = False
             self.session.close()
+            return True

@@ -30,12 +30,14 @@ last_used), ``loads`` (the most recent loads, each with its line's ``text``), ``
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..types import ConfigError, MembackendError, WrongDevice
+from ..types import ConfigChanged, ConfigError, MembackendError, WrongDevice
 from . import runtime
 
 __all__ = ["status", "register_routes", "change_headroom", "web_directory", "ROUTE", "HEADROOM_ROUTE"]
@@ -45,6 +47,7 @@ HEADROOM_ROUTE = "/membackend/headroom"
 #: HTTP status per refusal: bad input 400; membackend not serving (nothing to change) 409; anything else 500
 BAD_INPUT = 400
 NOT_SERVING = 409
+CONFLICT = 409  # a save found the file changed since it read it
 FAILED = 500
 
 
@@ -74,6 +77,29 @@ def status() -> dict[str, Any]:
 def _startup_over() -> bool:
     """ComfyUI serves requests only after ``init_devices`` would have been called."""
     return getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None) is not None
+
+
+def dumps(answer: Any) -> str:
+    """A route's answer as strict JSON, always: a float that is not finite becomes null, an int beyond 64 bits
+    and anything JSON has no type for become text (``json.dumps`` would write ``NaN`` or fail)."""
+    try:
+        return json.dumps(answer, allow_nan=False)
+    except (TypeError, ValueError):
+        return json.dumps(_json_safe(answer), allow_nan=False)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    if value is None or isinstance(value, (str, int)):
+        return value
+    return str(value)[:200]
 
 
 def _error(exc: BaseException, accepted: str | None = None) -> dict[str, Any]:
@@ -111,11 +137,14 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
     every device from the next start on; the answer adds ``saved`` (the file) and ``note`` where
     ``MEMBACKEND_HEADROOM``, read before the file, will win over it (ComfyUI's ``--reserve-vram`` and
     ``--vram-headroom`` are combined with the saved value at start-up, as with any headroom setting). A save that fails puts
-    the previous headroom back and answers the ``ConfigError`` naming the file (500). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
+    the previous headroom back and answers the ``ConfigError`` naming the file (500), or ``ConfigChanged`` (409) when
+    the file changed while it was being saved (the user's edit is kept; saving again reads it anew). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
     "message": ..., "accepted": ...}``: 400 for bad input (``ConfigError`` a body that is not such an
     object, ``InvalidSize`` a value that is not a size in range, ``WrongDevice`` a device not served), 409
     while membackend serves no device (``WrongDevice``), 500 when freeing what no longer fits failed (the
     previous headroom is back in force)."""
+    from .._settings import quoted
+
     rt = runtime.current()
     if rt is None or not rt.running:
         st = status()
@@ -128,7 +157,7 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
         accepted = _accepted(rt, None)
         exc = ConfigError("headroom", f"POST {HEADROOM_ROUTE}", f"the request body must be a JSON object with "
                           f"\"headroom\" (and optionally \"device\", and \"save\": true or false; a saved "
-                          f"headroom is a size, not null), got {body!r}", accepted)
+                          f"headroom is a size, not null), got {quoted(body)}", accepted)
         return BAD_INPUT, _error(exc, accepted)
     device = body.get("device")
     try:  # bad input is refused before anything changes
@@ -137,6 +166,8 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
         return BAD_INPUT, _error(exc, _accepted(rt, device))
     try:
         return 200, rt.set_headroom_live(device, body["headroom"], then=_save if save else None)
+    except ConfigChanged as exc:  # the user edited the file during the save: kept, and the change undone
+        return CONFLICT, _error(exc)
     except MembackendError as exc:  # freeing or saving failed: the previous headroom is back
         return FAILED, _error(exc)
 
@@ -166,7 +197,7 @@ def register_routes() -> bool:
     @instance.routes.get(ROUTE)
     async def membackend_status(request: Any) -> Any:
         # the status takes the policy's lock, which a fault may hold while it waits for copies: off the loop
-        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, status))
+        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, status), dumps=dumps)
 
     @instance.routes.post(HEADROOM_ROUTE)
     async def membackend_headroom(request: Any) -> Any:
@@ -177,9 +208,9 @@ def register_routes() -> bool:
             accepted = _accepted(rt, None) if rt is not None else ""
             err = ConfigError("headroom", f"POST {HEADROOM_ROUTE}",
                               f"the request body is not JSON ({type(exc).__name__}: {exc})", accepted)
-            return web.json_response(_error(err, accepted or None), status=BAD_INPUT)
+            return web.json_response(_error(err, accepted or None), status=BAD_INPUT, dumps=dumps)
         # freeing what no longer fits may wait for copies on the device: off the server's event loop
         code, answer = await asyncio.get_running_loop().run_in_executor(None, change_headroom, body)
-        return web.json_response(answer, status=code)
+        return web.json_response(answer, status=code, dumps=dumps)
 
     return True

@@ -56,8 +56,7 @@ from array import array
 from typing import Any
 
 from .._residency import ModelKind
-from ..types import DriverError
-from .._session import FENCE_WAIT
+from ..types import DriverError, ReservationReleased
 from .._tensors import NotResident, check_resident, tensor_at
 from .buffers import VRAMBuffer
 from .buffers import tensor_of as buffer_tensor
@@ -69,6 +68,7 @@ __all__ = ["ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "v
            "vbars_analyze", "aimdo_to_tensor"]
 
 ALIGN = 512
+FAULT_TRIES = 3  # a fault that met failed copies of other models' pages tries this often, then answers None
 
 
 def _started() -> Any:
@@ -100,6 +100,10 @@ class ModelVBAR:
         self._closed = False
         #: with MEMBACKEND_TRACE: when each freshly backed range was faulted, so its unpin can trace the copy
         self._copy_started: dict[tuple[int, int], float] = {}
+        #: (alloc, size) -> the session views of the tensors made over it while pinned: no release of the range
+        #: while one lives; each ends at the range's unpin (ComfyUI keeps the tensor after it, as ``_v_weight``,
+        #: and reads it again only when a new fault's signature says the pages are the same)
+        self._holds: dict[tuple[int, int], list[Any]] = {}
         rt.vbars.add(self)
 
     # -- aimdo's methods, same names and parameters
@@ -124,15 +128,15 @@ class ModelVBAR:
         if rt.aborted is not None:  # switched off: out of memory, as aimdo answers; ComfyUI casts its own copy
             return None
         rt.cancel_put_off(self)  # used again: its put-off unload is cancelled
-        for attempt in range(3):
+        for attempt in range(FAULT_TRIES):
             try:
                 f = rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
             except DriverError as exc:
-                if exc.call != FENCE_WAIT or attempt == 2:
-                    raise
-                # making room waited for a copy recorded on another model's pages, and that copy failed: told
-                # once; a failed token then counts as finished, so the next try can evict
-                rt.report_once("making room for a fault", exc, "the fault tries again")
+                # Recoverable, as in free_memory: making room fenced a copy recorded on another model's pages and
+                # that copy failed (a failed token then counts as finished, so the next try can evict), or the
+                # driver refused this fault (rolled back). Told once; after the last try the answer is "out of
+                # memory" and ComfyUI casts this weight from its own copy. The adapter stays on.
+                rt.report_once("making room for a fault", exc, "the fault tries again, then answers out of memory")
                 continue
             if not f.ok:
                 return None
@@ -148,6 +152,10 @@ class ModelVBAR:
         return array("Q", (r.id, *f.generations))
 
     def unpin(self, alloc, size):
+        holds = self._holds.pop((alloc, int(size)), None) if self._holds else None
+        if holds:  # the tensors' hold on the range ends with the pin (before it: the unpin may run a release)
+            for drop in holds:
+                drop()
         if self._unpinned and (alloc, int(size)) in self._unpinned:
             self._unpinned.discard((alloc, int(size)))  # unpinned when its tensor failed (see aimdo_to_tensor)
             return
@@ -159,6 +167,11 @@ class ModelVBAR:
         fences = getattr(self._rt, "fences", None)
         if fences is not None:  # the copy and the compute reading these pages may still be queued (G2)
             fences.after_unpin(self._model, self._dev, self._where)
+        if holds and self._rt.stopping:  # a stop waited for this hold to end
+            try:
+                self._rt.finish_stop()
+            except Exception as exc:  # noqa: BLE001 - the stop's close, not this unpin, failed
+                log.warning("membackend: closing after the stop: %s: %s", type(exc).__name__, exc)
 
     def loaded_size(self):
         return self._rt.residency.stats(self._dev)[self._model.id]["resident"]
@@ -197,6 +210,9 @@ class ModelVBAR:
     def close(self):
         if not self._closed:
             self._closed = True
+            holds, self._holds = self._holds, {}
+            for drop in (d for ds in holds.values() for d in ds):  # closed: no unpin comes, the holds end here
+                drop()
             self._rt.close_vbar(self)
 
     def __del__(self):
@@ -209,10 +225,22 @@ class ModelVBAR:
     # -- membackend's own
 
     def tensor(self, alloc: int, size: int, device: Any) -> Any:
-        """The bytes of ``alloc`` as a uint8 tensor; refused (``NotResident``) unless resident now."""
+        """The bytes of ``alloc`` as a uint8 tensor; refused (``NotResident``) unless resident now.
+
+        The tensor holds its range until the range's unpin (a session view): no free or release of it
+        (the adapter's stop, a session closed under it) proceeds while ComfyUI reads or copies into it;
+        a full unload meanwhile waits for the unpin (the policy defers it)."""
         offset = alloc - self.base_addr
+        session = self._rt.session
         r = check_resident(self._rt.residency, self._model, offset, size, self._dev)
-        return tensor_at(r.base + offset, size, r.device, where=self._where)
+        drop = session.add_view(r, offset, size)  # ReservationReleased: released since the check
+        try:
+            t = tensor_at(r.base + offset, size, r.device, where=self._where)
+        except BaseException:
+            drop()
+            raise
+        self._holds.setdefault((alloc, int(size)), []).append(drop)
+        return t
 
     def tensor_failed(self, alloc: int, size: int, device: Any, exc: Exception) -> Any:
         """``aimdo_to_tensor`` could not make the tensor over a faulted range (G6): unpin the range now,
@@ -223,7 +251,7 @@ class ModelVBAR:
         import torch
 
         rt = self._rt
-        if isinstance(exc, NotResident):
+        if isinstance(exc, (NotResident, ReservationReleased)):  # released or evicted under us: a race
             rt.report_once("aimdo_to_tensor", exc, "ComfyUI casts that weight from its own copy")
         else:
             try:

@@ -2,7 +2,8 @@
 // /extensions/membackend/. Plain JavaScript against the frontend's extension API, no build step, no network
 // beyond this ComfyUI server: it reads GET /membackend/status and posts POST /membackend/headroom.
 //
-// Per device: the budget (total, usable, free, the headroom and where it came from), a headroom control that
+// Per device: the budget (total, usable, free, the headroom and where it came from), the address windows a
+// backend keeps after release (where it keeps any), a headroom control that
 // changes it live, and a chart of reserved / resident / committed bytes over the last minutes. Then the
 // models (size, resident, pinned / warm / evictable, when last used), the backend (why it was chosen, how to
 // change it), the recent loads with the line that says why, the recent unloads and evictions with their
@@ -272,7 +273,19 @@ class Panel {
         "ComfyUI stops; Apply and save also writes it to membackend.toml for the next starts." }),
       msg.error ? el("div", { class: "mb-error", "data-mb": "headroom-error", text: msg.error }) : null,
       msg.ok ? el("div", { class: "mb-ok", "data-mb": "headroom-ok", text: msg.ok }) : null,
+      this.keptWindows((st.kept_windows || {})[dev]),
       chart((st.history || {})[dev], b.total));
+  }
+
+  // released address windows a backend keeps against a driver's reserve-churn limit (rocm_windows): what stays
+  // charged to the process after a full unload, and why
+  keptWindows(k) {
+    if (!k) return null;
+    const text = k.windows
+      ? `kept address windows: ${k.windows} (${gb(k.bytes)}), at most ${k.bound} once no free is left; ${k.reason}`
+      : `kept address windows: none (at most ${k.bound})`;
+    return el("div", { class: "mb-muted", "data-mb": "kept-windows", "data-windows": String(k.windows),
+                       "data-bytes": String(k.bytes), title: k.line, text });
   }
 
   models(models) {
