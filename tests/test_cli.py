@@ -439,6 +439,11 @@ def test_every_command_refuses_a_size_with_thousands_of_digits_in_one_short_line
     huge = "9" * 5000
     env = {**__import__("os").environ, "MEMBACKEND_HEADROOM": huge, "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA": huge}
     for argv in (["doctor"], ["doctor", "--json"], ["backends"], ["budget"], ["budget", "--json"]):
+        # 400 digits parsed before, then the doctor's float division ended in an OverflowError traceback
+        proc = subprocess.run([sys.executable, "-m", "membackend._cli", *argv], capture_output=True, text=True,
+                              env={**env, "MEMBACKEND_HEADROOM": "9" * 400}, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+        assert "is not a size (too many digits" in proc.stderr and len(proc.stderr) < 2000, (argv, proc.stderr[:500])
         proc = subprocess.run([sys.executable, "-m", "membackend._cli", *argv], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=300)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,17 +155,22 @@ def _serve_panel(status: dict):
         server.server_close()
 
 
+def _open_panel(context, url: str, ready: str) -> tuple[Any, list[str]]:
+    """A page on the served panel once it rendered ``ready`` (a CSS selector), and the page errors it raises."""
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(url + "/")
+    page.wait_for_function(f"window.panelReady === true && document.querySelector('{ready}')", timeout=TIMEOUT_MS)
+    return page, errors
+
+
 def test_panel_shows_the_models_loads_and_chart_the_standin_streamed(tmp_path):
     status = _standin_status(tmp_path)
     models = status["models"]
     assert len(models) == 2 and status["load_count"] == 4, status
     with _serve_panel(status) as url, _browser(tmp_path) as context:
-        page = context.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(url + "/")
-        page.wait_for_function("window.panelReady === true && document.querySelector('[data-mb=models]')",
-                               timeout=TIMEOUT_MS)
+        page, errors = _open_panel(context, url, "[data-mb=models]")
         rows = page.locator("[data-mb=models] tr[data-model]")
         assert rows.count() == len(models)
         shown = {rows.nth(i).get_attribute("data-model"): (rows.nth(i).get_attribute("data-name"),
@@ -221,12 +227,7 @@ def test_panel_shows_the_address_windows_a_backend_keeps(tmp_path):
                                          "line": "hip:0: 1 address window(s) kept, 3.00 GiB"}},
               "history": {}}
     with _serve_panel(status) as url, _browser(tmp_path) as context:
-        page = context.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(url + "/")
-        page.wait_for_function("window.panelReady === true && document.querySelector('[data-mb=device]')",
-                               timeout=TIMEOUT_MS)
+        page, errors = _open_panel(context, url, "[data-mb=device]")
         kept = page.locator("[data-mb=device][data-device='hip:0'] [data-mb=kept-windows]")
         assert kept.count() == 1 and kept.get_attribute("data-bytes") == str(3 << 30)
         text = kept.inner_text()

@@ -6,6 +6,7 @@ afterwards, and one line per load that says why (kept / reloaded after an evicti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -26,20 +27,29 @@ MiB = 1 << 20
 PS = 2 * MiB  # the vmm backend's page on the simulated H200
 
 
-@pytest.fixture
-def rt():
-    """A running adapter on the simulated H200 (vmm backend), no ComfyUI patches; 0 bytes of headroom set at
-    start-up (as ``MEMBACKEND_HEADROOM=0``)."""
-    settings = load_settings(sim_profile="h200", headroom=0)
+@contextlib.contextmanager
+def _running(**settings):
+    """A running adapter on a simulated machine (``settings``: load_settings's), no ComfyUI patches."""
+    settings = load_settings(**settings)
     mgr = BackendManager(settings)
     machine = machine_for(settings)
     runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
     runtime.start([(0, 0)])
     runtime.started = True
-    adapter.decided("armed", "test", "membackend test: using vmm", runtime)
-    yield runtime
-    runtime.stop()
-    adapter.decided("stock", "test over", "", None)
+    adapter.decided("armed", "test", f"membackend test: using {runtime.selection.record.name}", runtime)
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+        adapter.decided("stock", "test over", "", None)
+
+
+@pytest.fixture
+def rt():
+    """A running adapter on the simulated H200 (vmm backend); 0 bytes of headroom set at start-up (as
+    ``MEMBACKEND_HEADROOM=0``)."""
+    with _running(sim_profile="h200", headroom=0) as runtime:
+        yield runtime
 
 
 def _model(rt, name, size):
@@ -539,14 +549,7 @@ def test_the_routes_answer_strict_json_whatever_the_status_holds():
 
 
 def test_the_status_shows_the_address_windows_rocm_windows_keeps():
-    settings = load_settings(sim_profile="rocm-win-2gpu", headroom=0, backend="rocm_windows")
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    runtime.start([(0, 0)])
-    runtime.started = True
-    adapter.decided("armed", "test", "", runtime)
-    try:
+    with _running(sim_profile="rocm-win-2gpu", headroom=0, backend="rocm_windows") as runtime:
         d = runtime.devices[0]
         m = runtime.residency.register("unet", 3 << 30, d, "diffusion")
         runtime.residency.fault(m, 0, 64 << 20, d)
@@ -557,6 +560,3 @@ def test_the_status_shows_the_address_windows_rocm_windows_keeps():
         assert (kept["windows"], kept["bytes"], kept["bound"]) == (report.windows, report.bytes, report.bound)
         assert kept["windows"] == 1 and kept["bytes"] >= 3 << 30 and kept["line"] == report.describe()
         assert kept["reason"] and json.loads(routes.dumps(routes.status()))["kept_windows"][str(d)]["windows"] == 1
-    finally:
-        runtime.stop()
-        adapter.decided("stock", "test over", "", None)

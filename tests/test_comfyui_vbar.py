@@ -49,9 +49,9 @@ def test_no_public_name_of_aimdos_modelvbar_is_missing():
     assert _params(facade.aimdo_to_tensor) == _params(aimdo_torch.aimdo_to_tensor)
 
 
-@pytest.fixture
-def rt():
-    settings = load_settings(backend="host", headroom=0, host_capacity=16 * PS, page_size=PS)
+def _host_runtime(pages: int) -> Runtime:
+    """A started adapter on the host backend with room for ``pages`` pages, no ComfyUI patches."""
+    settings = load_settings(backend="host", headroom=0, host_capacity=pages * PS, page_size=PS)
     mgr = BackendManager(settings)
     machine = machine_for(settings)
     runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
@@ -59,6 +59,12 @@ def rt():
     runtime.residency = ResidencyManager(runtime.session)
     runtime.devices = [runtime.device_for(0)]
     adapter.decided("armed", "test", "", runtime)
+    return runtime
+
+
+@pytest.fixture
+def rt():
+    runtime = _host_runtime(16)
     yield runtime
     runtime.stop()
 
@@ -417,14 +423,7 @@ def test_another_models_failed_copy_never_switches_the_adapter_off(failure):
     from membackend._fences import FutureToken
     from membackend.types import DriverError
 
-    settings = load_settings(backend="host", headroom=0, host_capacity=4 * PS, page_size=PS)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    runtime.session = mgr.session(machine, selection=runtime.selection)
-    runtime.residency = ResidencyManager(runtime.session)
-    runtime.devices = [runtime.device_for(0)]
-    adapter.decided("armed", "test", "", runtime)
+    runtime = _host_runtime(4)
     try:
         victims = [facade.ModelVBAR(PS, 0) for _ in range(4)]
         user = facade.ModelVBAR(4 * PS, 0)
@@ -447,3 +446,19 @@ def test_another_models_failed_copy_never_switches_the_adapter_off(failure):
     finally:
         runtime.stop()
         adapter.decided("stock", "test over", "", None)
+
+
+def test_each_unpin_ends_one_tensors_hold(rt):
+    from membackend.types import TensorAlive
+
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(4000)
+    for _ in range(2):  # two users of the same layer: faulted and made a tensor twice
+        facade.vbar_fault(a)
+        facade.aimdo_to_tensor(a, "cpu")
+    r = v._model.reservation(v._dev)
+    facade.vbar_unpin(a)
+    with pytest.raises(TensorAlive):  # the second user still reads it
+        rt.session.release_reservation(r)
+    facade.vbar_unpin(a)
+    assert rt.session.release_reservation(r) == PS

@@ -152,10 +152,12 @@ class ModelVBAR:
         return array("Q", (r.id, *f.generations))
 
     def unpin(self, alloc, size):
-        holds = self._holds.pop((alloc, int(size)), None) if self._holds else None
-        if holds:  # the tensors' hold on the range ends with the pin (before it: the unpin may run a release)
-            for drop in holds:
-                drop()
+        holds = self._holds.get((alloc, int(size))) if self._holds else None
+        ended = bool(holds)
+        if ended:  # one tensor's hold on the range ends with one pin (before it: the unpin may run a release)
+            holds.pop()()
+            if not holds:
+                del self._holds[(alloc, int(size))]
         if self._unpinned and (alloc, int(size)) in self._unpinned:
             self._unpinned.discard((alloc, int(size)))  # unpinned when its tensor failed (see aimdo_to_tensor)
             return
@@ -167,7 +169,7 @@ class ModelVBAR:
         fences = getattr(self._rt, "fences", None)
         if fences is not None:  # the copy and the compute reading these pages may still be queued (G2)
             fences.after_unpin(self._model, self._dev, self._where)
-        if holds and self._rt.stopping:  # a stop waited for this hold to end
+        if ended and self._rt.stopping:  # a stop waited for this hold to end
             try:
                 self._rt.finish_stop()
             except Exception as exc:  # noqa: BLE001 - the stop's close, not this unpin, failed
