@@ -303,6 +303,7 @@ class BackendManager:
         tracer = None
         source_of = getattr(self.settings, "source_of", None)  # the session owns the headroom setting
         if self.settings.trace is not None:
+            from ._settings import quoted
             from ._trace import TraceObserver
             from .types import ConfigError
 
@@ -312,10 +313,8 @@ class BackendManager:
                                        devices=[{"device": str(d.device), "name": d.name,
                                                  "total_memory": d.total_memory} for d in machine.devices])
             except OSError as exc:  # a full disk (/dev/full), a FIFO nobody reads: refused before any verb runs
-                shown = str(self.settings.trace)
-                shown = shown if len(shown) <= 200 else f"{shown[:80]}...{shown[-117:]}"
                 raise ConfigError("trace", source_of("trace") if callable(source_of) else "settings",
-                                  f"cannot write the trace {shown!r}: {exc.strerror or exc}",
+                                  f"cannot write the trace {quoted(str(self.settings.trace))}: {exc.strerror or exc}",
                                   "a path to a regular file (or a device such as /dev/null) that can be opened "
                                   "for appending, on a disk with room for it") from exc
             obs.append(tracer)

@@ -136,9 +136,10 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
     the ``membackend.toml`` in force (``MEMBACKEND_CONFIG``, else the one in ComfyUI's working folder), for
     every device from the next start on; the answer adds ``saved`` (the file) and ``note`` where
     ``MEMBACKEND_HEADROOM``, read before the file, will win over it (ComfyUI's ``--reserve-vram`` and
-    ``--vram-headroom`` are combined with the saved value at start-up, as with any headroom setting). A save that fails puts
-    the previous headroom back and answers the ``ConfigError`` naming the file (500), or ``ConfigChanged`` (409) when
-    the file changed while it was being saved (the user's edit is kept; saving again reads it anew). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
+    ``--vram-headroom`` are combined with the saved value at start-up, as with any headroom setting). A save
+    that fails puts the previous headroom back and answers the ``ConfigError`` naming the file (500), or
+    ``ConfigChanged`` (409) when the file changed while it was being saved (the user's edit is kept; saving
+    again reads it anew). A refusal changes nothing and answers ``{"error": <type in membackend.types>,
     "message": ..., "accepted": ...}``: 400 for bad input (``ConfigError`` a body that is not such an
     object, ``InvalidSize`` a value that is not a size in range, ``WrongDevice`` a device not served), 409
     while membackend serves no device (``WrongDevice``), 500 when freeing what no longer fits failed (the

@@ -65,7 +65,8 @@ if TYPE_CHECKING:  # built by model.models() on first use; the names resolve thr
     Settings = MachineOverrides = DeviceOverride = _BaseModel
 
 __all__ = ["Settings", "MachineOverrides", "DeviceOverride", "load_settings", "parse_bytes", "format_bytes",
-           "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "SIZE_MAX", "QUOTE_LIMIT", "quoted", "NAME_PATTERN", "PlatformValues",
+           "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "SIZE_MAX",
+           "QUOTE_LIMIT", "quoted", "NAME_PATTERN", "PlatformValues",
            "Rule", "RuleError"]
 
 #: the names of the fields of :class:`Settings`, :class:`MachineOverrides` and :class:`DeviceOverride`, in order

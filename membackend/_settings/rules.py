@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from ..types import DEVICE_KINDS
 
-__all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "SIZE_MAX", "QUOTE_LIMIT", "format_bytes", "size", "flag", "name", "seconds",
+__all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "SIZE_MAX", "QUOTE_LIMIT", "format_bytes", "size",
+           "flag", "name", "seconds",
            "FIELDS", "MACHINE_FIELDS", "DEVICE_FIELDS", "FIELD_NAMES", "SIZE_ACCEPTED", "NAME_PATTERN",
            "HOST_PAGE_SIZE", "UNITS", "check_appendable"]
 
@@ -464,7 +465,8 @@ FIELDS: tuple[Field, ...] = (
     Field("headroom", size.or_none(), None,
           "bytes kept free on every device; replaces the platform's or backend's own (a live change and "
           "ComfyUI's --reserve-vram/--vram-headroom win over it)", int | None),
-    Field("page_size", Rule("page size", _page_size, "a power of two, a multiple of the OS page size, at most 1GiB, e.g. '2MiB'"),
+    Field("page_size", Rule("page size", _page_size,
+                            "a power of two, a multiple of the OS page size, at most 1GiB, e.g. '2MiB'"),
           HOST_PAGE_SIZE, "the host backend's page size in bytes (default 2 MiB); GPU platforms use their own "
                           "(Platform.page_size)", int),
     Field("host_capacity", size.or_none(), None, "cap on what the host backend may keep resident (default: no cap)",
