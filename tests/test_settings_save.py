@@ -251,8 +251,11 @@ def test_the_owner_is_kept_when_root_saves_and_refused_when_it_cannot_be(home):
     assert changed(before, snapshot(home)) == set()
 
 
-def test_an_edit_during_the_save_is_kept_and_the_save_says_so(home):
+@pytest.mark.parametrize("links", [1, 2], ids=["one name", "hard-linked"])
+def test_an_edit_during_the_save_is_kept_and_the_save_says_so(home, links):
     config = write(home / "membackend.toml", ORIGINAL)
+    if links == 2:  # written in place, not renamed: the same check before the write
+        os.link(config, home / "other-name.toml")
     edit = ORIGINAL + '\n[cuda_wddm]\nheadroom = "1GiB"\n'
     got = save(config, edit_during=edit)
     assert got["error"] == "ConfigChanged" and "your edit is kept" in got["message"], got

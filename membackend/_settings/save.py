@@ -113,13 +113,13 @@ def _save_once(real: Path, shown: Path, key: str, value: str) -> None:
         if not st.st_mode & 0o222 or not os.access(real, os.W_OK):  # root may write anything: the mode decides
             raise _unwritable(shown, f"is read-only (mode {stat.filemode(st.st_mode)}); nothing was written")
         old = _read_all(fd)
-        new = _edited(old, shown, key, value)
-        if st.st_nlink > 1:
-            _write_in_place(real, shown, fd, old, new)
-        else:
-            _replace(real, shown, st, old, new)
     finally:
-        os.close(fd)
+        os.close(fd)  # before the rename: Windows refuses to replace a file this process holds open
+    new = _edited(old, shown, key, value)
+    if st.st_nlink > 1:
+        _write_in_place(real, shown, st, old, new)
+    else:
+        _replace(real, shown, st, old, new)
 
 
 def _create(real: Path, shown: Path, key: str, value: str) -> None:
@@ -155,17 +155,19 @@ def _replace(real: Path, shown: Path, st: os.stat_result, old: bytes, new: bytes
     _sync_folder(real.parent)
 
 
-def _write_in_place(real: Path, shown: Path, fd: int, old: bytes, new: bytes) -> None:
+def _write_in_place(real: Path, shown: Path, st: os.stat_result, old: bytes, new: bytes) -> None:
     """A file with other hard links: renaming would leave them on the old text, so it is rewritten
-    through its own inode (one write, then a truncate and a flush to disk)."""
+    through its own inode (one write, then a truncate and a flush to disk), unless it is no longer the
+    file read (``st``) holding what was read (``old``)."""
     try:
-        out = os.open(real, os.O_WRONLY)
+        out = os.open(real, os.O_RDWR)
     except OSError as exc:
         raise _unwritable(shown, f"cannot be written: {exc.strerror or exc}") from None
     try:
-        now, was = os.fstat(out), os.fstat(fd)
-        if (now.st_dev, now.st_ino) != (was.st_dev, was.st_ino) or _read_all(fd) != old:
+        now = os.fstat(out)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or _read_all(out) != old:
             raise _changed(shown)  # replaced or edited since it was read
+        os.lseek(out, 0, os.SEEK_SET)
         view = memoryview(new)
         at = 0
         while at < len(view):
