@@ -202,3 +202,17 @@ def test_a_seed_that_is_no_whole_number_in_range_is_a_usage_error_naming_what_is
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 4, out[-2000:]  # pytest's usage error
     assert f"{value!r} is not a seed; accepted: a whole number from 0 to {2**32 - 1}" in out, out[-2000:]
+
+
+def test_a_gpu_backend_without_its_device_is_never_a_silent_green(tmp_path):
+    """Forced on a machine without its GPU, the kit's rules skip (nothing to run them on): the summary says how
+    many did not run and why, and claims no check against anything."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                        "membackend.testing.conformance", "--membackend-backend=cuda_wddm"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("membackend kit: cuda_wddm:")]
+    skipped = int(p.stdout.rsplit(" skipped", 1)[0].rsplit(" ", 1)[-1])
+    assert lines == [f"membackend kit: cuda_wddm: not checked: {skipped} rules (backend 'cuda_wddm' serves no "
+                     f"device on this machine: {skipped}); --membackend-profile=PROFILE runs them on a simulated "
+                     "machine"], p.stdout[-2000:]

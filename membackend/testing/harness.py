@@ -47,12 +47,14 @@ from .._settings import load_settings
 from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
 
 __all__ = ["Target", "parse_target", "build_session", "checker_for", "Checker", "KernelWatch", "driver_view",
-           "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED"]
+           "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED", "UNRUN"]
 
 #: per target: the checks the kit could not run, each with the reason (printed in the summary)
 NOT_CHECKED: dict[str, dict[str, str]] = {}
 #: per target: what each check was made against (printed in the summary)
 CHECKED: dict[str, dict[str, str]] = {}
+#: per target: rules that did not run at all, counted by the reason (printed in the summary: never a silent green)
+UNRUN: dict[str, dict[str, int]] = {}
 
 MAPS = "/proc/self/maps"
 
@@ -151,7 +153,13 @@ def kit_device(session: Session) -> Device:
     if not devices:
         import pytest
 
-        pytest.skip(f"backend {session.name!r} serves no device on this machine: nothing to run the rule on")
+        checker = _checkers.get(session)
+        target = str(checker.target) if checker is not None else session.name
+        why = f"backend {session.name!r} serves no device on this machine"
+        unrun = UNRUN.setdefault(target, {})
+        unrun[why] = unrun.get(why, 0) + 1
+        pytest.skip(f"{why}: nothing to run the rule on; --membackend-profile=PROFILE runs it on a simulated "
+                    "machine")
     return devices[0]
 
 

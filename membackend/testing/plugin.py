@@ -44,7 +44,7 @@ import sys
 import pytest
 
 from .fixtures import membackend_clean_env, membackend_simulated  # noqa: F401 (registered by this plugin)
-from .harness import CHECKED, NOT_CHECKED, Target, build_session, checker_for, parse_target, serves_gpus
+from .harness import CHECKED, NOT_CHECKED, UNRUN, Target, build_session, checker_for, parse_target, serves_gpus
 
 #: the seed of this run's property-based sequences (``--membackend-seed``, else drawn at start-up)
 SEED_KEY = pytest.StashKey[int]()
@@ -149,12 +149,17 @@ def membackend_session(membackend_target):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    for target in sorted(set(CHECKED) | set(NOT_CHECKED)):
+    for target in sorted(set(CHECKED) | set(NOT_CHECKED) | set(UNRUN)):
         skipped = NOT_CHECKED.get(target, {})
+        unrun = UNRUN.get(target, {})
         ran = {k: v for k, v in CHECKED.get(target, {}).items() if k not in skipped}
-        if ran:
+        if ran and not unrun:  # a target whose rules did not run was checked against nothing
             terminalreporter.write_line(f"membackend kit: {target}: checked: "
                                         + ", ".join(f"{k} ({v})" for k, v in sorted(ran.items())))
+        if unrun:
+            terminalreporter.write_line(f"membackend kit: {target}: not checked: {sum(unrun.values())} rules ("
+                                        + "; ".join(f"{why}: {n}" for why, n in sorted(unrun.items()))
+                                        + "); --membackend-profile=PROFILE runs them on a simulated machine")
         if skipped:
             terminalreporter.write_line(f"membackend kit: {target}: not checked: "
                                         + ", ".join(f"{k} ({v})" for k, v in sorted(skipped.items())))
