@@ -856,7 +856,8 @@ class Runtime:
 
     def finish_stop(self) -> bool:
         """The unloads and the close of :meth:`stop`, unless a tensor still holds a range (then False: the
-        facade's unpin that ends the hold calls this again). Never raises once stopping: told instead."""
+        facade's unpin that ends the hold calls this again, and logs what the close raises). Raises what the
+        session's close raises (``PartialFailure``), as :meth:`stop` always has."""
         from ..types import TensorAlive
 
         with self._stop_lock:
