@@ -15,31 +15,11 @@ from __future__ import annotations
 import pytest
 
 from membackend._backends.vmm import AddressSpaceExhausted, AddressWindowsExhausted
-from membackend._manager import BackendManager
 from membackend._residency import ResidencyManager
-from membackend._settings import load_settings
 from membackend.types import DriverError
 from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
-MiB, GiB = 1 << 20, 1 << 30
-PAGE = 32 * MiB
-ALLOWED = 12  # the platform's 14 large frees minus the margin of 2
-
-
-def session(kept_windows: int | None = None):
-    """The plugin on ``rocm-win-2gpu``; ``kept_windows``: the platform's setting (None: its default, 1)."""
-    extra = {} if kept_windows is None else {"rocm_windows": {"kept_windows": kept_windows}}
-    s = BackendManager(load_settings(sim_profile="rocm-win-2gpu", **extra)).session()
-    assert s.backend.name == "rocm_windows"
-    return s
-
-
-def sim(s):
-    return s.backend.driver.sim
-
-
-def window(n: int) -> int:
-    return -(-n // PAGE) * PAGE
+from rocm_windows_sessions import ALLOWED, GiB, session, sim, window
 
 
 def load(policy, models) -> None:

@@ -32,26 +32,7 @@ from membackend._settings import load_settings
 from membackend.types import ConfigError, DriverError
 from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
-MiB, GiB = 1 << 20, 1 << 30
-PAGE = 32 * MiB  # the plugin's page
-PROFILE = "rocm-win-2gpu"
-ALLOWED = 12  # the platform's 14 large frees minus the margin of 2
-
-
-def session(**platform):
-    """The plugin on the simulated machine; ``platform``: its settings as keyword arguments."""
-    s = BackendManager(load_settings(sim_profile=PROFILE, **({"rocm_windows": platform} if platform else {})))\
-        .session()
-    assert s.backend.name == "rocm_windows"
-    return s
-
-
-def sim(s):
-    return s.backend.driver.sim
-
-
-def window(n: int) -> int:
-    return -(-n // PAGE) * PAGE
+from rocm_windows_sessions import ALLOWED, PROFILE, GiB, MiB, session, sim, window
 
 
 def values(**platform):
