@@ -49,7 +49,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ._drivers.gpu import BUDGET_SOURCES
+from ._drivers.gpu import BUDGET_SOURCES as DRIVER_BUDGET_SOURCES
 from ._settings.rules import FIELD_NAMES, SIZE_ACCEPTED, Rule, RuleError, flag, format_bytes, seconds, size
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
 from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
@@ -58,6 +58,9 @@ __all__ = ["Platform", "PlatformSetting", "PlatformValues", "GENERIC", "vmm_unsu
            "CHURN_MARGIN", "size", "flag", "seconds", "Rule", "RuleError", "SIZE_ACCEPTED", "format_bytes"]
 
 MiB = 1 << 20
+#: what ``Platform.budget_source`` accepts: the driver's sources, and ``auto`` (one pool on an integrated
+#: device, the device's own figures elsewhere: the generic platform's choice)
+BUDGET_SOURCES = (*DRIVER_BUDGET_SOURCES, "auto")
 #: kept address windows per device under a reserve-churn limit, at least this bound (more where the device
 #: had more large reservations alive at once): what stays reserved once the platform allows no more frees
 KEPT_WINDOWS_PER_DEVICE = 4
@@ -140,7 +143,9 @@ class Platform:
     * ``vendor``: ``cuda`` or ``hip``; None only for the generic platform,
       which follows the machine's torch build.
     * ``budget_source``: ``device`` (mem-get-info), ``wddm`` (the DXGI
-      video-memory budget) or ``unified`` (MemAvailable capped by the cgroup).
+      video-memory budget), ``unified`` (MemAvailable capped by the cgroup) or
+      ``auto`` (``unified`` on a device that shares one pool with the host,
+      ``device`` elsewhere).
     * ``capabilities``: a :class:`~membackend.types.Capabilities`, or
       ``capabilities(settings) -> Capabilities`` when a knob depends on a
       setting the platform declares; the record then keeps the function's
@@ -326,6 +331,7 @@ def _generic_probe(machine: Machine) -> Candidate:
 GENERIC = Platform(
     name="vmm",
     probe=_generic_probe,
+    budget_source="auto",  # G3: an integrated device's mem-get-info is MemFree, not what the pool can give
     capabilities=Capabilities(page_in_sync="wddm"),
     description="generic virtual-memory backend over the CUDA or HIP driver",
 )

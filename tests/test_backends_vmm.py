@@ -250,11 +250,33 @@ def test_budget_is_mem_get_info_minus_headroom():
     assert b.source == "cuMemGetInfo (sim:h200)" and not b.unified
 
 
-def test_on_gb10_the_generic_budget_is_memfree_the_figure_g3_replaces():
+def test_on_gb10_the_generic_budget_is_the_pool_s_memavailable_not_the_device_view():
+    """The generic platform's ``auto`` source (G3): an integrated device's mem-get-info reports MemFree."""
     s = session_on("gb10-128gb")
     b = s.budget_query("cuda:0")
     info = sim(s).meminfo()
-    assert b.unified and b.free == info["MemFree"] < info["MemAvailable"]
+    assert b.unified and b.free == info["MemAvailable"] > info["MemFree"], (b, info)
+    assert b.source.startswith("unified pool: MemAvailable")
+    h = session_on("h200").budget_query("cuda:0")
+    assert h.source.startswith("cuMemGetInfo") and not h.unified  # a discrete device: its own figures
+
+
+def test_a_unified_pool_is_capped_by_the_machine_s_ram_and_cgroup_facts():
+    """A Jetson-sized machine on the GB10 profile: the RAM override reaches the budget and the headroom rule."""
+    from membackend.testing import simulated_session
+
+    s = simulated_session("gb10-128gb", machine={"ram_total": "16GiB"})
+    try:
+        b = s.budget_query(s.devices()[0])
+        assert (b.total, b.free) == (16 * GiB, 16 * GiB) and "capped by machine.ram_total" in b.source, b
+    finally:
+        s.close()
+    s = simulated_session("gb10-128gb", machine={"cgroup_limit": "8GiB"})
+    try:
+        b = s.budget_query(s.devices()[0])
+        assert b.total == 8 * GiB and "capped by the memory cgroup's limit" in b.source, b
+    finally:
+        s.close()
 
 
 def test_a_device_that_does_not_exist_is_a_wrong_device():

@@ -99,7 +99,7 @@ def test_a_luid_is_read_as_low_and_high_parts():
 
 
 def test_the_opener_validates_profiles_and_vendors():
-    with pytest.raises(ConfigError, match="accepted: wddm-6gb, rocm-win-2gpu, gb10-128gb, h200"):
+    with pytest.raises(ConfigError, match="accepted: wddm-6gb, rocm-win-2gpu, gb10-128gb, jetson-orin-16gb, h200"):
         check_sim_profile("pdp-11")
     with pytest.raises(ConfigError, match="simulates hip, not cuda"):
         open_gpu_driver("cuda", "rocm-win-2gpu")

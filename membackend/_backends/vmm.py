@@ -360,15 +360,19 @@ class VmmBackend:
         os_name, model = self._os_and_driver_model(index)
         return os_name == "windows" and model != "tcc"
 
-    def _os_and_driver_model(self, index: int) -> tuple[str, str | None]:
+    def _facts(self) -> Machine | None:
+        """The machine facts (read once), or None where none were given or they could not be read."""
         if self._machine is not None and self._machine_facts is None:
             try:
                 self._machine_facts = self._machine()
-            except Exception as exc:  # the facts are advice here: the process's own OS decides instead
-                log.warning("membackend: %s: machine facts unavailable (%s: %s); deciding page-in syncs from "
-                            "this process's OS", self.name, type(exc).__name__, exc)
+            except Exception as exc:  # the facts are advice: the process's own OS and driver decide instead
+                log.warning("membackend: %s: machine facts unavailable (%s: %s); deciding from this process's OS "
+                            "and driver", self.name, type(exc).__name__, exc)
                 self._machine = None
-        if self._machine_facts is not None:
+        return self._machine_facts
+
+    def _os_and_driver_model(self, index: int) -> tuple[str, str | None]:
+        if self._facts() is not None:
             m = self._machine_facts
             info = next((i for i in m.devices if i.device == Device(self.device_kinds[0], index)), None)
             if info is not None and info.driver_model is not None:
@@ -572,15 +576,34 @@ class VmmBackend:
     def _unified(self) -> bool:
         return self.capabilities.unified_pool or self.platform.budget_source == "unified"
 
+    def _pool_budget(self, index: int, state: _DeviceState) -> tuple[int, int, str]:
+        """``(total, free, source)`` of device ``index`` from the platform's budget source (``auto``: the pool
+        on a device that shares one with the host, whose mem-get-info reports ``MemFree`` without the
+        reclaimable page cache, G3 and ComfyUI #15285; the device's own figures elsewhere). A pool is capped by
+        the machine facts a user set (``machine.ram_total``) and by the memory cgroup's limit the facts carry."""
+        source = self.platform.budget_source
+        if source == "auto":
+            source = "unified" if state.integrated else "device"
+        total, free, label = self.driver.budget(source, index)
+        if source != "unified":
+            return total, free, label
+        facts = self._facts()
+        caps = [(facts.ram_total, "machine.ram_total") if facts is not None and "ram_total" in facts.overridden
+                else None, (facts.cgroup_limit, "the memory cgroup's limit") if facts is not None else None]
+        for cap, why in (c for c in caps if c is not None and c[0] is not None):
+            if cap < total:  # the same use, of a smaller pool
+                used = total - free
+                total, free, label = cap, max(0, min(free, cap - used)), f"{label}, capped by {why}"
+        return total, free, label
+
     def _pool_has_room(self, rng: _Range, first: int, last: int, state: _DeviceState) -> bool:
         """One pool shared with the host: a fault that would cross it is out of memory before the
         driver is asked (a GB10 driver refusing late ends in NV_ERR_NO_MEMORY and aborts, ComfyUI #15285)."""
         need = sum(1 for p in range(first, last) if rng.handles[p] is None) - len(state.spare)
         if need <= 0:
             return True
-        _total, free, _source = self.driver.budget(self.platform.budget_source if self.platform.budget_source
-                                                   == "unified" else "device", rng.index)
-        return need * state.page_size <= free - self._room(rng.index, _total)
+        total, free, _source = self._pool_budget(rng.index, state)
+        return need * state.page_size <= free - self._room(rng.index, total)
 
     def _not_ready_retried(self, state: _DeviceState, call: Any, *args: Any) -> None:
         """Run a map or set-access; a "not ready" answer (the driver still evicting, as WDDM can after
@@ -733,7 +756,7 @@ class VmmBackend:
         index = self._device_index(device)
         with self._lock:
             state = self._use(index)
-            total, free, source = self.driver.budget(self.platform.budget_source, index)
+            total, free, source = self._pool_budget(index, state)
             room = self._room(index, total)
             if self.capabilities.recycle_handles:
                 # kept handles are usage to the driver, but the next fault maps them without asking it: free

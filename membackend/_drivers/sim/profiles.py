@@ -121,6 +121,17 @@ PROFILES: dict[str, Profile] = {
                    "unsloth PR #11208: 8,128 MiB reported vs 46,477 MiB real"),
         ),
         Profile(
+            name="jetson-orin-16gb", vendor="cuda", os="linux",
+            devices=(SimDeviceSpec("Orin", 16 * GiB, "sm_87", integrated=True),),
+            host_ram=16 * GiB,
+            description="Jetson Orin NX class, 16 GB shared by CPU and GPU, CUDA 12 (JetPack 6)",
+            torch="2.5.0a0+872d972e41.nv24.08", driver_version=12060,
+            unified=True, page_cache=1 * GiB, copy_bandwidth=50e9, unmap_synchronizes=True,
+            notes=("CUDA for Tegra app note, Memory Management: CPU and iGPU share the system DRAM; "
+                   "the allocatable device memory is estimated from the host's available memory",
+                   "JetPack 6 ships CUDA 12 (driver 12.6 here); the device is sm_87 (Ampere, T234)"),
+        ),
+        Profile(
             name="h200", vendor="cuda", os="linux",
             devices=(SimDeviceSpec("NVIDIA H200", 143_771 * MiB, "sm_90"),),
             host_ram=256 * GiB,

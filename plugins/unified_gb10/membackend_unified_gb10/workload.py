@@ -5,7 +5,7 @@ and the driver's own refusals."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from membackend._backends.vmm import VmmBackend
 from membackend._drivers.open import machine_for, open_gpu_driver
@@ -37,10 +37,13 @@ def gb10_session(backend: str | None = None):
 
 
 def stock_session():
-    """Today's GB10 without this plugin: the generic VMM (budget from mem-get-info, i.e. MemFree) over the
-    same simulated machine, with this plugin's page size so bytes compare page for page."""
+    """Today's GB10 without this plugin: the generic VMM with the budget stock ComfyUI and comfy-aimdo read
+    (the driver's mem-get-info, i.e. MemFree; membackend's own generic platform reads the pool on an
+    integrated device since) over the same simulated machine, with this plugin's page size so bytes compare
+    page for page."""
     settings = load_settings(sim_profile="gb10-128gb")
-    backend = VmmBackend(GENERIC, open_gpu_driver("cuda", "gb10-128gb"), page_size=PAGE_SIZE)
+    stock = replace(GENERIC, budget_source="device")
+    backend = VmmBackend(stock, open_gpu_driver("cuda", "gb10-128gb"), page_size=PAGE_SIZE)
     return Session(backend, machine=machine_for(settings), ledger=Ledger())
 
 

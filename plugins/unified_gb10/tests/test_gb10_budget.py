@@ -36,7 +36,7 @@ def test_the_budget_is_memavailable_not_memfree(session):
     assert b.free == info["MemAvailable"] and b.total == info["MemTotal"] and b.unified
     assert "MemAvailable" in b.source
     assert b.usable == b.free - b.headroom
-    # the generic backend on the same machine reports the driver's mem-get-info: MemFree (#15285)
+    # stock (the driver's mem-get-info, what comfy-aimdo reads) reports MemFree (#15285)
     stock = stock_session()
     try:
         assert stock.budget_query(CUDA0).free == stock.backend.driver.sim.meminfo()["MemFree"] < b.free
