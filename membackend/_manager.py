@@ -45,10 +45,12 @@ from . import hookspec
 from ._backends.host import HostBackend
 from ._drivers.open import check_sim_profile, machine_for
 from ._ledger import Ledger
-from .platform import Platform
+from .platform import Platform, PlatformSetting
 from ._session import Session
 from ._settings import NAME_PATTERN, load_settings
-from .types import BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, PluginError, Score
+from ._settings.sources import PlatformValues, Sources, resolve_platform
+from .types import (BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, MembackendError, PluginError,
+                    Score)
 
 if TYPE_CHECKING:  # naming the pydantic model at import would build it: start-up stays free of pydantic
     from ._settings import Settings
@@ -70,6 +72,8 @@ class PluginRecord:
     version: str
     origin: str
     capabilities: Capabilities
+    #: the values of the settings the backend declares (a platform's, or a backend's own ``settings``)
+    values: PlatformValues | None = None
 
 
 @dataclass
@@ -115,17 +119,56 @@ def validate_plugin(plugin: Any) -> str:
     return name
 
 
+def declared_settings(obj: Any) -> tuple[PlatformSetting, ...]:
+    """The settings a backend class or object declares (``settings``: ``PlatformSetting`` records, as a
+    platform's), or () when it declares none. Raises ``PluginError`` for a ``settings`` tuple or list that
+    holds anything else (a ``settings`` attribute of another kind is the backend's own business)."""
+    declared = getattr(obj, "settings", ())
+    if not isinstance(declared, (tuple, list)) or not declared:
+        return ()
+    if not all(isinstance(d, PlatformSetting) for d in declared):
+        raise PluginError("settings must be membackend.platform.PlatformSetting records (or absent)")
+    return tuple(declared)
+
+
+def _takes(fn: Any, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _instantiate(obj: Any, settings: Settings) -> Any:
     """Entry points may name a Platform, a class (built with ``from_settings`` or no arguments), an
-    instance or a module."""
+    instance or a module. A class that declares ``settings`` gets their values, read under its ``name``
+    from the same sources as a platform's, as ``from_settings(settings, values=...)`` when that takes
+    ``values`` (a bad value raises ``ConfigError``: the plugin is broken with its message)."""
     if isinstance(obj, Platform):
         from ._backends.vmm import VmmBackend
 
         return VmmBackend.from_settings(settings, obj)
     if isinstance(obj, type):
         factory = getattr(obj, "from_settings", None)
-        return factory(settings) if callable(factory) else obj()
+        if not callable(factory):
+            return obj()
+        if declared_settings(obj) and _takes(factory, "values"):
+            return factory(settings, values=backend_values(obj, settings))
+        return factory(settings)
     return obj
+
+
+def backend_values(obj: Any, settings: Any) -> PlatformValues | None:
+    """The values of the settings backend ``obj`` declares (None: it declares none), read under its name."""
+    declared = declared_settings(obj)
+    if not declared:
+        return None
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
+        raise PluginError(f"a backend that declares settings needs a name matching {NAME_PATTERN} to read them "
+                          f"under, has {name!r}")
+    snapshot = getattr(settings, "snapshot", None)
+    sources = snapshot() if callable(snapshot) else None
+    return resolve_platform(name, declared, sources if sources is not None else Sources.read())
 
 
 class BackendManager:
@@ -187,7 +230,13 @@ class BackendManager:
             return
         version = str(getattr(plugin, "version", None) or dist_version or "unknown")
         caps = getattr(plugin, "capabilities", None) or Capabilities()
-        self.records[name] = PluginRecord(name, plugin, version, origin, caps)
+        try:
+            values = getattr(plugin, "platform_values", None) or backend_values(plugin, self.settings)
+        except MembackendError as exc:  # a ConfigError names the key, the source and what is accepted
+            self._broken(name, f"{origin}: {exc}")
+            self._pm.unregister(name=name)
+            return
+        self.records[name] = PluginRecord(name, plugin, version, origin, caps, values)
 
     def _broken(self, name: str, reason: str) -> None:
         log.warning("membackend: backend %s skipped: %s", name, reason)

@@ -593,6 +593,43 @@ def test_the_doctor_shows_every_value_with_its_source_and_what_nothing_reads(tmp
     assert "the settings table [ghost] names no installed platform" in out
 
 
+class OwnSettings(HostBackend):
+    """A backend that is no platform record, declaring settings of its own (as docs/backends.md shows)."""
+
+    name = "ownsettings"
+    settings = (PlatformSetting("pool", parse=size, default=None, doc="bytes the backend may hold"),
+                PlatformSetting("verbose", parse=flag, default=False, doc="log every verb"))
+
+    @classmethod
+    def from_settings(cls, settings, values=None):
+        backend = super().from_settings(settings)
+        backend.values = values
+        return backend
+
+
+def test_a_backend_that_is_no_platform_declares_settings_read_as_a_platform_s(tmp_path, monkeypatch, capsys):
+    write(tmp_path / "membackend.toml", "[ownsettings]\nverbose = true\n")
+    monkeypatch.setenv("MEMBACKEND_OWNSETTINGS_POOL", "2GiB")
+    monkeypatch.setenv("MEMBACKEND_OWNSETTINGS_POLL", "1")
+    mgr = BackendManager(load_settings(), entry_points=[EntryPoint("own", "test_settings:OwnSettings", GROUP)])
+    record = mgr.records["ownsettings"]
+    assert dict(record.plugin.values) == {"pool": 2 * GiB, "verbose": True}
+    assert record.values.source("pool") == "env MEMBACKEND_OWNSETTINGS_POOL"
+    report = settings_report(mgr)
+    rows = {r["key"]: r for r in report["values"]}
+    assert rows["ownsettings.verbose"]["source"] == "membackend.toml [ownsettings]"
+    assert [r["env"] for r in report["unread"]] == ["MEMBACKEND_OWNSETTINGS_POLL"]
+    assert "declares no such setting (it declares: pool, verbose)" in report["unread"][0]["why"]
+    assert "ownsettings" not in report["tables_without_platform"]
+
+
+def test_a_bad_value_of_a_backend_s_own_setting_leaves_it_broken_naming_the_key(monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_OWNSETTINGS_POOL", "lots")
+    mgr = BackendManager(load_settings(), entry_points=[EntryPoint("own", "test_settings:OwnSettings", GROUP)])
+    assert "ownsettings" not in mgr.records
+    assert "ownsettings.pool (from env MEMBACKEND_OWNSETTINGS_POOL)" in mgr.broken["own"], mgr.broken
+
+
 def test_docs_settings_md_names_every_setting_its_variable_and_every_machine_fact():
     text = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
     for f in rules.FIELDS:
