@@ -5,8 +5,8 @@ A backend is an object (usually a class instance) with a ``name`` attribute
 (the device kinds it serves: ``cpu``, ``cuda``, ``hip``), an optional
 ``version`` and ``capabilities`` (:class:`membackend.types.Capabilities`),
 and one ``@hookimpl`` method for each hook in :data:`HOOKS`; the hooks in
-:data:`OPTIONAL_HOOKS` (``trim``, ``inspect``, ``inject_failures``) may be
-added. Third parties publish it under the entry-point group
+:data:`OPTIONAL_HOOKS` (``trim``, ``inspect``, ``inject_failures``, ``close``)
+may be added. Third parties publish it under the entry-point group
 ``membackend.backends``::
 
     [project.entry-points."membackend.backends"]

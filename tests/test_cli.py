@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from membackend import _cli as cli
+from membackend._session import Session
 
 
 def run(capsys, *argv):
@@ -20,7 +21,7 @@ def test_doctor_passes_its_self_test(capsys):
     assert code == 0
     assert "selected: host (fallback)" in out and "self-test: passed" in out
     assert "budgets:" in out and ("from psutil MemAvailable" in out or "cgroup" in out)
-    for step in ("baseline", "reserve", "fault", "free", "release"):
+    for step in ("baseline", "budget", "reserve", "fault", "free", "release", "close"):
         assert step in out
 
 
@@ -29,8 +30,8 @@ def test_doctor_json(capsys):
     data = json.loads(out)
     assert code == 0 and data["selected"] == "host" and data["how"] == "fallback"
     assert data["selftest"]["ok"] and [s["step"] for s in data["selftest"]["steps"]] == [
-        "baseline", "reserve", "fault", "free", "release"]
-    fault = data["selftest"]["steps"][2]
+        "baseline", "budget", "reserve", "fault", "free", "release", "close"]
+    fault = data["selftest"]["steps"][3]
     assert fault["rss"] - data["selftest"]["steps"][0]["rss"] >= 96 << 20
     assert data["machine"]["cpus"] >= 1 and data["budgets"][0]["device"] == "cpu:0"
 
@@ -66,6 +67,46 @@ def test_failed_self_test_exits_1(capsys, monkeypatch):
     monkeypatch.setenv("MEMBACKEND_HEADROOM", "0")
     code, out, _ = run(capsys, "doctor")
     assert code == 1 and "self-test: FAILED" in out
+
+
+def test_the_doctor_and_the_budget_close_every_session_they_open(capsys, monkeypatch):
+    opened, closed = [], []
+    real_init, real_close = Session.__init__, Session.close
+
+    def init(self, *args, **kwargs):
+        opened.append(id(self))
+        real_init(self, *args, **kwargs)
+
+    def close(self):
+        closed.append(id(self))
+        real_close(self)
+
+    monkeypatch.setattr(Session, "__init__", init)
+    monkeypatch.setattr(Session, "close", close)
+    for command in ("doctor", "budget"):
+        code, _, _ = run(capsys, command)
+        assert code == 0
+    assert len(opened) == 3 and sorted(opened) == sorted(closed), (opened, closed)
+
+
+def test_a_self_test_failure_prints_the_kit_s_own_message(capsys, monkeypatch):
+    """The doctor judges as the kit does: a host backend whose budget claims more free memory than the
+    machine has fails the self-test's budget step with the kit's words, not an RSS figure."""
+    from membackend._backends.host import HostBackend
+    from membackend.types import Budget
+
+    real = HostBackend.membackend_budget_query
+
+    def inflated(self, device):
+        b = real(self, device)
+        return Budget.of(b.total, b.total, b.headroom, b.source)
+
+    monkeypatch.setattr(HostBackend, "membackend_budget_query", inflated)
+    monkeypatch.setattr(HostBackend.membackend_budget_query, "membackend_impl", real.membackend_impl, raising=False)
+    code, out, _ = run(capsys, "doctor")
+    assert code == 1 and "self-test: FAILED" in out, out
+    line = next(x for x in out.splitlines() if "FAIL budget" in x)
+    assert "but /proc/meminfo MemTotal, MemAvailable says at most" in line, line
 
 
 def test_console_script_is_installed():

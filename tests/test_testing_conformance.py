@@ -86,10 +86,47 @@ def test_every_rule_of_the_kit_is_collected_by_the_repositorys_suite():
     assert set(conformance.__all__) == rules
 
 
-def test_a_target_that_does_not_load_fails_the_kit_with_the_reason(tmp_path):
+def test_a_target_that_does_not_load_ends_the_kit_with_one_line_naming_the_reason(tmp_path):
     p = _kit("membackend_memfd:NoSuchBackend", tmp_path, "-x")
     out, _ = p.communicate(timeout=300)
-    assert p.returncode == 1 and "the backend did not load" in out and "NoSuchBackend" in out, out[-3000:]
+    assert p.returncode == 4 and "the backend did not load" in out and "NoSuchBackend" in out, out[-3000:]
+    assert [x for x in out.splitlines() if x.strip()] == [
+        "ERROR: membackend kit: --membackend-plugin 'membackend_memfd:NoSuchBackend': the backend did not load: "
+        "failed to load (entry point nosuchbackend = membackend_memfd:NoSuchBackend): AttributeError: module "
+        "'membackend_memfd' has no attribute 'NoSuchBackend'"], out
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--membackend-backend", "nonexistent"], "--membackend-backend 'nonexistent': no installed backend is named "
+                                              "'nonexistent'; installed: "),
+    (["--membackend-backend", "vmm:bogus"], "--membackend-backend 'vmm:bogus': 'bogus' is not a simulated profile; "
+                                            "accepted: wddm-6gb, "),
+    (["--membackend-profile", "nope"], "--membackend-profile 'nope' is not a simulated profile; accepted: "),
+    (["--membackend-plugin", "nomodule:X"], "--membackend-plugin 'nomodule:X': the backend did not load: failed to "
+                                            "load (entry point x = nomodule:X): ModuleNotFoundError: No module named "
+                                            "'nomodule'"),
+    (["--membackend-plugin", "nocolon"], "--membackend-plugin 'nocolon' is not an import path; accepted: "
+                                         "package.module:Attr"),
+])
+def test_a_wrong_option_is_one_line_naming_what_is_accepted(tmp_path, options, said):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                        "membackend.testing.conformance", *options], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
+    assert p.returncode == 4 and len(lines) == 1 and lines[0].startswith("ERROR: membackend kit: " + said), lines
+
+
+def test_the_profile_variable_runs_a_gpu_target_on_its_simulated_machine(tmp_path):
+    """MEMBACKEND_SIM_PROFILE is honoured as --membackend-profile is: every rule runs on the simulated machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--pyargs",
+           "membackend.testing.conformance", "--membackend-backend", "unified_gb10", "-m", "not kit_long"]
+    simulated = subprocess.run(cmd, cwd=tmp_path, env={**env, "MEMBACKEND_SIM_PROFILE": "jetson-orin-16gb"},
+                               capture_output=True, text=True, timeout=300)
+    assert simulated.returncode == 0 and "unified_gb10-jetson-orin-16gb" not in simulated.stdout, simulated.stdout
+    assert "membackend kit: unified_gb10:jetson-orin-16gb: checked: " in simulated.stdout, simulated.stdout[-3000:]
+    assert "serves no device" not in simulated.stdout, simulated.stdout[-3000:]
 
 
 def test_the_summary_names_the_checks_a_backend_gives_no_way_to_run(tmp_path):
@@ -212,7 +249,9 @@ def test_a_gpu_backend_without_its_device_is_never_a_silent_green(tmp_path):
                         "membackend.testing.conformance", "--membackend-backend=cuda_wddm"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     lines = [x for x in p.stdout.splitlines() if x.startswith("membackend kit: cuda_wddm:")]
-    skipped = int(p.stdout.rsplit(" skipped", 1)[0].rsplit(" ", 1)[-1])
+    last = p.stdout.splitlines()[-1]
+    assert p.returncode == 0 and " passed" not in last and " skipped in " in last, last  # not one rule "passed"
+    skipped = int(last.split(" skipped", 1)[0].rsplit(" ", 1)[-1])
     assert lines == [f"membackend kit: cuda_wddm: not checked: {skipped} rules (backend 'cuda_wddm' serves no "
                      f"device on this machine: {skipped}); --membackend-profile=PROFILE runs them on a simulated "
                      "machine"], p.stdout[-2000:]

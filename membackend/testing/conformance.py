@@ -26,6 +26,8 @@ be left out of a hand-kept list.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import re
 
 import pytest
@@ -49,7 +51,9 @@ from ..types import (
     SanitizerError,
     WrongDevice,
 )
-from .harness import Target, async_work, build_session, checker_for, inject_failures, kit_device, note
+from .harness import Target, async_work, build_session, checker_for, inject_failures, kit_device, note, resident_pages
+from .holdings import process_resident
+from .measure import Truth, budget_problems, tolerance_for
 from .plugin import RERUNS_KEY, rerun_command
 
 MiB = 1 << 20
@@ -210,6 +214,9 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
     s = build_session(membackend_target, **({"host_capacity": OOM_CAPACITY} if how == "capacity" else {}))
     try:
         dev = kit_device(s)
+        if how == "capacity" and dev.kind != "cpu":  # host_capacity caps host memory: nothing to honour here
+            pytest.skip(f"{membackend_target} serves {dev.kind} devices: host_capacity does not apply (its out of "
+                        "memory is driven by injected failures)")
         if how == "capacity":
             total = s.budget_query(dev).total
             if total != OOM_CAPACITY:
@@ -227,6 +234,10 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
         _verify(s, dev, f"fault(#{r.id}, 0, {ps})")
         step = f"fault(#{r.id}, {ps}, {r.size - ps}) under {how} out of memory"
         if how == "capacity":
+            b = s.budget_query(dev)
+            assert b.free <= OOM_CAPACITY - ps, \
+                f"budget_query({dev}) with host_capacity={OOM_CAPACITY} and {ps} bytes resident returned free=" \
+                f"{b.free}; expected at most {OOM_CAPACITY - ps} (what the backend holds is not free)"
             f = s.fault(r, ps, r.size - ps)
             assert not f.ok, f"{step}: returned {f!r}; expected ok=False past host_capacity={OOM_CAPACITY}"
         else:
@@ -288,12 +299,194 @@ def test_device_fence_waits_for_everything_recorded(membackend_session):
 
 def test_budget_names_its_source(membackend_session):
     s = membackend_session
+    kit_device(s)  # a backend serving no device here is not checked (never a green run over nothing)
     for dev in s.devices():
         b = s.budget_query(dev)
         assert isinstance(b, Budget) and b.total > 0 and 0 <= b.usable <= b.free <= b.total, \
             f"budget_query({dev}) returned {b!r}; expected total > 0 and 0 <= usable <= free <= total"
         assert b.usable == max(0, b.free - b.headroom) and b.source, \
             f"budget_query({dev}) returned {b!r}; expected usable = free - headroom and a source"
+
+
+#: bytes a budget rule faults to see the budget follow the backend's own memory (fewer where the budget is small)
+BUDGET_PROBE = 64 * MiB
+
+
+def _probe_size(s: Session, dev: Device, ps: int) -> int:
+    """Whole pages of about :data:`BUDGET_PROBE` bytes, at most a quarter of what the budget calls usable."""
+    usable = s.budget_query(dev).usable
+    return max(ps, min(-(-BUDGET_PROBE // ps), usable // 4 // ps) * ps)
+
+
+def test_budget_tells_the_truth(membackend_session):
+    """The budget against an independent measure of the machine (the host's memory and its cgroup; a
+    simulated driver's own figures, one pool on an integrated device), then the budget must fall by about
+    what the backend's own fault made resident."""
+    s = membackend_session
+    dev = kit_device(s)
+    checker = checker_for(s)
+    check = "budget vs the machine"
+    truth, b, after = checker.truth(dev), s.budget_query(dev), checker.truth(dev)
+    if truth is None:
+        note(checker.target, check, "no independent measure of this backend's devices (a GPU backend not over "
+                                 "membackend's simulated driver)")
+    else:
+        high = truth if after is None or after.free_high < truth.free_high else after
+        problems = budget_problems(Truth(truth.total, min(truth.free_low, high.free_low), high.free_high,
+                                         truth.source), b, checker.held(dev), tolerance_for(truth, dev))
+        assert not problems, f"budget_query({dev}) returned {b!r}: " + "; ".join(problems)
+        note(checker.target, check, None, truth.source)
+    follows = "budget follows the backend's memory"
+    if dev.kind == "cpu":  # a host's free memory moves with every process: first with a capacity, exactly
+        capped = build_session(checker.target, host_capacity=FOLLOW_CAPACITY)
+        try:
+            if capped.budget_query(dev).total == FOLLOW_CAPACITY:
+                _budget_falls(capped, dev, FOLLOW_CAPACITY // 4, machine=False)
+                note(checker.target, follows, None, f"host_capacity={FOLLOW_CAPACITY}")
+                return
+        finally:
+            capped.close()
+    if _budget_falls(s, dev, None, machine=True):
+        note(checker.target, follows, None, "a fault of its own")
+    else:
+        note(checker.target, follows, "the machine's free memory moved as much as the fault, three times (and the "
+                                      "backend does not honour host_capacity)")
+
+
+#: the host_capacity a budget rule gives a ``cpu`` backend to see its budget follow its own memory exactly
+FOLLOW_CAPACITY = 256 * MiB
+
+
+def _budget_falls(s: Session, dev: Device, size: int | None, machine: bool) -> bool:
+    """Fault ``size`` bytes (None: about :data:`BUDGET_PROBE`) and assert the budget's free falls by at least
+    half of it; with ``machine``, a fall the machine's own free memory did not make either is inconclusive
+    (tried three times, then False). Leaves nothing resident."""
+    checker = checker_for(s)
+    r, ps = _pages(s, 1)
+    s.release_reservation(r)
+    size = -(-size // ps) * ps if size else _probe_size(s, dev, ps)
+    r = s.reserve(dev, size)
+    try:
+        for _ in range(3):
+            before, machine_before = s.budget_query(dev), checker.truth(dev)
+            f = s.fault(r, 0, size)
+            assert f.ok, f"fault(#{r.id}, 0, {size}) within the budget's usable {before.usable} returned {f!r}"
+            now, machine_now = s.budget_query(dev), checker.truth(dev)
+            s.free(r)
+            fell = before.free - now.free
+            if fell >= size // 2:
+                return True
+            # with the machine's word: a fall it did not make either is noise; without it (no independent
+            # measure), nothing can be concluded
+            moved = machine_before.free_high - machine_now.free_high if machine_before and machine_now else None
+            assert machine and (moved is None or moved < size // 2), \
+                f"budget_query({dev}) free went from {before.free} to {now.free} after fault(#{r.id}, 0, {size}) " \
+                f"made {size} bytes resident" + (f", while {machine_now.source} fell by {moved}" if machine else "") \
+                + "; expected the budget to fall by about what the backend holds"
+        return False
+    finally:
+        s.release_reservation(r)
+
+
+def test_a_free_that_fails_part_way_reports_exactly_what_it_dropped(membackend_target):
+    """Frees under injected failures: when one stops part-way, ``DriverError.dropped`` is exactly the bytes
+    of the pages the kernel (mincore) or the driver no longer has, every page not dropped keeps its contents
+    and its generation, and every dropped one gets a new generation when faulted again (docs/backends.md)."""
+    check = "partial frees (dropped page by page)"
+    s = build_session(membackend_target)
+    try:
+        dev = kit_device(s)
+        checker = checker_for(s)
+        if not checker.has["membackend_inject_failures"]:
+            note(membackend_target, check, "no membackend_inject_failures")
+            pytest.skip(f"{membackend_target} cannot inject driver failures (no membackend_inject_failures)")
+        r, ps = _pages(s, PARTIAL_PAGES)
+        cpu = checker.watch is not None
+        partial = 0
+        for seed in range(PARTIAL_TRIES):
+            f = s.fault(r, 0, r.size)
+            assert f.ok, f"fault(#{r.id}, 0, {r.size}) without injected failures returned {f!r}"
+            marks = [(seed * PARTIAL_PAGES + p) % 251 + 1 for p in range(r.pages)]
+            if cpu:
+                for p, m in enumerate(marks):
+                    ctypes.memset(r.base + p * ps, m, 1)
+            held_before = checker.resident(dev)
+            step = f"free(#{r.id}) under injected failures (seed {seed})"
+            with inject_failures(s, 0.25, seed):
+                try:
+                    s.free(r)
+                    continue
+                except DriverError as exc:
+                    error = exc
+            dropped = getattr(error, "dropped", 0)
+            if cpu:
+                now = resident_pages(r, range(r.pages))
+                gone = [p for p in range(r.pages) if not now[p]]
+                assert dropped == len(gone) * ps, \
+                    f"{step} raised {error!r} with dropped={dropped}; the kernel (mincore) shows page(s) " \
+                    f"{gone} dropped: expected dropped={len(gone) * ps}"
+                changed = [p for p in range(r.pages) if now[p] and ctypes.c_ubyte.from_address(r.base + p * ps).value
+                           != marks[p]]
+                assert not changed, f"{step}: page(s) {changed} not dropped lost their contents (expected kept)"
+            else:
+                gone = None
+                found = checker.resident(dev)
+                if held_before is not None and found is not None:
+                    assert dropped == held_before - found, \
+                        f"{step} raised {error!r} with dropped={dropped}; the driver's resident bytes went from " \
+                        f"{held_before} to {found}: expected dropped={held_before - found}"
+            _verify(s, dev, step)
+            partial += 0 < dropped < r.size
+            again = s.fault(r, 0, r.size)
+            assert again.ok, f"fault(#{r.id}, 0, {r.size}) after {step} returned {again!r}"
+            if gone is not None:
+                wrong = [p for p in range(r.pages) if (again.generations[p] != f.generations[p]) != (p in gone)]
+                assert not wrong, f"after {step}: generation of page(s) {wrong} wrong (dropped {gone}: those get " \
+                                  f"new generations, the rest keep theirs); before {f.generations}, after " \
+                                  f"{again.generations}"
+            s.free(r)
+        if partial:
+            note(membackend_target, check, None, f"{partial} frees stopped part-way by injected failures")
+        else:
+            note(membackend_target, check, f"no injected failure stopped a free part-way in {PARTIAL_TRIES} tries "
+                                           "(does membackend_inject_failures fail page drops?)")
+    finally:
+        s.close()
+    checker_for(s).verify_nothing_left(dev)
+
+
+PARTIAL_PAGES, PARTIAL_TRIES = 6, 24
+
+
+def test_release_and_close_give_the_memory_back(membackend_target):
+    """Make memory resident, release and close: the process holds no more than before the session (resident
+    memory, descriptors, mappings, files), checked after the release and after the close."""
+    before = process_resident()
+    s = build_session(membackend_target)
+    try:
+        dev = kit_device(s)
+        r, ps = _pages(s, 1)
+        s.release_reservation(r)
+        size = _probe_size(s, dev, ps)
+        r = s.reserve(dev, size)
+        f = s.fault(r, 0, size)
+        assert f.ok, f"fault(#{r.id}, 0, {size}) returned {f!r}"
+        s.free(r, 0, ps)
+        s.release_reservation(r)
+        _verify(s, dev, f"release_reservation(#{r.id}) of {size} bytes")
+    finally:
+        s.close()
+    checker_for(s).verify_nothing_left(dev)
+    gc.collect()
+    after = process_resident()
+    if before is None or after is None:
+        note(membackend_target, "resident memory after close", "/proc/self/status is not available")
+        return
+    assert after - before < size // 2, \
+        f"{membackend_target}: after fault of {size} bytes, release and close, the process holds {after - before} " \
+        f"bytes more resident memory than before the session (/proc/self/status RssAnon+RssFile+RssShmem; " \
+        "expected the memory given back)"
+    note(membackend_target, "resident memory after close", None, "/proc/self/status")
 
 
 def test_sanitize_mode_catches_use_after_release(membackend_target):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import logging
 import os
 import sys
 import threading
@@ -45,9 +46,11 @@ from .._manager import ENTRY_POINT_GROUP, BackendManager
 from .._session import Session
 from .._settings import load_settings
 from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
+from .holdings import FDS, MAPS, Held, Holdings, TempWatch
+from .measure import Truth, host_truth, simulated_truth
 
-__all__ = ["Target", "parse_target", "build_session", "checker_for", "Checker", "KernelWatch", "driver_view",
-           "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED", "UNRUN"]
+__all__ = ["Target", "parse_target", "resolve_targets", "build_session", "checker_for", "Checker", "KernelWatch",
+           "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED", "UNRUN"]
 
 #: per target: the checks the kit could not run, each with the reason (printed in the summary)
 NOT_CHECKED: dict[str, dict[str, str]] = {}
@@ -55,9 +58,6 @@ NOT_CHECKED: dict[str, dict[str, str]] = {}
 CHECKED: dict[str, dict[str, str]] = {}
 #: per target: rules that did not run at all, counted by the reason (printed in the summary: never a silent green)
 UNRUN: dict[str, dict[str, int]] = {}
-
-MAPS = "/proc/self/maps"
-
 
 def note(target: Any, check: str, why: str | None, against: str = "") -> None:
     """Record that ``check`` could not run on ``target`` because ``why`` (None: it ran, against ``against``)."""
@@ -93,11 +93,43 @@ def parse_target(text: str, profiles: list[str] | None = None, gpu: bool = True)
     return [Target(name, p) for p in chosen] if chosen else [Target(name)]
 
 
-def serves_gpus(name: str) -> bool:
-    """Whether the installed backend ``name`` serves a GPU device kind (profiles apply to it)."""
-    record = BackendManager(load_settings()).records.get(name)
-    kinds = getattr(record.plugin, "device_kinds", ()) if record else ()
-    return any(k != "cpu" for k in kinds)
+def resolve_targets(names: list[str], paths: list[str], profiles: list[str]) -> list[Target]:
+    """The kit's targets from its options (``--membackend-backend``, ``--membackend-plugin``,
+    ``--membackend-profile``), checked: one :class:`~membackend.types.MembackendError` whose message says
+    what is wrong and what is accepted, before any rule runs.
+
+    Profiles apply to every target that serves GPU devices and names none (an import path's too); without
+    ``--membackend-profile``, the ``sim_profile`` setting (``MEMBACKEND_SIM_PROFILE``) is the profile."""
+    known = profile_names()
+    for p in profiles:
+        if p != "all" and p not in known:
+            raise PluginError(f"--membackend-profile {p!r} is not a simulated profile; accepted: "
+                              f"{', '.join(known)}, all")
+    settings = load_settings()
+    if not profiles and settings.sim_profile:
+        profiles = [settings.sim_profile]
+    manager = BackendManager(settings)
+    targets: list[Target] = []
+    for text in names:
+        name, _, profile = text.strip().partition(":")
+        record = manager.records.get(name)
+        if record is None:
+            broken = next((why for n, why in manager.broken.items() if n.split(" ")[0] == name), None)
+            raise PluginError(f"--membackend-backend {text!r}: " + (
+                f"backend {name!r} is installed but broken: {broken}" if broken else
+                f"no installed backend is named {name!r}; installed: {', '.join(sorted(manager.records))}"))
+        if profile and profile != "all" and profile not in known:
+            raise PluginError(f"--membackend-backend {text!r}: {profile!r} is not a simulated profile; "
+                              f"accepted: {', '.join(known)}, all")
+        gpu = any(k != "cpu" for k in getattr(record.plugin, "device_kinds", ()))
+        targets += parse_target(text, profiles, gpu=gpu)
+    for path in paths:
+        name = _name_of(path)
+        record = BackendManager(settings, entry_points=[_entry_point(path)]).records[name]
+        gpu = any(k != "cpu" for k in getattr(record.plugin, "device_kinds", ()))
+        chosen = (list(profile_names(vmm_only=True)) if "all" in profiles else profiles) if gpu else []
+        targets += [Target(path, p, import_path=True) for p in chosen] or [Target(path, import_path=True)]
+    return targets
 
 
 def _entry_point(path: str) -> importlib.metadata.EntryPoint:
@@ -114,33 +146,48 @@ def _name_of(path: str) -> str:
     """The name of the backend at import path ``path``, loaded exactly as an entry point would be."""
     if path not in _names:
         ep = _entry_point(path)
-        manager = BackendManager(load_settings(), entry_points=[ep])
+        quiet = logging.getLogger(BackendManager.__module__)
+        level, quiet.disabled = quiet.disabled, True  # its reason is this error's message: said once
+        try:
+            manager = BackendManager(load_settings(), entry_points=[ep])
+        finally:
+            quiet.disabled = level
         origin = f"entry point {ep.name} = {ep.value}"
         found = [r.name for r in manager.records.values() if r.origin == origin]
         if not found:
-            raise PluginError(f"{path}: the backend did not load: " + "; ".join(manager.broken.values()))
+            raise PluginError(f"--membackend-plugin {path!r}: the backend did not load: "
+                              + "; ".join(manager.broken.values()))
         _names[path] = found[0]
     return _names[path]
 
 
-def build_session(target: Target, *, sanitize: bool = False, observers: tuple = (), **settings: Any) -> Session:
+def build_session(target: Target, *, sanitize: bool = False, observers: tuple = (), report: bool = True,
+                  **settings: Any) -> Session:
     """A session forced onto ``target``, as a user forcing it would get, watched by the kit.
 
     ``settings`` are further settings keywords (``host_capacity=...``). The
-    session's :class:`Checker` is :func:`checker_for` (session).
+    session's :class:`Checker` is :func:`checker_for` (session). ``report``:
+    whether what it checks goes into the kit's summary (the doctor's
+    self-test runs the same checks without one).
     """
+    baseline = Holdings.take() if kernel_visible() else None  # before the backend is built: it may open files
+    temp = TempWatch()
     entry_points = None
     name = target.backend
     if target.import_path:
         name = _name_of(target.backend)
         entry_points = [_entry_point(target.backend)]
-    s = load_settings(backend=name, sim_profile=target.profile, sanitize=sanitize, **settings)
+    if target.profile:  # else MEMBACKEND_SIM_PROFILE or the config file's, as a user forcing the backend gets
+        settings["sim_profile"] = target.profile
+    s = load_settings(backend=name, sanitize=sanitize, **settings)
     manager = BackendManager(s, entry_points=entry_points)
     record = manager.records.get(name)
     kinds = tuple(getattr(record.plugin, "device_kinds", ())) if record else ()
     watch = KernelWatch() if "cpu" in kinds and kernel_visible() else None
     session = manager.session(observers=[*observers, *([watch] if watch else [])])
-    _checkers[session] = Checker(target, session, watch)
+    if watch is not None:
+        watch.session = session
+    _checkers[session] = Checker(target, session, watch, baseline, temp, report=report)
     return session
 
 
@@ -205,24 +252,20 @@ def resident_pages(r: Reservation, pages: range) -> list[bool] | None:
     return [all(b & 1 for b in vec[i * per:(i + 1) * per]) for i in range(len(pages))]
 
 
+def _mapped_inodes(r: Reservation) -> set[tuple[int, int]]:
+    """(device, inode) of every file mapped in ``r``'s range (a file behind the reservation)."""
+    found = set()
+    for _, _, _, rest in mappings(r.base, r.base + r.size):
+        parts = rest.split(None, 3)
+        if len(parts) >= 3 and parts[2] != "0":
+            major, _, minor = parts[1].partition(":")
+            found.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[2])))
+    return found
+
+
 def _page_list(pages: list[int]) -> str:
     shown = ", ".join(map(str, pages[:8]))
     return f"[{shown}{', ...' if len(pages) > 8 else ''}]"
-
-
-def memfds() -> int:
-    """Open file descriptors of this process that are memfds (a backend's leaked memory shows here)."""
-    count = 0
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    for fd in names:
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-        except OSError:
-            pass
-    return count
 
 
 class KernelWatch:
@@ -235,14 +278,41 @@ class KernelWatch:
 
     def __init__(self) -> None:
         self.violations: list[str] = []
-        self.memfds_at_start = memfds()
+        self.session: Session | None = None  # set once the session exists (to tell shared files apart)
+        #: per live reservation: the descriptors, shared mappings and files its reserve and faults opened
+        self.owned: dict[int, dict[tuple, Held]] = {}
+        #: every file on disk a descriptor or mapping of the backend named during the session
+        self.files_seen: dict[str, Held] = {}
+
+    def _opened(self, r: Reservation | None, before: Holdings | None) -> None:
+        """Attribute to ``r`` what the process holds now that it did not hold ``before``."""
+        if before is None or r is None:
+            return
+        now = Holdings.take()
+        new = now.since(before)
+        self.owned.setdefault(r.id, {}).update({h.key: h for h in new})
+        for path, h in now.files().items():
+            if h in new:
+                self.owned[r.id][("file", path)] = Held("file", ("file", path), f"file {path}", h.inode)
+                self.files_seen.setdefault(path, h)
+
+    @hookimpl(wrapper=True)
+    def membackend_reserve(self, device: Device, size: int):
+        before = Holdings.take()
+        r = yield
+        self._opened(r, before)
+        return r
 
     @hookimpl(wrapper=True)
     def membackend_fault(self, reservation: Reservation, offset: int, size: int):
         r = reservation
         pages = r.page_range(offset, size)
         before = resident_pages(r, pages)
-        f = yield
+        held = Holdings.take()
+        try:
+            f = yield
+        finally:
+            self._opened(r, held)
         after = resident_pages(r, pages)
         where = f"fault(#{r.id}, offset={offset}, size={size}) on [{r.base:#x}, {r.base + r.size:#x})"
         if after is None:
@@ -312,11 +382,35 @@ class KernelWatch:
         # a fresh mapping may reuse the hole at once (the kernel hands out the highest gap that
         # fits); only a line identical to one from before proves the range was never unmapped
         kept = sorted(set(mappings(r.base, r.base + r.size)) & before)
+        where = f"release_reservation(#{r.id}) of [{r.base:#x}, {r.base + r.size:#x}) returned {dropped}"
         if kept:
             lines = "; ".join(f"{a:#x}-{b:#x} {pm} {rest}".rstrip() for a, b, pm, rest in kept)
-            self.violations.append(f"release_reservation(#{r.id}) of [{r.base:#x}, {r.base + r.size:#x}) returned "
-                                   f"{dropped} but the range is still mapped ({MAPS}: {lines}; expected gone)")
+            self.violations.append(f"{where} but the range is still mapped ({MAPS}: {lines}; expected gone)")
+        left = self._left_by(r)
+        if left:
+            self.violations.append(f"{where} but left what its reserve and faults opened: {'; '.join(left)} "
+                                   "(expected closed, unmapped and removed)")
         return dropped
+
+    def _left_by(self, r: Reservation) -> list[str]:
+        """What ``r``'s reserve and faults opened that is still there, less what a live reservation shares
+        (one file behind several reservations, a pool: it goes when the last of them goes, or at close)."""
+        owned = self.owned.pop(r.id, {})
+        if not owned:
+            return []
+        now = Holdings.take()
+        shared = {inode for other in (self.session.reservations() if self.session is not None else ())
+                  if other.id != r.id for inode in _mapped_inodes(other)}
+        shared |= {h.inode for rid, held in self.owned.items() for h in held.values()}
+        left = []
+        for h in owned.values():
+            if h.inode in shared:
+                continue
+            if h.kind == "file" and os.path.exists(h.key[1]):
+                left.append(f"{h.text} (still on disk)")
+            elif h.kind != "file" and now.holds(h):
+                left.append(h.text)
+        return left
 
     def take(self) -> list[str]:
         found, self.violations = self.violations, []
@@ -337,23 +431,33 @@ def _hooks(backend: Any) -> pluggy.PluginManager:
 class Checker:
     """Everything the kit checks one session against, besides the session's own ledger."""
 
-    def __init__(self, target: Target, session: Session, watch: KernelWatch | None):
+    def __init__(self, target: Target, session: Session, watch: KernelWatch | None,
+                 baseline: Holdings | None = None, temp: TempWatch | None = None, report: bool = True):
         self.target, self.session, self.watch = target, session, watch
+        self.baseline, self.temp = baseline, temp
+        self.report = report
+        if baseline is not None:
+            self.note("leaks after close", None, f"{FDS}, {MAPS} and the files they named")
         self.pm = _hooks(session.backend)
         self.has = {h: bool(getattr(self.pm.hook, h).get_hookimpls()) for h in hookspec.OPTIONAL_HOOKS}
         cpu = "cpu" in session.device_kinds
         if watch is not None:
-            note(target, "ledger vs kernel", None, f"{MAPS} and mincore after every verb")
+            self.note("ledger vs kernel", None, f"{MAPS} and mincore after every verb")
         elif cpu:
-            note(target, "ledger vs kernel", f"{MAPS} and mincore are not available on {sys.platform}")
+            self.note("ledger vs kernel", f"{MAPS} and mincore are not available on {sys.platform}")
         if self.has["membackend_inspect"]:
-            note(target, "ledger vs driver", None, "membackend_inspect")
+            self.note("ledger vs driver", None, "membackend_inspect")
         elif not cpu:
-            note(target, "ledger vs driver", "no membackend_inspect")
-            note(target, "leaks in the driver", "no membackend_inspect")
+            self.note("ledger vs driver", "no membackend_inspect")
+            self.note("leaks in the driver", "no membackend_inspect")
         if not self.has["membackend_inject_failures"]:
-            note(target, "rollback under injected driver failures", "no membackend_inject_failures")
+            self.note("rollback under injected driver failures", "no membackend_inject_failures")
         self.inspect_says_none = False
+
+    def note(self, check: str, why: str | None, against: str = "") -> None:
+        """:func:`note` for this checker's target, when it reports to the kit's summary."""
+        if self.report:
+            note(self.target, check, why, against)
 
     # ------------------------------------------------------------------ views
 
@@ -364,11 +468,27 @@ class Checker:
         if state is None:
             if not self.inspect_says_none:
                 self.inspect_says_none = True
-                note(self.target, "ledger vs driver", "membackend_inspect returned None (the driver cannot be asked)")
+                self.note("ledger vs driver", "membackend_inspect returned None (the driver cannot be asked)")
             return None
         assert isinstance(state, DriverState), \
             f"membackend_inspect({device}) returned {state!r}; expected a membackend.types.DriverState or None"
         return state
+
+    def truth(self, device: Device) -> Truth | None:
+        """An independent measure of ``device``'s memory (:mod:`membackend.testing.measure`), or None."""
+        if device.kind == "cpu":
+            return host_truth() if kernel_visible() else None
+        return simulated_truth(self.session, device)
+
+    def held(self, device: Device) -> int:
+        """Bytes the driver says the backend keeps for reuse on ``device`` (``DriverState.held``; 0 unknown)."""
+        state = self.inspect(device)
+        return state.held if state is not None else 0
+
+    def resident(self, device: Device) -> int | None:
+        """Resident bytes on ``device`` as the driver counts them (``membackend_inspect``), or None."""
+        state = self.inspect(device)
+        return state.resident if state is not None else None
 
     def kernel_state(self, device: Device) -> DriverState | None:
         """Reserved and resident bytes of this session's live reservations, as the kernel counts them."""
@@ -428,10 +548,29 @@ class Checker:
             trimmed = " after membackend_trim" if self.has["membackend_trim"] else " (no membackend_trim)"
             problems.append(f"leaked in the driver{trimmed}: reserved={state.reserved} resident={state.resident} "
                             f"held={state.held} ({state.source}; expected all 0)")
-        if self.watch is not None and memfds() > self.watch.memfds_at_start:
-            problems.append(f"{memfds() - self.watch.memfds_at_start} memfd descriptor(s) left open "
-                            f"(/proc/self/fd; expected none)")
+        problems += self.left_behind()
         assert not problems, f"{self.target} {step}: " + "; ".join(problems)
+
+    def left_behind(self) -> list[str]:
+        """What the process holds now that it did not before the session's backend was built: descriptors,
+        shared mappings of files (``(deleted)`` ones included), and files on disk the backend's descriptors
+        and mappings named during the session (with the folder it made for them in the temporary directory)."""
+        if self.baseline is None:
+            return []
+        now = Holdings.take()
+        new = now.since(self.baseline)
+        found = [h.text for h in new]
+        seen = dict(self.watch.files_seen) if self.watch is not None else {}
+        seen.update({p: h for p, h in now.files().items() if h in new})
+        folders = set()
+        for path in sorted(seen):
+            if os.path.exists(path) and path not in self.baseline.files():
+                found.append(f"file {path} (still on disk)")
+            folder = self.temp.made_since(path) if self.temp is not None else None
+            if folder is not None and folder != path and os.path.exists(folder):
+                folders.add(folder)
+        found += [f"folder {f} (made during the session, still on disk)" for f in sorted(folders)]
+        return [f"left behind: {'; '.join(found)} (expected nothing the backend opened or made)"] if found else []
 
     # ------------------------------------------------------------------ failure injection
 
@@ -441,9 +580,9 @@ class Checker:
             return None
         injection = self.pm.hook.membackend_inject_failures(probability=probability, seed=seed)
         if injection is None:
-            note(self.target, "rollback under injected driver failures", "membackend_inject_failures returned None")
+            self.note("rollback under injected driver failures", "membackend_inject_failures returned None")
             return None
-        note(self.target, "rollback under injected driver failures", None, "membackend_inject_failures")
+        self.note("rollback under injected driver failures", None, "membackend_inject_failures")
         assert callable(getattr(injection, "stop", None)) and isinstance(getattr(injection, "injected", None), int), \
             f"membackend_inject_failures returned {injection!r}; expected an object with injected (int) and stop()"
         return injection
@@ -540,6 +679,6 @@ def async_work(session: Session, r: Reservation, offset: int, size: int, seconds
         source = ctypes.create_string_buffer(size)  # a real driver reads it when the copy runs: kept with the token
         driver.memcpy_htod_async(r.base + offset, ctypes.addressof(source), size, stream)
         return _Holding(backend.fence_token(r, stream), source)
-    note(str(checker_for(session).target), "fences against device work",
+    checker_for(session).note("fences against device work",
          "the kit cannot start work on this backend's devices (timer tokens only)")
     return _TimerToken(seconds)

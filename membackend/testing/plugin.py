@@ -44,7 +44,8 @@ import sys
 import pytest
 
 from .fixtures import membackend_clean_env, membackend_simulated  # noqa: F401 (registered by this plugin)
-from .harness import CHECKED, NOT_CHECKED, UNRUN, Target, build_session, checker_for, parse_target, serves_gpus
+from ..types import MembackendError
+from .harness import CHECKED, NOT_CHECKED, UNRUN, Target, build_session, checker_for, resolve_targets
 
 #: the seed of this run's property-based sequences (``--membackend-seed``, else drawn at start-up)
 SEED_KEY = pytest.StashKey[int]()
@@ -86,6 +87,8 @@ def pytest_configure(config: pytest.Config) -> None:
     chosen = config.getoption("membackend_seed", None)
     config.stash[SEED_KEY] = random.SystemRandom().randrange(SEED_LIMIT) if chosen is None else chosen
     config.stash[RERUNS_KEY] = []
+    if any(config.getoption(o, None) for o in ("membackend_backend", "membackend_plugin", "membackend_profile")):
+        _targets(config)  # a wrong option is one line now, not an error in every rule
 
 
 def rerun_command(item: pytest.Item, seed: int) -> str:
@@ -111,14 +114,21 @@ def rerun_command(item: pytest.Item, seed: int) -> str:
     return f"(from {start}) " + shlex.join(parts)
 
 
+TARGETS_KEY = pytest.StashKey[list[Target]]()
+
+
 def _targets(config: pytest.Config) -> list[Target]:
-    paths = config.getoption("membackend_plugin")
-    names = config.getoption("membackend_backend") or ([] if paths else config.getini("membackend_targets")) \
-        or ([] if paths else ["host"])
-    profiles = config.getoption("membackend_profile")
-    targets = [t for name in names
-               for t in parse_target(name, profiles, gpu=bool(profiles) and serves_gpus(name.split(":")[0]))]
-    return targets + [Target(path, import_path=True) for path in paths]
+    """The targets, resolved and checked once per run; a wrong option or a backend that cannot load ends
+    the run with one line naming what is wrong and what is accepted (pytest's usage error, exit status 4)."""
+    if TARGETS_KEY not in config.stash:
+        paths = config.getoption("membackend_plugin")
+        names = config.getoption("membackend_backend") or ([] if paths else config.getini("membackend_targets")) \
+            or ([] if paths else ["host"])
+        try:
+            config.stash[TARGETS_KEY] = resolve_targets(names, paths, config.getoption("membackend_profile"))
+        except MembackendError as exc:
+            raise pytest.UsageError(f"membackend kit: {exc}") from None
+    return config.stash[TARGETS_KEY]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -10,7 +10,7 @@ memory in a memfd (an anonymous shared-memory file), one per reservation. Linux 
   mapping ``MADV_DONTNEED`` would only drop this process's page-table entries
   and keep the memory: man 2 madvise);
 * release: unmap, close the descriptor;
-* optional hooks: ``membackend_inject_failures`` (allocations fail with ENOSPC
+* optional hooks: ``membackend_inject_failures`` (allocations and page drops fail
   at random); ``from_settings`` honours ``host_capacity``, so the kit can also
   drive it out of memory by capacity.
 
@@ -141,6 +141,8 @@ class MemfdBackend:
             h.mapping[o] = 0
 
     def _drop(self, h: _Handle, page: int) -> None:
+        if self._failures is not None:  # a punch can fail too (EBUSY, ENOMEM): the kit checks partial frees
+            self._failures.maybe_fail(errno.EAGAIN)
         h.mapping.madvise(mmap.MADV_REMOVE, page * PAGE, PAGE)
 
     @hookimpl
@@ -197,7 +199,7 @@ class MemfdBackend:
 
     @hookimpl
     def membackend_inject_failures(self, probability, seed):
-        """Make allocations fail at random with ENOSPC, as a full tmpfs/memory cgroup does."""
+        """Make allocations and page drops fail at random, as a full tmpfs or memory cgroup does."""
         if self._failures is not None:
             self._failures.stop()
         self._failures = _Failures(self, probability, seed)
@@ -211,10 +213,10 @@ class _Failures:
         self.backend, self.probability, self.rng = backend, probability, random.Random(seed)
         self.injected = 0
 
-    def maybe_fail(self) -> None:
+    def maybe_fail(self, code: int = errno.ENOSPC) -> None:
         if self.rng.random() < self.probability:
             self.injected += 1
-            raise OSError(errno.ENOSPC, "injected: no space left for the memfd page")
+            raise OSError(code, f"injected: {os.strerror(code)}")
 
     def stop(self) -> None:
         if self.backend._failures is self:

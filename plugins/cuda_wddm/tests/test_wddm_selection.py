@@ -73,4 +73,7 @@ def test_the_conformance_kit_passes_over_wddm_6gb(tmp_path):
          "--membackend-backend", "cuda_wddm:wddm-6gb", "--membackend-examples", "8"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "cuda_wddm:wddm-6gb: checked: ledger vs driver" in proc.stdout
+    checked = next(x for x in proc.stdout.splitlines() if x.startswith("membackend kit: cuda_wddm:wddm-6gb: checked: "))
+    for check in ("ledger vs driver (membackend_inspect)", "budget vs the machine", "partial frees",
+                  "leaks after close"):
+        assert check in checked, checked

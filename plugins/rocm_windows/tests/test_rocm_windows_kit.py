@@ -17,5 +17,8 @@ def test_conformance_kit_passes_on_the_plugin_over_rocm_win_2gpu(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert f"membackend kit: {TARGET}: checked: ledger vs driver (membackend_inspect)" in out, out[-2000:]
+    checked = next(x for x in out.splitlines() if x.startswith(f"membackend kit: {TARGET}: checked: "))
+    for check in ("ledger vs driver (membackend_inspect)", "budget vs the machine", "partial frees",
+                  "leaks after close"):
+        assert check in checked, checked
     assert f"membackend kit: {TARGET}: not checked" not in out, out[-2000:]

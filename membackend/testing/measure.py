@@ -1,0 +1,112 @@
+"""Independent measures of the memory a budget describes, for the conformance kit.
+
+A budget is a claim about the machine (``Budget.total``, ``Budget.free``);
+the kit checks it against what the machine itself says, never against the
+backend's bookkeeping:
+
+* a ``cpu`` device: ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``: what
+  can be allocated without swapping, proc(5)) and, inside a container, the
+  memory cgroup's limit minus its usage (cgroup v2 ``memory.max`` /
+  ``memory.current``, v1 ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``);
+* a simulated GPU (a backend over membackend's simulated driver, as every
+  platform record is with a profile): the simulation's own figures. On a
+  device that shares one pool with the host (``unified``: GB10, Jetson) that
+  is the pool, ``MemTotal`` and ``MemAvailable`` of the simulated host, never
+  the device view (which reports ``MemFree``, without the reclaimable page
+  cache: ComfyUI #15285); elsewhere the device's memory minus what is made
+  of it (under WDDM the DXGI budget is lower still: the ``cuda_wddm``
+  plugin's own tests hold its budget to it).
+
+A :class:`Truth` is ``(total, free_low, free_high, source)``: a budget's
+``total`` may not exceed ``total``, its ``free`` must lie in
+``[free_low, free_high]`` (``free_low`` is 0 where under-reporting is only
+caution; on one pool under-reporting is the GB10 bug itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._hostmem import cgroup_memory
+from ..types import Budget, Device
+
+__all__ = ["Truth", "host_truth", "simulated_truth", "budget_problems", "tolerance_for", "MEMINFO"]
+
+MEMINFO = "/proc/meminfo"
+
+
+@dataclass(frozen=True)
+class Truth:
+    """What the machine says of a device's memory: a budget's total is at most ``total``, its free lies in
+    ``[free_low, free_high]``; ``source`` names where the figures came from."""
+
+    total: int
+    free_low: int
+    free_high: int
+    source: str
+
+
+def _meminfo() -> dict[str, int]:
+    found = {}
+    with open(MEMINFO) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                found[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return found
+
+
+def host_truth() -> Truth | None:
+    """This host's memory: ``MemTotal`` and ``MemAvailable``, each capped by the memory cgroup (None where
+    ``/proc/meminfo`` cannot be read: not Linux)."""
+    try:
+        info = _meminfo()
+    except OSError:
+        return None
+    total, free, source = info["MemTotal"], info["MemAvailable"], f"{MEMINFO} MemTotal, MemAvailable"
+    limit, usage = cgroup_memory()
+    if limit is not None:
+        total, free = min(total, limit), min(free, max(0, limit - (usage or 0)))
+        source += ", the memory cgroup's limit and usage"
+    return Truth(total, 0, free, source)
+
+
+def simulated_truth(session: Any, device: Device) -> Truth | None:
+    """The simulated driver's own figures for ``device`` when the session's backend runs over membackend's
+    simulated driver (``backend.driver.sim``), else None: a third party's own driver has no independent
+    figures the kit can read."""
+    sim = getattr(getattr(session.backend, "driver", None), "sim", None)
+    if sim is None or device.kind == "cpu":
+        return None
+    profile = sim.profile
+    if profile.unified:
+        info = sim.meminfo()
+        return Truth(info["MemTotal"], info["MemAvailable"], info["MemAvailable"],
+                     f"the simulated {profile.name} pool (MemTotal, MemAvailable of one pool with the host)")
+    state = sim.state(device.index)
+    vram = profile.devices[device.index].vram
+    return Truth(vram, 0, max(0, vram - state["physical"]), f"the simulated {profile.name} device memory")
+
+
+def budget_problems(truth: Truth, budget: Budget, held: int = 0, tolerance: int = 0) -> list[str]:
+    """What is wrong with ``budget`` against ``truth``, in words (empty: nothing). ``held``: bytes the driver
+    says the backend keeps for reuse (free to the backend, made to the machine); ``tolerance``: bytes the
+    machine may have moved by between the two readings."""
+    problems = []
+    if budget.total > truth.total + tolerance:
+        problems.append(f"total={budget.total} but {truth.source} says {truth.total}")
+    if budget.free > truth.free_high + held + tolerance:
+        problems.append(f"free={budget.free} but {truth.source} says at most {truth.free_high}"
+                        + (f" (+{held} the backend keeps for reuse)" if held else ""))
+    if budget.free + tolerance < truth.free_low:
+        problems.append(f"free={budget.free} but {truth.source} says {truth.free_low} (one pool: what the host "
+                        "could reclaim counts)")
+    return problems
+
+
+def tolerance_for(truth: Truth, device: Device) -> int:
+    """Bytes a budget may differ from ``truth`` by: a host's memory moves with every process between two
+    readings (1% of it); a simulated driver's does not (0.1%, for rounding)."""
+    return truth.total // 100 if device.kind == "cpu" else truth.total // 1000
