@@ -537,7 +537,7 @@ class VmmBackend:
         state = self._use(rng.index)
         d = self.driver
         handles, ready, gens = rng.handles, rng.ready, rng.generations
-        if self._unified and not self._pool_has_room(rng, first, last, state):
+        if self._one_pool(state) and not self._pool_has_room(rng, first, last, state):
             return Fault(False, (), first, 0)
         mapped: list[tuple[int, Any]] = []
         finished: list[int] = []  # pages left mapped by an earlier failure, now given access
@@ -572,9 +572,11 @@ class VmmBackend:
         state.resident += len(mapped) * ps
         return Fault(True, tuple(gens[first:last]), first, len(mapped) * ps)
 
-    @property
-    def _unified(self) -> bool:
-        return self.capabilities.unified_pool or self.platform.budget_source == "unified"
+    def _one_pool(self, state: _DeviceState) -> bool:
+        """Whether the device shares one pool with the host: the capability says so, the platform measures
+        it as the pool, or the ``auto`` source finds it integrated."""
+        source = self.platform.budget_source
+        return self.capabilities.unified_pool or source == "unified" or (source == "auto" and state.integrated)
 
     def _pool_budget(self, index: int, state: _DeviceState) -> tuple[int, int, str]:
         """``(total, free, source)`` of device ``index`` from the platform's budget source (``auto``: the pool
@@ -768,7 +770,7 @@ class VmmBackend:
                     state.spare.pop()
                     free += state.page_size
                 free += len(state.spare) * state.page_size
-            unified = self.capabilities.unified_pool or self.platform.budget_source == "unified" or state.integrated
+            unified = self._one_pool(state) or state.integrated
         return Budget.of(total, free, room, source, unified=unified)
 
     @hookimpl

@@ -18,6 +18,7 @@ import os
 from typing import Any, Mapping
 
 from ..._hostmem import HostMemory
+from ...types import DriverError
 from ..cuda import CudaDriver
 from ..discovery import torch_vendor_of
 from ..hip import HipDriver
@@ -78,6 +79,10 @@ class _Simulated:
     def budget(self, source: str, index: int) -> tuple[int, int, str]:
         sim = self.sim
         if source == "wddm":  # DXGI's budget and this process's usage of the device
+            if sim.profile.os != "windows":  # as the real query does off Windows (dxgi.query_video_memory)
+                raise DriverError("unavailable", "IDXGIAdapter3::QueryVideoMemoryInfo",
+                                  f"DXGI exists only on Windows; the simulated {sim.profile.name} runs "
+                                  f"{sim.profile.os}")
             budget = sim.wddm_budget(index)
             used = sim.state(index)["physical"]
             return budget, max(0, budget - used), f"DXGI QueryVideoMemoryInfo budget ({self.label})"
