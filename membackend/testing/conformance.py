@@ -29,6 +29,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -37,7 +39,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
 
+from .._drivers.open import machine_for, profile_names
 from .._session import Session
+from .._settings import load_settings
 from ..types import (
     Budget,
     Device,
@@ -51,9 +55,10 @@ from ..types import (
     SanitizerError,
     WrongDevice,
 )
-from .harness import Target, async_work, build_session, checker_for, inject_failures, kit_device, note, resident_pages
+from .harness import (Target, async_work, build_session, checker_for, inject_failures, kit_device, mappings, note,
+                      resident_pages)
 from .holdings import process_resident
-from .measure import Truth, budget_problems, tolerance_for
+from .measure import Truth, budget_problems, simulated_truth, tolerance_for
 from .plugin import RERUNS_KEY, rerun_command
 
 MiB = 1 << 20
@@ -408,6 +413,9 @@ def test_a_free_that_fails_part_way_reports_exactly_what_it_dropped(membackend_t
             assert f.ok, f"fault(#{r.id}, 0, {r.size}) without injected failures returned {f!r}"
             marks = [(seed * PARTIAL_PAGES + p) % 251 + 1 for p in range(r.pages)]
             if cpu:
+                unwritable = [p for p in range(r.pages) if not writable(r.base + p * ps)]
+                assert not unwritable, f"fault(#{r.id}, 0, {r.size}) returned ok but page(s) {unwritable} are " \
+                                       f"not mapped read-write (/proc/self/maps): a resident page must be writable"
                 for p, m in enumerate(marks):
                     ctypes.memset(r.base + p * ps, m, 1)
             held_before = checker.resident(dev)
@@ -487,6 +495,179 @@ def test_release_and_close_give_the_memory_back(membackend_target):
         f"bytes more resident memory than before the session (/proc/self/status RssAnon+RssFile+RssShmem; " \
         "expected the memory given back)"
     note(membackend_target, "resident memory after close", None, "/proc/self/status")
+
+
+def test_a_fault_that_fails_part_way_rolls_back_what_it_backed(membackend_target):
+    """Faults of six missing pages under injected failures: one that fails part-way is ``Fault(ok=False)``
+    with every page this call backed dropped again, or a typed ``DriverError`` whose ``mapped`` is exactly
+    what the rollback could not drop (docs/backends.md), as the kernel (mincore) or the driver counts."""
+    check = "faults that fail part-way (rolled back)"
+    s = build_session(membackend_target)
+    try:
+        dev = kit_device(s)
+        checker = checker_for(s)
+        if not checker.has["membackend_inject_failures"]:
+            note(membackend_target, check, "no membackend_inject_failures")
+            pytest.skip(f"{membackend_target} cannot inject driver failures (no membackend_inject_failures)")
+        r, ps = _pages(s, PARTIAL_PAGES)
+        failed = 0
+        for seed in range(PARTIAL_TRIES):
+            before = checker.resident(dev)
+            step = f"fault(#{r.id}, 0, {r.size}) under injected failures (seed {seed})"
+            with inject_failures(s, 0.25, seed):
+                try:
+                    f, mapped = s.fault(r, 0, r.size), 0
+                except DriverError as exc:
+                    f, mapped = None, getattr(exc, "mapped", 0)
+            if f is not None and f.ok:
+                s.free(r)
+                continue
+            failed += 1
+            if checker.watch is not None:
+                left = resident_bytes_of(r)
+                assert left == mapped, f"{step} returned {f!r} (mapped={mapped}) but the kernel (mincore) finds " \
+                                       f"{left} bytes resident: expected {mapped} (what the rollback says it kept)"
+            elif before is not None:
+                left = checker.resident(dev) - before
+                assert left == mapped, f"{step} returned {f!r} (mapped={mapped}) but the driver holds {left} more " \
+                                       f"bytes: expected {mapped}"
+            _verify(s, dev, step)
+            s.free(r)
+        note(membackend_target, check, None if failed else f"no injected failure stopped a fault in "
+                                                           f"{PARTIAL_TRIES} tries",
+             f"{failed} faults stopped by injected failures")
+    finally:
+        s.close()
+    checker_for(s).verify_nothing_left(dev)
+
+
+def writable(address: int) -> bool:
+    """Whether ``address`` lies in a read-write mapping of this process (a write there cannot kill it)."""
+    return any(perms.startswith("rw") for _, _, perms, _ in mappings(address, address + 1))
+
+
+def resident_bytes_of(r: Reservation) -> int:
+    """Bytes of ``r`` the kernel holds resident (mincore), page by page."""
+    return sum(r.page_size for ok in resident_pages(r, range(r.pages)) or () if ok)
+
+
+#: faults at once in :func:`test_faults_at_once_stay_within_host_capacity`
+AT_ONCE = 4
+
+
+def test_faults_at_once_stay_within_host_capacity(membackend_target):
+    """Faults on different reservations at once (the session runs them in parallel, docs/backends.md
+    "Threads") under ``host_capacity``: together they never make more resident than the capacity, and
+    each is ok or out of memory, never an error."""
+    check = "faults at once within host_capacity"
+    capacity = 16 * MiB
+    s = build_session(membackend_target, host_capacity=capacity)
+    try:
+        dev = kit_device(s)
+        if dev.kind != "cpu":  # host_capacity caps host memory: nothing to stay within here
+            pytest.skip(f"{membackend_target} serves {dev.kind} devices: host_capacity does not apply")
+        if s.budget_query(dev).total != capacity:
+            note(membackend_target, check, "does not honour host_capacity")
+            pytest.skip(f"{membackend_target} does not honour host_capacity={capacity}")
+        probe = s.reserve(dev, 1)
+        ps = probe.page_size
+        s.release_reservation(probe)
+        pages = capacity // ps // 2 + 1  # any two of them cross the capacity
+        if pages < 2:
+            note(membackend_target, check, f"pages of {ps} bytes: fewer than 4 fit in {capacity} bytes")
+            pytest.skip(f"{membackend_target}: pages too large for the capacity")
+        rs = [s.reserve(dev, pages * ps) for _ in range(AT_ONCE)]
+        for round_ in range(10):
+            start = threading.Barrier(AT_ONCE)
+
+            def fault(r: Reservation) -> Fault:
+                start.wait()
+                return s.fault(r, 0, r.size)
+
+            with ThreadPoolExecutor(AT_ONCE) as pool:
+                results = list(pool.map(fault, rs))
+            held = sum(resident_bytes_of(r) for r in rs) if checker_for(s).watch is not None else \
+                s.ledger.account(dev).resident
+            assert held <= capacity, \
+                f"round {round_}: {AT_ONCE} faults of {pages * ps} bytes at once returned " \
+                f"{[f.ok for f in results]} and left {held} bytes resident past host_capacity={capacity}: the " \
+                "capacity must be claimed atomically with the check"
+            _verify(s, dev, f"round {round_} of faults at once")
+            for r in rs:
+                s.free(r)
+        note(membackend_target, check, None, f"{AT_ONCE} threads, 10 rounds")
+    finally:
+        s.close()
+    checker_for(s).verify_nothing_left(dev)
+
+
+def test_a_full_unload_returns_the_reservation(membackend_session):
+    """Through membackend's residency policy, as ComfyUI's unload drives it: after a full unload the model
+    holds no reservation and no memory (G1; ``Capabilities.release_on_full_unload=False`` keeps them: the
+    41.58 GB plateau of ComfyUI #15993)."""
+    from .._residency import ResidencyManager
+
+    s = membackend_session
+    dev = kit_device(s)
+    r, ps = _pages(s, 1)
+    s.release_reservation(r)
+    policy = ResidencyManager(s)
+    model = policy.register("kit-model", 2 * ps, dev)
+    f = policy.fault(model, 0, 2 * ps)
+    assert f.ok, f"the policy's fault of 2 pages returned {f!r}"
+    policy.unpin(model, 0, 2 * ps)
+    policy.full_unload(model)
+    assert _account(s, dev) == (0, 0, 0), \
+        f"after a full unload: ledger (reserved, resident, alive) = {_account(s, dev)}; expected (0, 0, 0) (G1: the " \
+        f"reservation goes back; capabilities {s.backend.capabilities if hasattr(s.backend, 'capabilities') else ''})"
+    _verify(s, dev, "full unload")
+
+
+def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
+    """A platform record (a backend built on membackend's virtual-memory mechanism) scores above 0 only on a
+    machine that has a device of its vendor, and on every simulated machine it fits, its budget tells the
+    truth there (a platform reading one pool on a discrete GPU, or the device view on an integrated one,
+    fails). On a unified pool its own headroom keeps at least one page for the host."""
+    s = membackend_session
+    dev = kit_device(s)
+    checker = checker_for(s)
+    platform = getattr(s.backend, "platform", None)
+    target = checker.target
+    if platform is None:  # a backend of its own: no probe over other machines' facts to judge
+        pytest.skip(f"{target} is not a platform record")
+    if simulated_truth(s, dev) is None:
+        note(target, "where the platform fits", "not on a simulated machine (no figures to check its budget by)")
+        pytest.skip(f"{target} is not on a simulated machine")
+    here = machine_for(load_settings())
+    score = s.backend.membackend_probe(machine=here).score
+    assert score == 0 or here.gpus(dev.kind), \
+        f"{target}'s probe scores {score} on this machine, which has no {dev.kind} device: selected, it would " \
+        "serve nothing (expected 0 with the reason)"
+    fits = []
+    for profile in profile_names(vmm_only=True):
+        machine = machine_for(load_settings(sim_profile=profile))
+        if s.backend.membackend_probe(machine=machine).score <= 0 or not machine.gpus(dev.kind):
+            continue
+        fits.append(profile)
+        other = build_session(Target(target.backend, profile, target.import_path), report=False)
+        try:
+            d = other.devices()[0]
+            truth, b = simulated_truth(other, d), other.budget_query(d)
+            problems = budget_problems(truth, b, checker_for(other).held(d), tolerance_for(truth, d))
+            assert not problems, f"{target}'s probe fits {profile}, where budget_query({d}) returns {b!r}: " \
+                                 + "; ".join(problems)
+        finally:
+            other.close()
+    truth = simulated_truth(s, dev)
+    if truth.free_low:  # one pool with the host
+        own = getattr(s.backend, "own_headroom", None)
+        room = own(dev, truth.total)[0] if callable(own) else s.budget_query(dev).headroom
+        probe = s.reserve(dev, 1)
+        s.release_reservation(probe)
+        assert room >= probe.page_size, \
+            f"{target} keeps {room} bytes of one pool with the host as headroom, less than one page " \
+            f"({probe.page_size} bytes): the host keeps nothing (a headroom in MiB given as bytes?)"
+    note(target, "where the platform fits", None, f"its probe on this machine and {len(fits)} simulated ones")
 
 
 def test_sanitize_mode_catches_use_after_release(membackend_target):

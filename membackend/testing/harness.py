@@ -668,9 +668,18 @@ def async_work(session: Session, r: Reservation, offset: int, size: int, seconds
     """
     backend = session.backend
     if r.device.kind == "cpu":
+        watch = checker_for(session).watch
+
         def copy() -> None:
             time.sleep(seconds)
-            ctypes.memset(r.base + offset, 0x5A, size)
+            lo, hi = r.base + offset, r.base + offset + size
+            spans = [(a, b) for a, b, perms, _ in mappings(lo, hi) if perms.startswith("rw")]
+            if sum(min(b, hi) - max(a, lo) for a, b in spans) != size:  # a write would kill the process
+                if watch is not None:
+                    watch.violations.append(f"copy into [{lo:#x}, {hi:#x}) of #{r.id}: the range is not mapped "
+                                            f"read-write ({MAPS}); a resident page must be writable")
+                return
+            ctypes.memset(lo, 0x5A, size)
         return FutureToken(_copies.submit(copy))
     driver = getattr(backend, "driver", None)
     if callable(getattr(backend, "fence_token", None)) and hasattr(driver, "memcpy_htod_async"):
