@@ -117,6 +117,22 @@ def test_a_wrong_option_is_one_line_naming_what_is_accepted(tmp_path, options, s
     assert p.returncode == 4 and len(lines) == 1 and lines[0].startswith("ERROR: membackend kit: " + said), lines
 
 
+def test_a_gpu_target_whose_driver_does_not_start_is_skipped_with_one_line_never_a_traceback(tmp_path):
+    """The machine facts name a CUDA device, but no driver library is here: cuInit fails. Every rule skips with
+    the driver's own words, the summary counts them, and no rule errors at teardown."""
+    pytest.importorskip("cuda.bindings.driver")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    env["MEMBACKEND_MACHINE__DEVICES"] = '[{"kind": "cuda", "total_memory": "8GiB"}]'
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                        "membackend.testing.conformance", "--membackend-backend=vmm", "-m", "not kit_long"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    last = p.stdout.splitlines()[-1]
+    assert p.returncode == 0 and " skipped" in last and "passed" not in last and "error" not in last, \
+        p.stdout[-3000:]
+    assert "Traceback" not in p.stdout and "membackend kit: vmm: not checked: " in p.stdout, p.stdout[-3000:]
+    assert "(backend 'vmm' cannot start its driver here (cuInit failed with " in p.stdout, p.stdout[-3000:]
+
+
 def test_the_profile_variable_runs_a_gpu_target_on_its_simulated_machine(tmp_path):
     """MEMBACKEND_SIM_PROFILE is honoured as --membackend-profile is: every rule runs on the simulated machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}

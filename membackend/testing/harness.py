@@ -191,23 +191,35 @@ def build_session(target: Target, *, sanitize: bool = False, observers: tuple = 
     return session
 
 
+#: the calls that bring a GPU driver up: failing, the driver is not there (no library, no device node)
+DRIVER_START = ("cuInit", "hipInit")
+
+
 def kit_device(session: Session) -> Device:
     """The device the kit's rules run on: the first the backend serves on this machine.
 
-    A backend serving none here (a GPU backend forced on a machine without its GPU) skips the rule, saying
-    so: there is nothing the kit could run it on."""
+    A backend serving none here (a GPU backend forced on a machine without its GPU), or whose driver does not
+    start here (``cuInit``/``hipInit`` fails: the machine facts name a device the driver cannot reach), skips
+    the rule, saying so: there is nothing the kit could run it on. Either way the summary counts it."""
     devices = session.devices()
-    if not devices:
-        import pytest
+    why = f"backend {session.name!r} serves no device on this machine" if not devices else None
+    if devices and session.device_kinds != ("cpu",):
+        try:
+            session.budget_query(devices[0])
+        except DriverError as exc:
+            if exc.call in DRIVER_START:
+                why = f"backend {session.name!r} cannot start its driver here ({exc})"
+    if why is None:
+        return devices[0]
+    import pytest
 
-        checker = _checkers.get(session)
-        target = str(checker.target) if checker is not None else session.name
-        why = f"backend {session.name!r} serves no device on this machine"
-        unrun = UNRUN.setdefault(target, {})
-        unrun[why] = unrun.get(why, 0) + 1
-        pytest.skip(f"{why}: nothing to run the rule on; --membackend-profile=PROFILE runs it on a simulated "
-                    "machine")
-    return devices[0]
+    checker = _checkers.get(session)
+    target = str(checker.target) if checker is not None else session.name
+    if checker is not None:
+        checker.unrun = why  # nothing ran: the teardown checks nothing either
+    unrun = UNRUN.setdefault(target, {})
+    unrun[why] = unrun.get(why, 0) + 1
+    pytest.skip(f"{why}: nothing to run the rule on; --membackend-profile=PROFILE runs it on a simulated machine")
 
 
 def kernel_visible() -> bool:
@@ -435,6 +447,7 @@ class Checker:
                  baseline: Holdings | None = None, temp: TempWatch | None = None, report: bool = True):
         self.target, self.session, self.watch = target, session, watch
         self.baseline, self.temp = baseline, temp
+        self.unrun: str | None = None  # why the rules did not run (kit_device), if they did not
         self.report = report
         if baseline is not None:
             self.note("leaks after close", None, f"{FDS}, {MAPS} and the files they named")
