@@ -156,14 +156,16 @@ def _print_settings(report: dict[str, Any]) -> None:
         print(f"  the settings table [{name}] names no installed platform")
 
 
-def self_test(backend: str) -> dict[str, Any]:
-    """A short run of the conformance kit's own checks on ``backend`` (the selected one), in a session of
-    its own that it closes: the budget against an independent measure of the machine, then reserve, fault,
+def self_test(mgr: BackendManager, machine: Machine, sel: Selection) -> dict[str, Any]:
+    """A short run of the conformance kit's own checks on the selected backend (``sel``, of ``mgr``: no probe
+    runs twice), in a session of its own that it closes: the budget against an independent measure of the machine, then reserve, fault,
     free and release, each followed by the kit's check of the ledger against the kernel (``cpu``) or the
     driver, then close and the kit's check that nothing was left behind. A failed step's detail is the kit's
     own message (:mod:`membackend.testing.harness`); RSS is shown, never judged."""
-    from .testing.harness import Target, build_session, checker_for
+    from .testing.harness import Target, checker_for, watched_session
     from .testing.measure import budget_problems, tolerance_for
+
+    backend = sel.record.name if sel.record is not None else "none"
 
     def error(detail: str) -> dict[str, Any]:
         return {"ok": False, "backend": backend, "device": None, "steps": [{
@@ -171,7 +173,7 @@ def self_test(backend: str) -> dict[str, Any]:
             "detail": detail}]}
 
     try:
-        session = build_session(Target(backend), report=False)
+        session = watched_session(mgr, Target(backend), machine=machine, selection=sel, report=False)
     except MembackendError as exc:
         return error(f"{type(exc).__name__}: {exc}")
     checker = checker_for(session)
@@ -394,7 +396,7 @@ def run(command: str, as_json: bool) -> int:
         out["budgets"] = budgets_report(session)
         out["kept_windows"] = kept_windows_report(session)
         _close(session)
-        out["selftest"] = self_test(session.name)
+        out["selftest"] = self_test(mgr, machine, sel)
     if as_json:
         print(json.dumps(out, indent=2, default=str))
     else:

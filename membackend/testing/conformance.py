@@ -55,7 +55,7 @@ from ..types import (
     SanitizerError,
     WrongDevice,
 )
-from .harness import (Target, async_work, build_session, checker_for, inject_failures, kit_device, mappings, note,
+from .harness import (Checker, Target, async_work, build_session, checker_for, inject_failures, kit_device, mappings, note,
                       resident_pages)
 from .holdings import process_resident
 from .measure import Truth, budget_problems, simulated_truth, tolerance_for
@@ -393,6 +393,15 @@ def _budget_falls(s: Session, dev: Device, size: int | None, machine: bool) -> b
         s.release_reservation(r)
 
 
+def _injecting(s: Session, check: str) -> tuple[Device, Checker]:
+    """The kit's device and checker of ``s``, or a skip noting ``check`` when the backend cannot inject."""
+    dev, checker = kit_device(s), checker_for(s)
+    if not checker.has["membackend_inject_failures"]:
+        note(checker.target, check, "no membackend_inject_failures")
+        pytest.skip(f"{checker.target} cannot inject driver failures (no membackend_inject_failures)")
+    return dev, checker
+
+
 def test_a_free_that_fails_part_way_reports_exactly_what_it_dropped(membackend_target):
     """Frees under injected failures: when one stops part-way, ``DriverError.dropped`` is exactly the bytes
     of the pages the kernel (mincore) or the driver no longer has, every page not dropped keeps its contents
@@ -400,11 +409,7 @@ def test_a_free_that_fails_part_way_reports_exactly_what_it_dropped(membackend_t
     check = "partial frees (dropped page by page)"
     s = build_session(membackend_target)
     try:
-        dev = kit_device(s)
-        checker = checker_for(s)
-        if not checker.has["membackend_inject_failures"]:
-            note(membackend_target, check, "no membackend_inject_failures")
-            pytest.skip(f"{membackend_target} cannot inject driver failures (no membackend_inject_failures)")
+        dev, checker = _injecting(s, check)
         r, ps = _pages(s, PARTIAL_PAGES)
         cpu = checker.watch is not None
         partial = 0
@@ -504,11 +509,7 @@ def test_a_fault_that_fails_part_way_rolls_back_what_it_backed(membackend_target
     check = "faults that fail part-way (rolled back)"
     s = build_session(membackend_target)
     try:
-        dev = kit_device(s)
-        checker = checker_for(s)
-        if not checker.has["membackend_inject_failures"]:
-            note(membackend_target, check, "no membackend_inject_failures")
-            pytest.skip(f"{membackend_target} cannot inject driver failures (no membackend_inject_failures)")
+        dev, checker = _injecting(s, check)
         r, ps = _pages(s, PARTIAL_PAGES)
         failed = 0
         for seed in range(PARTIAL_TRIES):

@@ -46,10 +46,10 @@ from .._manager import ENTRY_POINT_GROUP, BackendManager
 from .._session import Session
 from .._settings import load_settings
 from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
-from .holdings import FDS, MAPS, Held, Holdings, TempWatch
+from .holdings import FDS, MAPS, Held, Holdings, TempWatch, device_number
 from .measure import Truth, host_truth, simulated_truth
 
-__all__ = ["Target", "parse_target", "resolve_targets", "build_session", "checker_for", "Checker", "KernelWatch",
+__all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watched_session", "checker_for", "Checker", "KernelWatch",
            "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED", "UNRUN"]
 
 #: per target: the checks the kit could not run, each with the reason (printed in the summary)
@@ -181,10 +181,22 @@ def build_session(target: Target, *, sanitize: bool = False, observers: tuple = 
         settings["sim_profile"] = target.profile
     s = load_settings(backend=name, sanitize=sanitize, **settings)
     manager = BackendManager(s, entry_points=entry_points)
-    record = manager.records.get(name)
-    kinds = tuple(getattr(record.plugin, "device_kinds", ())) if record else ()
+    return watched_session(manager, target, observers=observers, report=report, baseline=baseline, temp=temp)
+
+
+def watched_session(manager: BackendManager, target: Target, *, machine: Any = None, selection: Any = None,
+                    observers: tuple = (), report: bool = True, baseline: Holdings | None = None,
+                    temp: TempWatch | None = None) -> Session:
+    """A session of ``manager`` (its selected backend, or ``selection``'s) watched by the kit as
+    :func:`build_session`'s are: what the kit checks it by starts now unless ``baseline`` and ``temp`` (taken
+    before the backend was built) are given. The doctor's self-test uses its own manager, so no probe runs
+    twice."""
+    if baseline is None and kernel_visible():
+        baseline, temp = Holdings.take(), TempWatch()
+    record = selection.record if selection is not None else manager.records.get(manager.settings.backend or "")
+    kinds = tuple(getattr(getattr(record, "plugin", None), "device_kinds", ()))
     watch = KernelWatch() if "cpu" in kinds and kernel_visible() else None
-    session = manager.session(observers=[*observers, *([watch] if watch else [])])
+    session = manager.session(machine, observers=[*observers, *([watch] if watch else [])], selection=selection)
     if watch is not None:
         watch.session = session
     _checkers[session] = Checker(target, session, watch, baseline, temp, report=report)
@@ -270,8 +282,7 @@ def _mapped_inodes(r: Reservation) -> set[tuple[int, int]]:
     for _, _, _, rest in mappings(r.base, r.base + r.size):
         parts = rest.split(None, 3)
         if len(parts) >= 3 and parts[2] != "0":
-            major, _, minor = parts[1].partition(":")
-            found.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[2])))
+            found.add((device_number(parts[1]), int(parts[2])))
     return found
 
 

@@ -29,7 +29,7 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 
-__all__ = ["Holdings", "Held", "process_resident", "FDS", "MAPS", "STATUS"]
+__all__ = ["Holdings", "Held", "TempWatch", "process_resident", "device_number", "FDS", "MAPS", "STATUS"]
 
 FDS = "/proc/self/fd"
 MAPS = "/proc/self/maps"
@@ -76,7 +76,8 @@ def _descriptors() -> list[Held]:
     return found
 
 
-def _device(text: str) -> int:
+def device_number(text: str) -> int:
+    """The device number of a ``/proc/self/maps`` device field (``"fd:01"``: major and minor in hex)."""
     major, _, minor = text.partition(":")
     return os.makedev(int(major, 16), int(minor, 16))
 
@@ -96,7 +97,7 @@ def _mappings() -> list[Held]:
         span, perms, _, dev, ino, path = parts
         if not perms.endswith("s") and not path.endswith(DELETED):
             continue  # a private mapping of a file: a library the interpreter loaded
-        inode = (_device(dev), int(ino))
+        inode = (device_number(dev), int(ino))
         key = ("map", *inode, path)
         spans.setdefault(key, []).append(span)
         inodes[key] = inode
