@@ -158,10 +158,10 @@ def _print_settings(report: dict[str, Any]) -> None:
 
 def self_test(mgr: BackendManager, machine: Machine, sel: Selection) -> dict[str, Any]:
     """A short run of the conformance kit's own checks on the selected backend (``sel``, of ``mgr``: no probe
-    runs twice), in a session of its own that it closes: the budget against an independent measure of the machine, then reserve, fault,
-    free and release, each followed by the kit's check of the ledger against the kernel (``cpu``) or the
-    driver, then close and the kit's check that nothing was left behind. A failed step's detail is the kit's
-    own message (:mod:`membackend.testing.harness`); RSS is shown, never judged."""
+    runs twice), in a session of its own that it closes: the budget against an independent measure of the
+    machine, then reserve, fault, free and release, each followed by the kit's check of the ledger against the
+    kernel (``cpu``) or the driver, then close and the kit's check that nothing was left behind. A failed
+    step's detail is the kit's own message (:mod:`membackend.testing.harness`); RSS is shown, never judged."""
     from .testing.harness import Target, checker_for, watched_session
     from .testing.measure import budget_problems, tolerance_for
 
