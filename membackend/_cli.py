@@ -163,7 +163,6 @@ def self_test(mgr: BackendManager, machine: Machine, sel: Selection) -> dict[str
     kernel (``cpu``) or the driver, then close and the kit's check that nothing was left behind. A failed
     step's detail is the kit's own message (:mod:`membackend.testing.harness`); RSS is shown, never judged."""
     from .testing.harness import Target, checker_for, watched_session
-    from .testing.measure import budget_problems, tolerance_for
 
     backend = sel.record.name if sel.record is not None else "none"
 
@@ -204,11 +203,9 @@ def self_test(mgr: BackendManager, machine: Machine, sel: Selection) -> dict[str
     r = None
     closed = False
     try:
-        budget = _budget_or_say(session, dev)
-        truth = checker.truth(dev)
-        problems = budget_problems(truth, budget, checker.held(dev), tolerance_for(truth, dev)) if truth else []
+        budget, problems, source = _budget_or_say(checker, dev)
         step("budget", "; ".join(problems) if problems else
-             f"usable {_mib(budget.usable)} of {_mib(budget.total)}" + (f", as {truth.source} says" if truth else ""),
+             f"usable {_mib(budget.usable)} of {_mib(budget.total)}" + (f", as {source} says" if source else ""),
              passed=not problems)
         fault_size = max(min(SELFTEST_FAULT, budget.usable // 4), 1)
         r = session.reserve(dev, SELFTEST_RESERVE)
@@ -239,9 +236,10 @@ class _Said(Exception):
     """A self-test step that failed, with the words to print."""
 
 
-def _budget_or_say(session: Session, dev: Any) -> Budget:
+def _budget_or_say(checker: Any, dev: Any) -> tuple[Budget, list[str], str | None]:
+    """The kit's own budget check (``Checker.budget_problems``); a failed query is said, not raised."""
     try:
-        return session.budget_query(dev)
+        return checker.budget_problems(dev)
     except MembackendError as exc:
         raise _Said(f"budget query failed: {type(exc).__name__}: {exc}") from exc
 

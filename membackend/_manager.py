@@ -132,10 +132,12 @@ def declared_settings(obj: Any) -> tuple[PlatformSetting, ...]:
 
 
 def _takes(fn: Any, parameter: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``parameter`` (by name, or through ``**kwargs``)."""
     try:
-        return parameter in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
+    return any(p.name == parameter or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _instantiate(obj: Any, settings: Settings) -> Any:

@@ -737,6 +737,8 @@ class Session:
             except Exception as exc:
                 failures.append(("close", exc if isinstance(exc, MembackendError) else
                                  PluginError(f"backend {self.name!r} raised {type(exc).__name__} in close: {exc}")))
+        if self.tracer is not None:  # the trace file it wrote: closed with the session that owns it
+            self.tracer.close()
         if failures:
             raise PartialFailure("close", failures)
         return released

@@ -40,8 +40,21 @@ and these functions:
   harness the kit's rules run on (see :mod:`membackend.testing.harness`).
 """
 
-from .fixtures import clean_environment, simulated_session
-from .harness import Target, async_work, build_session, checker_for, driver_view, inject_failures, parse_target
+from typing import Any
 
 __all__ = ["Target", "async_work", "build_session", "checker_for", "clean_environment", "driver_view",
            "inject_failures", "parse_target", "simulated_session"]
+
+#: where each name lives: imported on first use, so ``membackend doctor`` (which runs the kit's checks
+#: through :mod:`membackend.testing.harness`) needs no pytest, which only the ``kit`` extra brings
+_HOME = {"clean_environment": "fixtures", "simulated_session": "fixtures"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f"{__name__}.{_HOME.get(name, 'harness')}"), name)
+    globals()[name] = value
+    return value

@@ -47,10 +47,10 @@ from .._session import Session
 from .._settings import load_settings
 from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
 from .holdings import FDS, MAPS, Held, Holdings, TempWatch, device_number
-from .measure import Truth, host_truth, simulated_truth
+from .measure import Truth, budget_problems, host_truth, simulated_truth, tolerance_for
 
-__all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watched_session", "checker_for", "Checker", "KernelWatch",
-           "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED", "UNRUN"]
+__all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watched_session", "checker_for",
+           "Checker", "KernelWatch", "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED", "UNRUN"]
 
 #: per target: the checks the kit could not run, each with the reason (printed in the summary)
 NOT_CHECKED: dict[str, dict[str, str]] = {}
@@ -93,7 +93,8 @@ def parse_target(text: str, profiles: list[str] | None = None, gpu: bool = True)
     return [Target(name, p) for p in chosen] if chosen else [Target(name)]
 
 
-def resolve_targets(names: list[str], paths: list[str], profiles: list[str]) -> list[Target]:
+def resolve_targets(names: list[str], paths: list[str], profiles: list[str],
+                    option: str = "--membackend-backend") -> list[Target]:
     """The kit's targets from its options (``--membackend-backend``, ``--membackend-plugin``,
     ``--membackend-profile``), checked: one :class:`~membackend.types.MembackendError` whose message says
     what is wrong and what is accepted, before any rule runs.
@@ -115,11 +116,11 @@ def resolve_targets(names: list[str], paths: list[str], profiles: list[str]) -> 
         record = manager.records.get(name)
         if record is None:
             broken = next((why for n, why in manager.broken.items() if n.split(" ")[0] == name), None)
-            raise PluginError(f"--membackend-backend {text!r}: " + (
+            raise PluginError(f"{option} {text!r}: " + (
                 f"backend {name!r} is installed but broken: {broken}" if broken else
                 f"no installed backend is named {name!r}; installed: {', '.join(sorted(manager.records))}"))
         if profile and profile != "all" and profile not in known:
-            raise PluginError(f"--membackend-backend {text!r}: {profile!r} is not a simulated profile; "
+            raise PluginError(f"{option} {text!r}: {profile!r} is not a simulated profile; "
                               f"accepted: {', '.join(known)}, all")
         gpu = any(k != "cpu" for k in getattr(record.plugin, "device_kinds", ()))
         targets += parse_target(text, profiles, gpu=gpu)
@@ -180,6 +181,9 @@ def build_session(target: Target, *, sanitize: bool = False, observers: tuple = 
     if target.profile:  # else MEMBACKEND_SIM_PROFILE or the config file's, as a user forcing the backend gets
         settings["sim_profile"] = target.profile
     s = load_settings(backend=name, sanitize=sanitize, **settings)
+    if entry_points is None:  # only the target's own (what other installed backends hold is not the target's)
+        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        entry_points = [ep for ep in found if ep.name == name] or list(found)
     manager = BackendManager(s, entry_points=entry_points)
     return watched_session(manager, target, observers=observers, report=report, baseline=baseline, temp=temp)
 
@@ -197,14 +201,14 @@ def watched_session(manager: BackendManager, target: Target, *, machine: Any = N
     kinds = tuple(getattr(getattr(record, "plugin", None), "device_kinds", ()))
     watch = KernelWatch() if "cpu" in kinds and kernel_visible() else None
     session = manager.session(machine, observers=[*observers, *([watch] if watch else [])], selection=selection)
+    checker = _checkers[session] = Checker(target, session, watch, baseline, temp, report=report)
     if watch is not None:
-        watch.session = session
-    _checkers[session] = Checker(target, session, watch, baseline, temp, report=report)
+        watch.session, watch.keeps_for_reuse = session, checker.has["membackend_trim"]
     return session
 
 
-#: the calls that bring a GPU driver up: failing, the driver is not there (no library, no device node)
-DRIVER_START = ("cuInit", "hipInit")
+#: the calls that bring a GPU driver up (prefixes): failing, the driver is not there (no library, no device)
+DRIVER_START = ("cuInit", "hipInit", "comfy_aimdo.control.init", "import comfy_aimdo")
 
 
 def kit_device(session: Session) -> Device:
@@ -215,17 +219,20 @@ def kit_device(session: Session) -> Device:
     the rule, saying so: there is nothing the kit could run it on. Either way the summary counts it."""
     devices = session.devices()
     why = f"backend {session.name!r} serves no device on this machine" if not devices else None
+    checker = _checkers.get(session)
     if devices and session.device_kinds != ("cpu",):
         try:
             session.budget_query(devices[0])
         except DriverError as exc:
-            if exc.call in DRIVER_START:
+            if str(exc.call).startswith(DRIVER_START):
                 why = f"backend {session.name!r} cannot start its driver here ({exc})"
+        else:
+            if checker is not None:
+                checker.driver_started()
     if why is None:
         return devices[0]
     import pytest
 
-    checker = _checkers.get(session)
     target = str(checker.target) if checker is not None else session.name
     if checker is not None:
         checker.unrun = why  # nothing ran: the teardown checks nothing either
@@ -276,6 +283,16 @@ def resident_pages(r: Reservation, pages: range) -> list[bool] | None:
     return [all(b & 1 for b in vec[i * per:(i + 1) * per]) for i in range(len(pages))]
 
 
+def _allocated(path: str, inode: tuple[int, int] | None) -> int:
+    """Bytes the file at ``path`` (a path, or a ``/proc/self/fd`` entry) has allocated, when it is still the
+    file ``inode`` names; 0 otherwise."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return st.st_blocks * 512 if (st.st_dev, st.st_ino) == inode else 0
+
+
 def _mapped_inodes(r: Reservation) -> set[tuple[int, int]]:
     """(device, inode) of every file mapped in ``r``'s range (a file behind the reservation)."""
     found = set()
@@ -301,6 +318,10 @@ class KernelWatch:
 
     def __init__(self) -> None:
         self.violations: list[str] = []
+        self._lock = threading.Lock()  # the kit's copy threads report here too
+        #: whether the backend can give back what it keeps for reuse before close (``membackend_trim``): then
+        #: what a released reservation opened may stay until trim or close, where the kit checks it
+        self.keeps_for_reuse = False
         self.session: Session | None = None  # set once the session exists (to tell shared files apart)
         #: per live reservation: the descriptors, shared mappings and files its reserve and faults opened
         self.owned: dict[int, dict[tuple, Held]] = {}
@@ -339,11 +360,11 @@ class KernelWatch:
         after = resident_pages(r, pages)
         where = f"fault(#{r.id}, offset={offset}, size={size}) on [{r.base:#x}, {r.base + r.size:#x})"
         if after is None:
-            self.violations.append(f"{where}: the range is no longer mapped in {MAPS}")
+            self.report(f"{where}: the range is no longer mapped in {MAPS}")
         elif f.ok:
             missing = [p for p, ok in zip(pages, after) if not ok]
             if missing:
-                self.violations.append(f"{where} returned ok but page(s) {_page_list(missing)} are not resident "
+                self.report(f"{where} returned ok but page(s) {_page_list(missing)} are not resident "
                                        f"(mincore; expected all of pages {pages.start}..{pages.stop - 1})")
             elif before is not None:
                 new = [p for p, was in zip(pages, before) if not was]
@@ -351,7 +372,7 @@ class KernelWatch:
         elif before is not None:
             left = [p for p, was, now in zip(pages, before, after) if now and not was]
             if left:
-                self.violations.append(f"{where} returned out of memory (ok=False) but left page(s) "
+                self.report(f"{where} returned out of memory (ok=False) but left page(s) "
                                        f"{_page_list(left)} resident (mincore): a failed fault must roll back")
         return f
 
@@ -369,7 +390,7 @@ class KernelWatch:
             for addr in (r.base + p * r.page_size, r.base + (p + 1) * r.page_size - 1):
                 perms = next((pm for a, b, pm, _ in maps if a <= addr < b), "")
                 if not perms.startswith("rw"):
-                    self.violations.append(f"{where}: page {p} is resident but not writable ({MAPS} perms "
+                    self.report(f"{where}: page {p} is resident but not writable ({MAPS} perms "
                                            f"{perms or 'none'} at {addr:#x}; expected rw)")
                     return
                 cell = ctypes.c_ubyte.from_address(addr)
@@ -378,7 +399,7 @@ class KernelWatch:
                 back = cell.value
                 cell.value = old
                 if back != old ^ 0xFF:
-                    self.violations.append(f"{where}: wrote {old ^ 0xFF:#04x} at {addr:#x} (page {p}), read {back:#04x}")
+                    self.report(f"{where}: wrote {old ^ 0xFF:#04x} at {addr:#x} (page {p}), read {back:#04x}")
                     return
 
     @hookimpl(wrapper=True)
@@ -390,10 +411,10 @@ class KernelWatch:
         try:
             still = resident_bytes(lo, hi - lo)
         except DriverError as exc:
-            self.violations.append(f"free(#{r.id}, offset={offset}, size={size}): the range is not mapped: {exc}")
+            self.report(f"free(#{r.id}, offset={offset}, size={size}): the range is not mapped: {exc}")
             return dropped
         if still:
-            self.violations.append(f"free(#{r.id}, offset={offset}, size={size}) returned {dropped} but {still} bytes "
+            self.report(f"free(#{r.id}, offset={offset}, size={size}) returned {dropped} but {still} bytes "
                                    f"of [{lo:#x}, {hi:#x}) are still resident (mincore; expected 0)")
         return dropped
 
@@ -408,18 +429,19 @@ class KernelWatch:
         where = f"release_reservation(#{r.id}) of [{r.base:#x}, {r.base + r.size:#x}) returned {dropped}"
         if kept:
             lines = "; ".join(f"{a:#x}-{b:#x} {pm} {rest}".rstrip() for a, b, pm, rest in kept)
-            self.violations.append(f"{where} but the range is still mapped ({MAPS}: {lines}; expected gone)")
+            self.report(f"{where} but the range is still mapped ({MAPS}: {lines}; expected gone)")
         left = self._left_by(r)
         if left:
-            self.violations.append(f"{where} but left what its reserve and faults opened: {'; '.join(left)} "
-                                   "(expected closed, unmapped and removed)")
+            self.report(f"{where} but left what its reserve and faults opened, holding memory: {'; '.join(left)} "
+                        "(expected given back: the backend has no membackend_trim to give it back later)")
         return dropped
 
     def _left_by(self, r: Reservation) -> list[str]:
-        """What ``r``'s reserve and faults opened that is still there, less what a live reservation shares
-        (one file behind several reservations, a pool: it goes when the last of them goes, or at close)."""
+        """What ``r``'s reserve and faults opened that is still there holding memory, less what a live
+        reservation shares (one file behind several reservations, a pool: it goes when the last of them
+        goes). A backend with ``membackend_trim`` may keep it for reuse: then it is checked after close."""
         owned = self.owned.pop(r.id, {})
-        if not owned:
+        if not owned or self.keeps_for_reuse:
             return []
         now = Holdings.take()
         shared = {inode for other in (self.session.reservations() if self.session is not None else ())
@@ -429,14 +451,22 @@ class KernelWatch:
         for h in owned.values():
             if h.inode in shared:
                 continue
-            if h.kind == "file" and os.path.exists(h.key[1]):
-                left.append(f"{h.text} (still on disk)")
-            elif h.kind != "file" and now.holds(h):
-                left.append(h.text)
+            if h.kind == "mapping" and now.holds(h):
+                left.append(h.text)  # a second view of the memory, outside the released range
+            elif h.kind == "file" and _allocated(h.key[1], h.inode):
+                left.append(f"{h.text} (still on disk, {_allocated(h.key[1], h.inode)} bytes allocated)")
+            elif h.kind == "descriptor" and now.holds(h) and _allocated(f"{FDS}/{h.key[1]}", h.inode):
+                left.append(f"{h.text} ({_allocated(f'{FDS}/{h.key[1]}', h.inode)} bytes allocated)")
         return left
 
+    def report(self, violation: str) -> None:
+        """Add a finding (from any thread)."""
+        with self._lock:
+            self.violations.append(violation)
+
     def take(self) -> list[str]:
-        found, self.violations = self.violations, []
+        with self._lock:
+            found, self.violations = self.violations, []
         return found
 
 
@@ -459,6 +489,7 @@ class Checker:
         self.target, self.session, self.watch = target, session, watch
         self.baseline, self.temp = baseline, temp
         self.unrun: str | None = None  # why the rules did not run (kit_device), if they did not
+        self._rebased = False
         self.report = report
         if baseline is not None:
             self.note("leaks after close", None, f"{FDS}, {MAPS} and the files they named")
@@ -477,6 +508,13 @@ class Checker:
         if not self.has["membackend_inject_failures"]:
             self.note("rollback under injected driver failures", "no membackend_inject_failures")
         self.inspect_says_none = False
+
+    def driver_started(self) -> None:
+        """A GPU driver came up: what it holds for the process's life (its runtime's descriptors, mappings)
+        is the driver's, so what the kit checks the close by starts from here (once)."""
+        if self.baseline is not None and not self._rebased:
+            self._rebased = True
+            self.baseline = Holdings.take()
 
     def note(self, check: str, why: str | None, against: str = "") -> None:
         """:func:`note` for this checker's target, when it reports to the kit's summary."""
@@ -503,6 +541,20 @@ class Checker:
         if device.kind == "cpu":
             return host_truth() if kernel_visible() else None
         return simulated_truth(self.session, device)
+
+    def budget_problems(self, device: Device) -> tuple[Any, list[str], str | None]:
+        """``(budget, what is wrong with it, the independent source)``: the budget read between two readings of
+        the machine (the higher free counts: a host's memory moves with every process), against
+        :meth:`truth`; the source is None when there is nothing independent to compare with."""
+        truth = self.truth(device)
+        budget = self.session.budget_query(device)
+        after = self.truth(device)
+        if truth is None:
+            return budget, [], None
+        high = truth if after is None or after.free_high < truth.free_high else after
+        bracket = Truth(truth.total, min(truth.free_low, high.free_low), high.free_high, truth.source)
+        return budget, budget_problems(bracket, budget, self.held(device), tolerance_for(truth, device)), \
+            truth.source
 
     def held(self, device: Device) -> int:
         """Bytes the driver says the backend keeps for reuse on ``device`` (``DriverState.held``; 0 unknown)."""
@@ -546,7 +598,8 @@ class Checker:
         state = self.inspect(device)
         if state is not None and (state.reserved, state.resident) != (acct.reserved, acct.resident):
             problems.append(f"{device}: ledger reserved={acct.reserved} resident={acct.resident}, driver "
-                            f"({state.source or 'membackend_inspect'}) reserved={state.reserved} resident={state.resident}")
+                            f"({state.source or 'membackend_inspect'}) reserved={state.reserved} "
+                            f"resident={state.resident}")
         if state is not None and state.hazards:
             problems.append(f"{device}: the driver saw {state.hazards} unsafe operation(s) on memory that "
                             f"asynchronous work still used ({state.source or 'membackend_inspect'}; expected 0)")
@@ -700,8 +753,8 @@ def async_work(session: Session, r: Reservation, offset: int, size: int, seconds
             spans = [(a, b) for a, b, perms, _ in mappings(lo, hi) if perms.startswith("rw")]
             if sum(min(b, hi) - max(a, lo) for a, b in spans) != size:  # a write would kill the process
                 if watch is not None:
-                    watch.violations.append(f"copy into [{lo:#x}, {hi:#x}) of #{r.id}: the range is not mapped "
-                                            f"read-write ({MAPS}); a resident page must be writable")
+                    watch.report(f"copy into [{lo:#x}, {hi:#x}) of #{r.id}: the range is not mapped read-write "
+                                 f"({MAPS}); a resident page must be writable")
                 return
             ctypes.memset(lo, 0x5A, size)
         return FutureToken(_copies.submit(copy))

@@ -10,7 +10,7 @@ kernel's own tables of this process (Linux, ``proc(5)``):
   included (a file unlinked while still mapped keeps its memory);
 * the files those name, on disk (a file a backend created and left behind);
 * ``/proc/self/status``: the resident memory of the process (``RssAnon``,
-  ``RssFile``, ``RssShmem``), for memory that did not go back.
+  ``RssShmem``), for memory that did not go back.
 
 Private file mappings are left out: they are the libraries the interpreter
 loads (a backend's memory is a shared mapping, or anonymous). So is what
@@ -70,8 +70,10 @@ def _descriptors() -> list[Held]:
             st = os.stat(path)
         except OSError:  # the descriptor listdir itself used, closed since
             continue
+        if target.startswith("/proc/"):  # the kit's own reading of /proc (another thread's, this moment)
+            continue
         inode = (st.st_dev, st.st_ino)
-        device = stat.S_ISCHR(st.st_mode) or target.startswith(SIMULATED_DEVICE_MEMORY)
+        device = stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or target.startswith(SIMULATED_DEVICE_MEMORY)
         found.append(Held("descriptor", ("fd", int(name), *inode), f"descriptor {name} -> {target}", inode, device))
     return found
 
@@ -101,14 +103,26 @@ def _mappings() -> list[Held]:
         key = ("map", *inode, path)
         spans.setdefault(key, []).append(span)
         inodes[key] = inode
-    return [Held("mapping", key, f"mapping of {key[3]} at {', '.join(s)}", inodes[key],
-                 key[3].startswith(("/dev/", *SIMULATED_DEVICE_MEMORY))) for key, s in spans.items()]
+    return [Held("mapping", key, f"mapping of {key[3]} at {', '.join(s)}", inodes[key], _of_device(key[3]))
+            for key, s in spans.items()]
+
+
+def _of_device(path: str) -> bool:
+    """Whether a mapped path is a device's: a character or block device (a GPU driver's ``/dev/nvidia0``;
+    ``/dev/shm`` holds regular files, memory like any other), or a simulated GPU's memory file."""
+    if path.startswith(SIMULATED_DEVICE_MEMORY):
+        return True
+    try:
+        mode = os.stat(path.removesuffix(DELETED)).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
 
 
 def _file_of(held: Held) -> str | None:
     """The path on disk a descriptor or mapping names, when it is a regular file that still has one."""
     text = held.text.split(" -> ", 1)[1] if held.kind == "descriptor" else held.key[3]
-    if not text.startswith("/") or text.endswith(DELETED) or text.startswith(("/proc/", "/dev/", "/memfd:")):
+    if not text.startswith("/") or text.endswith(DELETED) or text.startswith(("/proc/", "/memfd:")):
         return None
     try:
         return text if stat.S_ISREG(os.stat(text).st_mode) else None
@@ -164,12 +178,15 @@ class TempWatch:
 
 
 def process_resident() -> int | None:
-    """Resident bytes of this process (``RssAnon + RssFile + RssShmem`` of ``/proc/self/status``), or None."""
+    """Resident memory of this process (``RssAnon + RssShmem`` of ``/proc/self/status``), or None. File
+    pages (``RssFile``) are left out: a library loaded on first use is no memory a backend kept; a backend's
+    shared memory and files mapped from tmpfs count as ``RssShmem``, its files on disk as descriptors and
+    mappings."""
     total = 0
     try:
         with open(STATUS) as f:
             for line in f:
-                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                if line.startswith(("RssAnon:", "RssShmem:")):
                     total += int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return None

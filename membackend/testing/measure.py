@@ -26,9 +26,10 @@ caution; on one pool under-reporting is the GB10 bug itself).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .._hostmem import cgroup_memory
+from .._hostmem import CGROUP_ROOT, cgroup_memory
 from ..types import Budget, Device
 
 __all__ = ["Truth", "host_truth", "simulated_truth", "budget_problems", "tolerance_for", "MEMINFO"]
@@ -67,10 +68,27 @@ def host_truth() -> Truth | None:
         return None
     total, free, source = info["MemTotal"], info["MemAvailable"], f"{MEMINFO} MemTotal, MemAvailable"
     limit, usage = cgroup_memory()
-    if limit is not None:
-        total, free = min(total, limit), min(free, max(0, limit - (usage or 0)))
+    if limit is not None and limit < total:  # a limit at or above the RAM limits nothing
+        # what the cgroup could reclaim (its inactive file cache) is free to it, as MemAvailable counts it
+        room = limit - (usage or 0) + _cgroup_reclaimable()
+        total, free = limit, min(free, max(0, room))
         source += ", the memory cgroup's limit and usage"
     return Truth(total, 0, free, source)
+
+
+def _cgroup_reclaimable(root: Path = CGROUP_ROOT) -> int:
+    """The memory cgroup's inactive file cache (``inactive_file`` of v2 ``memory.stat``, ``total_inactive_file``
+    of v1's), which it gives back before it runs out; 0 where it cannot be read."""
+    for path, key in ((root / "memory.stat", "inactive_file"), (root / "memory" / "memory.stat",
+                                                                  "total_inactive_file")):
+        try:
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 def simulated_truth(session: Any, device: Device) -> Truth | None:
@@ -83,8 +101,15 @@ def simulated_truth(session: Any, device: Device) -> Truth | None:
     profile = sim.profile
     if profile.unified:
         info = sim.meminfo()
-        return Truth(info["MemTotal"], info["MemAvailable"], info["MemAvailable"],
-                     f"the simulated {profile.name} pool (MemTotal, MemAvailable of one pool with the host)")
+        total, free = info["MemTotal"], info["MemAvailable"]
+        source = f"the simulated {profile.name} pool (MemTotal, MemAvailable of one pool with the host)"
+        facts = getattr(session, "machine", None)
+        caps = [facts.ram_total if facts is not None and "ram_total" in facts.overridden else None,
+                getattr(facts, "cgroup_limit", None)]
+        for cap in (c for c in caps if c is not None and c < total):  # a smaller machine, the same use
+            total, free = cap, max(0, min(free, cap - (total - free)))
+            source += f", {cap} bytes as the machine facts say"
+        return Truth(total, free, free, source)
     state = sim.state(device.index)
     vram = profile.devices[device.index].vram
     return Truth(vram, 0, max(0, vram - state["physical"]), f"the simulated {profile.name} device memory")

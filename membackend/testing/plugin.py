@@ -87,7 +87,8 @@ def pytest_configure(config: pytest.Config) -> None:
     chosen = config.getoption("membackend_seed", None)
     config.stash[SEED_KEY] = random.SystemRandom().randrange(SEED_LIMIT) if chosen is None else chosen
     config.stash[RERUNS_KEY] = []
-    if any(config.getoption(o, None) for o in ("membackend_backend", "membackend_plugin", "membackend_profile")):
+    if any(config.getoption(o, None) for o in ("membackend_backend", "membackend_plugin", "membackend_profile")) \
+            or config.getini("membackend_targets"):
         _targets(config)  # a wrong option is one line now, not an error in every rule
 
 
@@ -124,8 +125,10 @@ def _targets(config: pytest.Config) -> list[Target]:
         paths = config.getoption("membackend_plugin")
         names = config.getoption("membackend_backend") or ([] if paths else config.getini("membackend_targets")) \
             or ([] if paths else ["host"])
+        option = "--membackend-backend" if config.getoption("membackend_backend") else "membackend_targets"
         try:
-            config.stash[TARGETS_KEY] = resolve_targets(names, paths, config.getoption("membackend_profile"))
+            config.stash[TARGETS_KEY] = resolve_targets(names, paths, config.getoption("membackend_profile"),
+                                                        option)
         except MembackendError as exc:
             raise pytest.UsageError(f"membackend kit: {exc}") from None
     return config.stash[TARGETS_KEY]
@@ -154,7 +157,11 @@ def membackend_session(membackend_target):
     session = build_session(membackend_target)
     yield session
     checker = checker_for(session)
-    if checker.unrun is not None:  # the rule skipped: no device, or no driver to close anything on
+    if checker.unrun is not None:  # the rule skipped: close what the backend built, check nothing
+        try:
+            session.close()
+        except MembackendError:
+            pass  # no driver to give anything back to
         return
     session.close()
     for device in session.devices()[:1]:
