@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -107,6 +108,24 @@ def test_a_self_test_failure_prints_the_kit_s_own_message(capsys, monkeypatch):
     assert code == 1 and "self-test: FAILED" in out, out
     line = next(x for x in out.splitlines() if "FAIL budget" in x)
     assert "but /proc/meminfo MemTotal, MemAvailable says at most" in line, line
+
+
+def test_the_doctor_runs_its_self_test_in_an_install_without_pytest(tmp_path):
+    """The self-test runs the kit's checks (membackend.testing.harness), which need no pytest: only the kit
+    extra brings it."""
+    code = ("import sys\n"
+            "class NoPytest:\n"  # as if not installed: importing it raises ModuleNotFoundError
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('pytest', '_pytest', 'hypothesis'): raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, NoPytest())\n"
+            "from membackend import _cli\n"
+            "rc = _cli.main(['doctor'])\n"
+            "assert 'pytest' not in sys.modules\n"
+            "sys.exit(rc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "self-test: passed" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 def test_console_script_is_installed():
