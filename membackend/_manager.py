@@ -48,7 +48,8 @@ from ._ledger import Ledger
 from .platform import Platform, PlatformSetting
 from ._session import Session
 from ._settings import NAME_PATTERN, load_settings
-from ._settings.sources import PlatformValues, Sources, resolve_platform
+from ._settings.rules import FIELD_NAMES
+from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
 from .types import (BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, MembackendError, PluginError,
                     Score)
 
@@ -168,6 +169,12 @@ def backend_values(obj: Any, settings: Any) -> PlatformValues | None:
     if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
         raise PluginError(f"a backend that declares settings needs a name matching {NAME_PATTERN} to read them "
                           f"under, has {name!r}")
+    clash = [platform_env_name(name, d.name) for d in declared
+             if name in FIELD_NAMES or platform_env_name(name, d.name).removeprefix("MEMBACKEND_").lower()
+             in FIELD_NAMES]
+    if clash:  # as a platform's record refuses it (membackend.platform.Platform)
+        raise PluginError(f"backend {name!r}: its settings would be read from {', '.join(clash)}, which "
+                          "membackend's own settings use; rename the backend or the setting")
     snapshot = getattr(settings, "snapshot", None)
     sources = snapshot() if callable(snapshot) else None
     return resolve_platform(name, declared, sources if sources is not None else Sources.read())

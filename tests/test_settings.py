@@ -630,6 +630,18 @@ def test_a_bad_value_of_a_backend_s_own_setting_leaves_it_broken_naming_the_key(
     assert "ownsettings.pool (from env MEMBACKEND_OWNSETTINGS_POOL)" in mgr.broken["own"], mgr.broken
 
 
+class ClashingSettings(OwnSettings):
+    """Named so that its setting would be read from membackend's own MEMBACKEND_HOST_CAPACITY."""
+
+    name = "host"
+    settings = (PlatformSetting("capacity", parse=size, default=None),)
+
+
+def test_a_backend_s_setting_is_never_read_from_one_of_membackend_s_own_variables():
+    mgr = BackendManager(load_settings(), entry_points=[EntryPoint("clash", "test_settings:ClashingSettings", GROUP)])
+    assert "MEMBACKEND_HOST_CAPACITY, which membackend's own settings use" in mgr.broken["clash"], mgr.broken
+
+
 def test_docs_settings_md_names_every_setting_its_variable_and_every_machine_fact():
     text = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
     for f in rules.FIELDS:
