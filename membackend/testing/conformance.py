@@ -239,10 +239,7 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
         _verify(s, dev, f"fault(#{r.id}, 0, {ps})")
         step = f"fault(#{r.id}, {ps}, {r.size - ps}) under {how} out of memory"
         if how == "capacity":
-            b = s.budget_query(dev)
-            assert b.free <= OOM_CAPACITY - ps, \
-                f"budget_query({dev}) with host_capacity={OOM_CAPACITY} and {ps} bytes resident returned free=" \
-                f"{b.free}; expected at most {OOM_CAPACITY - ps} (what the backend holds is not free)"
+            _capacity_left(s, dev, OOM_CAPACITY, "after one page was faulted")
             f = s.fault(r, ps, r.size - ps)
             assert not f.ok, f"{step}: returned {f!r}; expected ok=False past host_capacity={OOM_CAPACITY}"
         else:
@@ -263,9 +260,41 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
         again = s.fault(r, ps, ps)
         assert again.ok, f"fault(#{r.id}, {ps}, {ps}) after the pressure ended returned {again!r}; expected ok"
         _verify(s, dev, f"fault(#{r.id}, {ps}, {ps}) after out of memory")
+        if how == "capacity":
+            s.free(r, 0, ps)
+            _capacity_left(s, dev, OOM_CAPACITY, "after a page was freed")
+        else:
+            _injection_stops(s, r, ps)
     finally:
         s.close()
     checker_for(s).verify_nothing_left(dev)
+
+
+def _capacity_left(s: Session, dev: Device, capacity: int, when: str) -> None:
+    """Under ``host_capacity`` the budget's free is the capacity less what the backend holds (docs/kit.md)."""
+    held = s.ledger.account(dev).resident
+    b = s.budget_query(dev)
+    assert b.free == capacity - held, \
+        f"budget_query({dev}) with host_capacity={capacity} and {held} bytes resident ({when}) returned free=" \
+        f"{b.free}; expected {capacity - held}: the capacity less what the backend holds"
+
+
+def _injection_stops(s: Session, r: Reservation, ps: int) -> None:
+    """An injection at probability 0 fails nothing, and one stopped fails nothing more."""
+    with inject_failures(s, probability=0.0, seed=1) as none:
+        for _ in range(3):
+            s.free(r, ps, ps)
+            f = s.fault(r, ps, ps)
+            assert f.ok, f"fault(#{r.id}, {ps}, {ps}) under an injection of probability 0 returned {f!r}"
+        assert none.injected == 0, f"an injection of probability 0 reported {none.injected} failures"
+    with inject_failures(s, probability=1.0, seed=1) as every:
+        pass
+    count = every.injected
+    s.free(r, ps, ps)
+    f = s.fault(r, ps, ps)
+    assert f.ok and every.injected == count, \
+        f"after stop() of an injection, fault(#{r.id}, {ps}, {ps}) returned {f!r} and the count went from " \
+        f"{count} to {every.injected}: a stopped injection must fail nothing"
 
 
 def test_free_and_release_wait_for_recorded_work(membackend_session):
@@ -660,6 +689,9 @@ def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
                                  + "; ".join(problems)
         finally:
             other.close()
+    assert fits or s.backend.membackend_probe(machine=machine_for(load_settings())).score > 0, \
+        f"{target}'s probe fits none of the simulated machines ({', '.join(profile_names(vmm_only=True))}), the " \
+        "one the kit runs it on included: it would be selected nowhere"
     truth = simulated_truth(s, dev)
     if truth.free_low:  # one pool with the host
         own = getattr(s.backend, "own_headroom", None)
