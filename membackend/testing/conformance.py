@@ -139,6 +139,35 @@ def test_a_page_gets_a_new_generation_when_it_gets_new_memory(membackend_session
         f"generations {g1} before and {g2} after page 1 was freed and faulted; expected page 0 kept, page 1 new"
 
 
+def test_faults_and_frees_over_holes_back_exactly_the_missing_pages(membackend_session):
+    """A fault over resident pages and holes backs the holes only, keeps the resident pages' generations, and
+    a fault that ends one byte into a page backs that page too; checked page by page against the kernel
+    (or the driver) after every verb."""
+    s = membackend_session
+    r, ps = _pages(s, 5)
+    first = {}
+    for p in (1, 3):
+        one = s.fault(r, p * ps, ps)
+        assert one.ok, f"fault(#{r.id}, {p * ps}, {ps}) returned {one!r}"
+        first[p] = one.generations[0]
+    f = s.fault(r, 0, r.size)
+    assert f.ok and f.mapped == 3 * ps and (f.generations[1], f.generations[3]) == (first[1], first[3]), \
+        f"fault(#{r.id}, 0, {r.size}) over pages 1 and 3 resident returned {f!r}; expected mapped {3 * ps} " \
+        f"(pages 0, 2, 4) and pages 1, 3 keeping generations {first[1]}, {first[3]}"
+    _verify(s, r.device, f"fault(#{r.id}, 0, {r.size}) over holes")
+    assert s.free(r, 2 * ps, ps) == ps
+    again = s.fault(r, 0, r.size)
+    assert again.ok and again.mapped == ps and [i for i in range(5) if again.generations[i] != f.generations[i]] \
+        == [2], f"fault(#{r.id}, 0, {r.size}) after page 2 was freed returned {again!r}; expected mapped {ps}, " \
+                f"only page 2 new (generations before {f.generations})"
+    _verify(s, r.device, f"fault(#{r.id}, 0, {r.size}) after free(#{r.id}, {2 * ps}, {ps})")
+    edge = s.reserve(r.device, 2 * ps)
+    f = s.fault(edge, ps - 1, 2)
+    assert f.ok and f.first_page == 0 and len(f.generations) == 2 and f.mapped == 2 * ps, \
+        f"fault(#{edge.id}, {ps - 1}, 2) across a page boundary returned {f!r}; expected both pages backed"
+    _verify(s, r.device, f"fault(#{edge.id}, {ps - 1}, 2)")
+
+
 def test_free_drops_pages_and_keeps_the_range(membackend_session):
     s = membackend_session
     r, ps = _pages(s, 4)
