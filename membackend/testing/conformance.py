@@ -44,6 +44,7 @@ from .._session import Session
 from .._settings import load_settings
 from ..types import (
     Budget,
+    Candidate,
     Device,
     DriverError,
     Fault,
@@ -55,8 +56,8 @@ from ..types import (
     SanitizerError,
     WrongDevice,
 )
-from .harness import (Checker, Target, async_work, build_session, checker_for, inject_failures, kit_device, mappings, note,
-                      resident_pages)
+from .harness import (Checker, Target, async_work, build_session, checker_for, inject_failures, kit_device, mappings,
+                      note, resident_pages)
 from .holdings import process_resident
 from .measure import budget_problems, simulated_truth, tolerance_for
 from .plugin import RERUNS_KEY, rerun_command
@@ -290,7 +291,8 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
         assert again.ok, f"fault(#{r.id}, {ps}, {ps}) after the pressure ended returned {again!r}; expected ok"
         _verify(s, dev, f"fault(#{r.id}, {ps}, {ps}) after out of memory")
         if how == "capacity":
-            s.free(r, 0, ps)
+            s.fault(r, 0, ps)
+            s.free(r, ps, ps)  # not the first page: what a free counts must not depend on where it starts
             _capacity_left(s, dev, OOM_CAPACITY, "after a page was freed")
         else:
             _injection_stops(s, r, ps)
@@ -562,9 +564,10 @@ def test_release_and_close_give_the_memory_back(membackend_target):
 
 
 def test_a_fault_that_fails_part_way_rolls_back_what_it_backed(membackend_target):
-    """Faults of six missing pages under injected failures: one that fails part-way is ``Fault(ok=False)``
-    with every page this call backed dropped again, or a typed ``DriverError`` whose ``mapped`` is exactly
-    what the rollback could not drop (docs/backends.md), as the kernel (mincore) or the driver counts."""
+    """Faults of six pages under injected failures, every other try over holes (pages 1 and 3 already
+    resident, so the call backs several runs): one that fails part-way is ``Fault(ok=False)`` with every page
+    this call backed dropped again and the resident ones kept, or a typed ``DriverError`` whose ``mapped`` is
+    exactly what the rollback could not drop (docs/backends.md), as the kernel (mincore) or the driver counts."""
     check = "faults that fail part-way (rolled back)"
     s = build_session(membackend_target)
     try:
@@ -572,8 +575,11 @@ def test_a_fault_that_fails_part_way_rolls_back_what_it_backed(membackend_target
         r, ps = _pages(s, PARTIAL_PAGES)
         failed = 0
         for seed in range(PARTIAL_TRIES):
+            kept = (1, 3) if seed % 2 else ()
+            for p in kept:
+                assert s.fault(r, p * ps, ps).ok, f"fault(#{r.id}, {p * ps}, {ps}) without injected failures"
             before = checker.resident(dev)
-            step = f"fault(#{r.id}, 0, {r.size}) under injected failures (seed {seed})"
+            step = f"fault(#{r.id}, 0, {r.size}) under injected failures (seed {seed}, pages {kept} resident)"
             with inject_failures(s, 0.25, seed):
                 try:
                     f, mapped = s.fault(r, 0, r.size), 0
@@ -584,9 +590,12 @@ def test_a_fault_that_fails_part_way_rolls_back_what_it_backed(membackend_target
                 continue
             failed += 1
             if checker.watch is not None:
-                left = resident_bytes_of(r)
+                now = resident_pages(r, range(r.pages)) or []
+                lost = [p for p in kept if not now[p]]
+                assert not lost, f"{step} returned {f!r}: page(s) {lost}, resident before the call, are gone"
+                left = resident_bytes_of(r) - len(kept) * ps
                 assert left == mapped, f"{step} returned {f!r} (mapped={mapped}) but the kernel (mincore) finds " \
-                                       f"{left} bytes resident: expected {mapped} (what the rollback says it kept)"
+                                       f"{left} bytes more resident: expected {mapped} (what the rollback says it kept)"
             elif before is not None:
                 left = checker.resident(dev) - before
                 assert left == mapped, f"{step} returned {f!r} (mapped={mapped}) but the driver holds {left} more " \
@@ -683,6 +692,16 @@ def test_a_full_unload_returns_the_reservation(membackend_session):
     _verify(s, dev, "full unload")
 
 
+#: device lists of machines no simulated profile is: an integrated device beside a discrete one, two of each
+ODD_MACHINES = (
+    [{"name": "integrated", "total_memory": "16GiB", "integrated": True},
+     {"name": "discrete", "total_memory": "80GiB"}],
+    [{"name": "a", "total_memory": "80GiB"}, {"name": "b", "total_memory": "80GiB", "unified": True}],
+    [{"name": "c", "total_memory": "16GiB", "integrated": True},
+     {"name": "d", "total_memory": "16GiB", "integrated": True}],
+)
+
+
 def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
     """A platform record (a backend built on membackend's virtual-memory mechanism) scores above 0 only on a
     machine that has a device of its vendor, and on every simulated machine it fits, its budget tells the
@@ -700,6 +719,11 @@ def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
         pytest.skip(f"{target} is not on a simulated machine")
     here = machine_for(load_settings())
     score = s.backend.membackend_probe(machine=here).score
+    for facts in ODD_MACHINES:  # machines no profile is: the probe answers them too, with a reason
+        odd = machine_for(load_settings(machine={"devices": [{**d, "kind": dev.kind} for d in facts]}))
+        c = s.backend.membackend_probe(machine=odd)
+        assert isinstance(c, Candidate) and c.reason, \
+            f"{target}'s probe on a machine with {facts} returned {c!r}; expected a Candidate with a reason"
     assert score == 0 or here.gpus(dev.kind), \
         f"{target}'s probe scores {score} on this machine, which has no {dev.kind} device: selected, it would " \
         "serve nothing (expected 0 with the reason)"

@@ -50,7 +50,8 @@ from .holdings import FDS, MAPS, Held, Holdings, TempWatch, device_number
 from .measure import Truth, budget_problems, host_truth, simulated_truth, tolerance_for
 
 __all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watched_session", "checker_for",
-           "Checker", "KernelWatch", "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED", "CHECKED", "UNRUN"]
+           "Checker", "KernelWatch", "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED",
+           "CHECKED", "UNRUN"]
 
 #: per target: the checks the kit could not run, each with the reason (printed in the summary)
 NOT_CHECKED: dict[str, dict[str, str]] = {}
@@ -619,7 +620,12 @@ class Checker:
             problems.append(f"ledger still holds reserved={left[0]} resident={left[1]} alive={left[2]} "
                             f"pending fences={left[3]} (expected all 0)")
         if self.has["membackend_trim"]:
-            self.pm.hook.membackend_trim(device=device)
+            held = self.inspect(device)
+            given = self.pm.hook.membackend_trim(device=device)
+            after = self.inspect(device)
+            if held is not None and after is not None and given != held.held - after.held:
+                problems.append(f"membackend_trim({device}) returned {given!r}; the driver's held bytes went from "
+                                f"{held.held} to {after.held}: expected {held.held - after.held}")
         state = self.inspect(device)
         if state is not None and (state.reserved, state.resident, state.held) != (0, 0, 0):
             trimmed = " after membackend_trim" if self.has["membackend_trim"] else " (no membackend_trim)"
