@@ -27,6 +27,7 @@ be left out of a hand-kept list.
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import re
 import threading
@@ -279,8 +280,11 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
                     pytest.skip(f"{membackend_target} cannot inject driver failures (no membackend_inject_failures)")
                 try:
                     f = s.fault(r, ps, r.size - ps)
-                except DriverError:
-                    f = None  # a failure other than out of memory is a typed error: also allowed
+                except DriverError as exc:  # a failure other than out of memory is a typed error: also allowed
+                    assert not out_of_memory(exc), \
+                        f"{step}: raised {exc!r}, an out-of-memory code; out of memory is Fault(ok=False), never an " \
+                        "error (docs/backends.md)"
+                    f = None
                 assert f is None or not f.ok, f"{step}: returned {f!r} while every driver call failed"
                 assert injected.injected > 0, f"{step}: the backend's injection reported 0 failures"
         assert _account(s, dev) == before, \
@@ -299,6 +303,19 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
     finally:
         s.close()
     checker_for(s).verify_nothing_left(dev)
+
+
+#: the platforms' own out-of-memory codes: errno's (a host or memfd backend), the CUDA driver's and HIP's names
+OUT_OF_MEMORY = ("OUT_OF_MEMORY", "OutOfMemory", "MemoryAllocation")
+
+
+def out_of_memory(exc: DriverError) -> bool:
+    """Whether a driver error's code says out of memory (ENOMEM, ENOSPC, CUDA_ERROR_OUT_OF_MEMORY,
+    hipErrorOutOfMemory, cudaErrorMemoryAllocation)."""
+    code = exc.code
+    if isinstance(code, int) and not isinstance(code, bool) and type(code) is int:
+        return code in (errno.ENOMEM, errno.ENOSPC)
+    return any(word in str(code) for word in OUT_OF_MEMORY)
 
 
 def _capacity_left(s: Session, dev: Device, capacity: int, when: str) -> None:
@@ -398,6 +415,10 @@ def test_budget_tells_the_truth(membackend_session):
     else:
         assert not problems, f"budget_query({dev}) returned {b!r}: " + "; ".join(problems)
         note(checker.target, check, None, source)
+    one_pool = dev.kind == "cpu" or bool(getattr(checker.truth(dev), "free_low", 0))
+    assert b.unified or not one_pool, \
+        f"budget_query({dev}) returned {b!r}: unified=False for memory that is one pool with the host (a cpu " \
+        "device, or an integrated one); expected unified=True, so the policy knows host copies count"
     follows = "budget follows the backend's memory"
     if dev.kind == "cpu":  # a host's free memory moves with every process: first with a capacity, exactly
         capped = build_session(checker.target, host_capacity=FOLLOW_CAPACITY)
