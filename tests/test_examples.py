@@ -165,7 +165,11 @@ def test_the_tutorials_platform_installs_from_its_blocks_and_passes_the_kit(tmp_
              "membackend.testing.conformance", "--membackend-backend", "acme_orbit:gb10-128gb",
              "--membackend-examples", "5", timeout=300)
     out = p.stdout + p.stderr
-    assert p.returncode == 0 and "not checked" not in out, out[-4000:]
+    # the one check a made-up device cannot have: no simulated machine is an Acme Orbit, so where it fits is unjudged
+    gaps = [x for x in out.splitlines() if x.startswith("membackend kit: acme_orbit:gb10-128gb: not checked:")]
+    assert p.returncode == 0 and gaps == ["membackend kit: acme_orbit:gb10-128gb: not checked: where the platform "
+                                          "fits (its probe fits none of the simulated machines (wddm-6gb, "
+                                          "rocm-win-2gpu, gb10-128gb, jetson-orin-16gb, h200))"], out[-4000:]
     summary = "membackend kit: acme_orbit:gb10-128gb: checked:"
     checked = next(line for line in out.splitlines() if line.startswith(summary))
     for check in ("ledger vs driver (membackend_inspect)", "rollback under injected driver failures"):
