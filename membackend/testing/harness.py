@@ -53,6 +53,8 @@ __all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watche
            "Checker", "KernelWatch", "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED",
            "CHECKED", "UNRUN"]
 
+#: the backends membackend builds in (no entry point to load for them)
+BUILT_IN = ("host", "vmm", "aimdo")
 #: per target: the checks the kit could not run, each with the reason (printed in the summary)
 NOT_CHECKED: dict[str, dict[str, str]] = {}
 #: per target: what each check was made against (printed in the summary)
@@ -184,7 +186,7 @@ def build_session(target: Target, *, sanitize: bool = False, observers: tuple = 
     s = load_settings(backend=name, sanitize=sanitize, **settings)
     if entry_points is None:  # only the target's own (what other installed backends hold is not the target's)
         found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        entry_points = [ep for ep in found if ep.name == name] or list(found)
+        entry_points = [ep for ep in found if ep.name == name] or ([] if name in BUILT_IN else list(found))
     manager = BackendManager(s, entry_points=entry_points)
     return watched_session(manager, target, observers=observers, report=report, baseline=baseline, temp=temp)
 
