@@ -551,7 +551,12 @@ def test_a_fresh_venv_from_the_wheels_runs_doctor_a_replay_and_the_kit_from_anot
     assert "stock reproduces the reported failure: yes" in replay, replay[-2000:]
     kit = run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "membackend.testing.conformance",
               "--membackend-backend", "host", "--membackend-examples", "5")
-    assert "membackend kit: host: checked:" in kit and "not checked" not in kit, kit[-2000:]
+    gaps = [x for x in kit.splitlines() if x.startswith("membackend kit: host: not checked:")]
+    # the one gap the host backend has by design: its injection never fails a page drop (madvise(MADV_DONTNEED)
+    # fails only on programming errors), so no free stops part-way
+    assert "membackend kit: host: checked:" in kit and gaps == [
+        "membackend kit: host: not checked: partial frees (dropped page by page) (no injected failure stopped a "
+        "free part-way in 24 tries (does membackend_inject_failures fail page drops?))"], kit[-2000:]
 
     _venv_pip(python, *(str(wheels[canonicalize_name(f"membackend-{p}")].path) for p in PLUGINS))
     found = {row["name"]: row for row in json.loads(run(cli, "backends", "--json"))["backends"]}
