@@ -60,7 +60,7 @@ from .types import (
     Fault,
     FenceToken,
     InvalidSize,
-    MembackendError,
+    ModelError,
     OutOfRange,
     PartialFailure,
     Reservation,
@@ -81,10 +81,6 @@ __all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "Unloaded"]
 GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class ModelError(MembackendError, ValueError):
-    """A model argument the residency manager cannot accept (an id, a kind, an owner, a model it does not know)."""
 
 
 def _locked(method: _F) -> _F:

@@ -59,11 +59,12 @@ from .types import (
     Device,
     Fault,
     InvalidSize,
-    MembackendError,
     Misaligned,
+    NotResident,
     Reservation,
     ReservationReleased,
     TensorAlive,
+    TorchMissing,
 )
 
 if TYPE_CHECKING:
@@ -73,14 +74,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchMissing", "NotResident", "TensorAlive", "torch_device", "tensor_at", "reservation_tensor",
            "model_tensor", "check_resident"]
-
-
-class TorchMissing(MembackendError, ImportError):
-    """torch is not installed; install membackend's ``torch`` extra."""
-
-
-class NotResident(MembackendError, ValueError):
-    """A tensor was asked for over pages that are not resident; fault them first."""
 
 
 def _torch() -> Any:

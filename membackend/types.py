@@ -25,6 +25,7 @@ given and what is accepted.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
 
@@ -59,6 +60,26 @@ __all__ = [
     "ConfigChanged",
     "DriverError",
     "SanitizerError",
+    "RuleError",
+    "AddressSpaceExhausted",
+    "AddressWindowsExhausted",
+    "ModelError",
+    "TorchMissing",
+    "NotResident",
+    "UnknownScenario",
+    "ReplayError",
+    "PluginMissing",
+    "TraceError",
+    "TraceWriteError",
+    "TimelineError",
+    "PlotUnavailable",
+    "PlotFormatError",
+    "MissingName",
+    "NotComfyUI",
+    "ForeignFolder",
+    "UnsafeLayout",
+    "CannotWrite",
+    "StartupCostError",
 ]
 
 DEVICE_KINDS = ("cpu", "cuda", "hip")
@@ -230,6 +251,123 @@ class PartialFailure(MembackendError):
 
 class SanitizerError(MembackendError):
     """Sanitize mode caught a use of memory that would be unsafe (G1/G2)."""
+
+
+# ------------------------------------------------------- errors of the policy, the replays and the ComfyUI adapter
+# Every error a caller can meet is here, under MembackendError, one class per meaning; the module that raises
+# one imports it from here.
+
+
+class RuleError(MembackendError, ValueError):
+    """A value a setting's rule refuses (``membackend.platform``'s ``size``, ``flag``, ``seconds``, a
+    platform's own parser). ``path`` names the part of a table that is wrong (``("devices", 0, "kind")``;
+    empty for the value itself) and ``accepted``, when given, says what that part accepts. The settings turn
+    it into a :class:`ConfigError` naming the key and where the value came from."""
+
+    def __init__(self, message: str, path: tuple[Any, ...] = (), accepted: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = tuple(path)
+        self.accepted = accepted
+
+
+class AddressSpaceExhausted(MembackendError, MemoryError):
+    """A reservation would pass the platform's per-process GPU address quota."""
+
+
+class AddressWindowsExhausted(AddressSpaceExhausted):
+    """A large reservation under a reserve-churn limit that no kept window holds and no new window may serve:
+    the platform allows no more large frees, so a new window could never be given back within the bound,
+    or the driver refused the new window (its error is the cause). Out of memory, nothing changed:
+    unloading a model puts its window back for reuse."""
+
+
+class ModelError(MembackendError, ValueError):
+    """A model argument the residency manager cannot accept (an id, a kind, an owner, a model it does not know)."""
+
+
+class TorchMissing(MembackendError, ImportError):
+    """torch is not installed in the Python that needs it (a tensor view of a reservation, or the start-up
+    cost measured against torch's); the message names that Python and says to install membackend's
+    ``torch`` extra."""
+
+
+class NotResident(MembackendError, ValueError):
+    """A tensor was asked for over pages that are not resident; fault them first."""
+
+
+class UnknownScenario(MembackendError, ValueError):
+    """A scenario name that is not built in (the message lists the built-in ones)."""
+
+
+class ReplayError(MembackendError, ValueError):
+    """A replay that cannot run as asked (the message says why and what is accepted)."""
+
+
+class PluginMissing(ReplayError):
+    """The plugin a scenario compares with is not installed; the message says how to install it."""
+
+
+class TraceError(MembackendError, ValueError):
+    """A trace that cannot be replayed: the message names the file, the line and what was wrong,
+    and says what is accepted."""
+
+
+class TraceWriteError(MembackendError, OSError):
+    """A trace file that cannot be written (a full disk, no permission, a read-only file system).
+
+    ``TraceWriteError(path, cause, shown=None)``: ``errno`` and ``filename`` are the failed write's
+    (``cause``); the message names the file as ``shown`` (default: ``path`` itself). Nothing of the run
+    that was recording is left alive."""
+
+    def __init__(self, path: str | os.PathLike[str], cause: OSError, shown: str | None = None):
+        reason = cause.strerror or str(cause) or type(cause).__name__
+        super().__init__(cause.errno, reason, os.fspath(path))
+        self.message = (f"cannot write the trace {shown or os.fspath(path)!r}: {reason}; accepted: a file in a "
+                        "folder this process may write to, on a disk with room for it")
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class TimelineError(MembackendError, ValueError):
+    """A tally the timeline cannot take (an unknown name, a value that is not a count, a total that fell)."""
+
+
+class PlotUnavailable(MembackendError, RuntimeError):
+    """A matplotlib format was asked for and matplotlib is not installed."""
+
+
+class PlotFormatError(MembackendError, ValueError):
+    """The output path's suffix names no format the replay's pictures can write."""
+
+
+class MissingName(MembackendError, LookupError):
+    """A name the ComfyUI adapter patches does not exist in this ComfyUI / comfy-aimdo."""
+
+
+class NotComfyUI(MembackendError, ValueError):
+    """The folder given to ``membackend comfyui install`` is not a ComfyUI checkout; nothing was written or
+    removed."""
+
+
+class ForeignFolder(MembackendError, ValueError):
+    """``custom_nodes/membackend`` holds a file of ours by name that ``membackend comfyui install`` did not
+    write; nothing was written or removed."""
+
+
+class UnsafeLayout(MembackendError, ValueError):
+    """A symbolic link, or a file where a folder belongs (or the reverse), where install/uninstall would
+    write or delete; nothing was written or removed."""
+
+
+class CannotWrite(MembackendError, OSError):
+    """A path under ``custom_nodes`` could not be read, written or removed; the message names it and says
+    what, if anything, was changed."""
+
+
+class StartupCostError(MembackendError, RuntimeError):
+    """The adapter's start-up cost cannot be measured here; the message says why."""
 
 
 # --------------------------------------------------------------------------- values

@@ -86,6 +86,8 @@ from .._drivers.open import LazyDriver, machine_for, resolve_vendor
 from ..hookspec import hookimpl
 from ..platform import CHURN_MARGIN, GENERIC, KEPT_WINDOWS_PER_DEVICE, Platform
 from ..types import (
+    AddressSpaceExhausted,
+    AddressWindowsExhausted,
     Budget,
     Candidate,
     Capabilities,
@@ -94,7 +96,6 @@ from ..types import (
     DriverState,
     Fault,
     Machine,
-    MembackendError,
     Reservation,
     Score,
     WrongDevice,
@@ -107,17 +108,6 @@ __all__ = ["VmmBackend", "AddressSpaceExhausted", "AddressWindowsExhausted", "Ke
 
 MiB, GiB = 1 << 20, 1 << 30
 NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
-
-
-class AddressSpaceExhausted(MembackendError, MemoryError):
-    """A reservation would pass the platform's per-process GPU address quota."""
-
-
-class AddressWindowsExhausted(AddressSpaceExhausted):
-    """A large reservation under a reserve-churn limit that no kept window holds and no new window may serve:
-    the platform allows no more large frees, so a new window could never be given back within the bound,
-    or the driver refused the new window (its error is the cause). Out of memory, nothing changed:
-    unloading a model puts its window back for reuse."""
 
 
 @dataclass(frozen=True)

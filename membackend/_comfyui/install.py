@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..types import MembackendError
+from ..types import CannotWrite, ForeignFolder, NotComfyUI, UnsafeLayout
 
 __all__ = ["NotComfyUI", "ForeignFolder", "UnsafeLayout", "CannotWrite", "Outcome", "install", "uninstall",
            "is_comfyui", "NODE_DIR", "MARKER"]
@@ -55,25 +55,6 @@ PYCACHE = "__pycache__"
 # link itself, never on what it points to.
 _READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-
-
-class NotComfyUI(MembackendError, ValueError):
-    """The folder given is not a ComfyUI checkout; nothing was written or removed."""
-
-
-class ForeignFolder(MembackendError, ValueError):
-    """``custom_nodes/membackend`` holds a file of ours by name that ``membackend comfyui install`` did not
-    write; nothing was written or removed."""
-
-
-class UnsafeLayout(MembackendError, ValueError):
-    """A symbolic link, or a file where a folder belongs (or the reverse), where install/uninstall would
-    write or delete; nothing was written or removed."""
-
-
-class CannotWrite(MembackendError, OSError):
-    """A path under ``custom_nodes`` could not be read, written or removed; the message names it and says
-    what, if anything, was changed."""
 
 
 @dataclass(frozen=True)

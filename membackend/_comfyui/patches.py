@@ -14,17 +14,13 @@ import logging
 import threading
 from typing import Any
 
-from ..types import MembackendError
+from ..types import MissingName
 
 log = logging.getLogger("membackend")
 
 __all__ = ["MissingName", "Patches"]
 
 _ABSENT = object()
-
-
-class MissingName(MembackendError, LookupError):
-    """A name the adapter patches does not exist in this ComfyUI / comfy-aimdo."""
 
 
 def _label(obj: Any, name: str) -> str:

@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..types import MembackendError
+from ..types import StartupCostError, TorchMissing
 
 __all__ = ["measure_startup", "format_startup", "StartupCostError", "TorchMissing", "TARGET"]
 
@@ -74,14 +74,6 @@ ADAPTER = """if True:
                       "started": bool(started), "aborted": aborted}))
 """
 SIDES = ("torch", "adapter, auto", "adapter, started", "torch, after prestartup")
-
-
-class StartupCostError(MembackendError, RuntimeError):
-    """The start-up cost cannot be measured here; the message says why."""
-
-
-class TorchMissing(StartupCostError):
-    """torch is not installed in this Python: there is nothing to compare the adapter with."""
 
 
 def _env(extra: dict[str, str], pycache: str | None) -> dict[str, str]:

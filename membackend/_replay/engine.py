@@ -39,10 +39,10 @@ from .._residency import ResidencyManager
 from .._session import Session
 from .._settings import load_settings
 from .._trace import TraceObserver
-from ..types import Device, MembackendError
+from ..types import Device, MembackendError, PluginMissing, ReplayError, TraceError, TraceWriteError
 from .stock import AimdoLoadPolicy, AimdoStockVmm
 from .timeline import Marker, Sample, Timeline
-from .traceformat import Trace, TraceError, TraceWriteError
+from .traceformat import Trace, shown_path
 
 __all__ = ["SideResult", "ReplayError", "run_side", "check_plugin", "SIDES", "PluginMissing", "MAX_SAMPLES_PER_DEVICE",
            "PROGRESS_EVERY"]
@@ -54,14 +54,6 @@ SIDES = ("stock", "plugin")
 MAX_SAMPLES_PER_DEVICE = 20_000
 #: a side's ``progress`` callback is called after every this many events (and once at the end)
 PROGRESS_EVERY = 10_000
-
-
-class ReplayError(MembackendError, ValueError):
-    """A replay that cannot run as asked (the message says why and what is accepted)."""
-
-
-class PluginMissing(ReplayError):
-    """The plugin a scenario compares with is not installed; the message says how to install it."""
 
 
 @dataclass
@@ -394,7 +386,7 @@ class _RecordingTracer(TraceObserver):
         try:
             super().__init__(path, **header)  # nothing is left open when it raises
         except OSError as exc:  # the file cannot be opened (a FIFO nobody reads), or its header not written
-            raise TraceWriteError(path, exc) from None
+            raise TraceWriteError(path, exc, shown_path(path)) from None
 
     def _stopped(self, exc: OSError) -> None:
         pass  # run_side raises TraceWriteError once everything is released
@@ -408,7 +400,7 @@ def _fresh_record_path(record: str) -> Path:
         if path.is_symlink() or path.is_file():
             path.unlink()
     except OSError as exc:
-        raise TraceWriteError(path, exc) from None
+        raise TraceWriteError(path, exc, shown_path(path)) from None
     return path
 
 
@@ -505,7 +497,7 @@ def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = Non
                 Path(record).unlink()
         except OSError:
             pass
-        raise TraceWriteError(record, tracer.failed)
+        raise TraceWriteError(record, tracer.failed, shown_path(record))
     return result
 
 

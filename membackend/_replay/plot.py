@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ..types import MembackendError
+from ..types import PlotFormatError, PlotUnavailable
 from .timeline import TALLY_MARKERS, Marker, Sample, Timeline
 
 __all__ = [
@@ -122,14 +122,6 @@ TICK_MIN_SHARE = 0.07  # of the x axis: the least room between two step tick lab
 MAX_LANES = 4  # rows of marker labels above a panel; a label that fits in none is left out
 HEADROOM = 1.08  # the y scale over the largest value
 RUG_HEADROOM = 1.3  # ... where a row of crosses runs along the top
-
-
-class PlotUnavailable(MembackendError, RuntimeError):
-    """A matplotlib format was asked for and matplotlib is not installed."""
-
-
-class PlotFormatError(MembackendError, ValueError):
-    """The output path's suffix names no format :func:`write_plot` can write."""
 
 
 def write_plot(

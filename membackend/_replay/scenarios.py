@@ -14,15 +14,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..types import MembackendError
+from ..types import UnknownScenario
 
 __all__ = ["Scenario", "SCENARIOS", "get_scenario", "UnknownScenario", "layered_run"]
 
 MiB, GiB, GB = 1 << 20, 1 << 30, 10**9
-
-
-class UnknownScenario(MembackendError, ValueError):
-    """A scenario name that is not built in (the message lists the built-in ones)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from .._backends.vmm import VmmBackend
 from .._drivers.open import simulated_failures
 from ..platform import Platform
 from .._residency import ResidencyManager, Model, _Slot, _locked
-from ..types import Candidate, Capabilities, Score
+from ..types import Candidate, Capabilities, Device, Score
 
 if TYPE_CHECKING:
     from .._session import Session

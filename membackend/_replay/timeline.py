@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..types import MembackendError
+from ..types import TimelineError
 
 __all__ = ["Sample", "Marker", "Timeline", "TimelineError", "TALLY_MARKERS"]
 
@@ -28,10 +28,6 @@ TALLY_MARKERS = {
     "raced_frees": "raced_free",  # an unmap or release the simulated driver saw race pending work
     "oom": "oom",  # faults that found no memory (the layer was streamed)
 }
-
-
-class TimelineError(MembackendError, ValueError):
-    """A tally the timeline cannot take (an unknown name, a value that is not a count, a total that fell)."""
 
 
 @dataclass(frozen=True)

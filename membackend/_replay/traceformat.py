@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .._trace import TRACE_FORMAT, TRACE_VERSION, trace_header
-from ..types import MembackendError
+from ..types import TraceError, TraceWriteError
 
 __all__ = ["TraceError", "TraceWriteError", "Trace", "TraceEvents", "WORKLOAD_EVENTS", "MAX_LINE_BYTES",
            "MAX_COUNT", "MAX_SHOWN", "HEADER_MACHINE_FIELDS", "parse_lines", "read_trace", "write_trace",
@@ -74,27 +74,6 @@ HEADER_MACHINE_FIELDS = {
 
 #: header fields that hold a name (or null)
 _HEADER_NAMES = ("scenario", "sim_profile", "backend", "membackend")
-
-
-class TraceError(MembackendError, ValueError):
-    """A trace that cannot be replayed: the message names the file, the line and what was wrong,
-    and says what is accepted."""
-
-
-class TraceWriteError(MembackendError, OSError):
-    """A trace file that cannot be written (a full disk, no permission, a read-only file system).
-
-    ``errno`` and ``filename`` are the failed write's; the message names the file. Nothing of the
-    run that was recording is left alive (see ``membackend._replay.engine.run_side``)."""
-
-    def __init__(self, path: str | Path, cause: OSError):
-        reason = cause.strerror or str(cause) or type(cause).__name__
-        super().__init__(cause.errno, reason, str(path))
-        self.message = (f"cannot write the trace {shown_path(path)!r}: {reason}; accepted: a file in a folder this "
-                        "process may write to, on a disk with room for it")
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def shown_path(path: str | os.PathLike[str], limit: int = MAX_SHOWN) -> str:
@@ -516,5 +495,5 @@ def write_trace(path: str | Path, events: Iterable[dict[str, Any]], **header: An
             for e in events:
                 f.write(json.dumps({"policy": "workload", **e}, default=str) + "\n")
     except OSError as exc:
-        raise TraceWriteError(p, exc) from None
+        raise TraceWriteError(p, exc, shown_path(p)) from None
     return p

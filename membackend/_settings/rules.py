@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from ..types import DEVICE_KINDS
+from ..types import DEVICE_KINDS, RuleError
 
 __all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "SIZE_MAX", "QUOTE_LIMIT", "format_bytes", "size",
            "flag", "name", "seconds",
@@ -55,17 +55,6 @@ PAGE_MAX = 1 << 30  # the largest page: Linux's largest huge page; a larger one 
 #: the host backend's page size when the ``page_size`` setting is not given
 HOST_PAGE_SIZE = 2 << 20
 OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-class RuleError(ValueError):
-    """A value a rule refuses. ``path`` names the part of a table that is wrong (``("devices", 0, "kind")``;
-    empty for the value itself) and ``accepted``, when given, says what that part accepts."""
-
-    def __init__(self, message: str, path: tuple[Any, ...] = (), accepted: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.path = tuple(path)
-        self.accepted = accepted
 
 
 def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
