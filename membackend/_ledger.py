@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import traceback
 from dataclasses import dataclass
+from typing import Mapping
 
 from .types import Device, FenceToken, Reservation, ReservationReleased, SanitizerError
 
@@ -62,6 +63,9 @@ class Ledger:
         self.sanitize = sanitize
         self._devices: dict[Device, DeviceAccount] = {}
         self._resident: dict[int, int] = {}  # reservation id -> resident bytes; its keys are the live ids
+        #: reservation id -> resident bytes; read-only, for the session's hot path (a value changes only under
+        #: that reservation's gate, by the session's verbs on it)
+        self.resident_by_id: Mapping[int, int] = self._resident
         self._pending: dict[int, tuple[Device, list[FenceToken]]] = {}  # reservation id -> (device, tokens)
         #: ids of reservations with recorded tokens; read-only, for cheap membership tests
         self.pending_ids = self._pending.keys()

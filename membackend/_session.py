@@ -16,6 +16,7 @@ answer in the backend's place, so it is refused.
 from __future__ import annotations
 
 import functools
+import contextlib
 import inspect
 import itertools
 import logging
@@ -23,7 +24,7 @@ import operator
 import threading
 from collections import Counter
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, NoReturn
+from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 import pluggy
 
@@ -91,6 +92,65 @@ def _int(value: Any, what: str, accepted: str) -> int:
                       f"accepted: {accepted}")
 
 
+class _Permits:
+    """The mutexes of a session's reservations: one *permit* each, a list holding ``True`` while it is free.
+
+    Why not a ``threading.Lock`` per reservation: ``acquire()`` plus ``release()`` cost about as much as every
+    other check of ``Session.fault`` together (they parse their arguments on every call), and the hot verbs
+    are meant to cost little more than the backend's own method. Taking a permit is ``permit.pop()``,
+    giving it back ``permit.append(True)``: each is atomic (one operation on a built-in list, under the
+    interpreter's lock or, on a free-threaded build, the list's own), and the hot verbs inline both.
+
+    A thread that finds a permit taken calls :meth:`wait`: under the condition it counts itself in
+    :attr:`waiting` *before* it tries again; a releaser looks at :attr:`waiting` *after* it put the permit
+    back and, when anyone waits, calls :meth:`wake`. Either the waiter's retry finds the permit or the
+    releaser sees the waiter and wakes it: no wake-up is lost. Not reentrant; only the holder releases.
+    """
+
+    __slots__ = ("waiting", "_cond")
+
+    def __init__(self) -> None:
+        #: id(permit) -> how many threads wait for it; empty (false) while nobody waits
+        self.waiting: dict[int, int] = {}
+        self._cond = threading.Condition(threading.Lock())
+
+    def wait(self, permit: list[bool]) -> None:
+        """Block until this thread took ``permit`` (the slow part of an acquire)."""
+        key = id(permit)
+        with self._cond:
+            self.waiting[key] = self.waiting.get(key, 0) + 1
+            try:
+                while True:
+                    try:
+                        permit.pop()
+                        return
+                    except IndexError:
+                        self._cond.wait()
+            finally:
+                if self.waiting[key] == 1:
+                    del self.waiting[key]
+                else:
+                    self.waiting[key] -= 1
+
+    def wake(self) -> None:
+        """Wake the waiters (the slow part of a release; each retries its own permit)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def held(self, permit: list[bool]) -> Iterator[None]:
+        """``with permits.held(permit):`` -- the permit taken for the block, as ``with lock:`` would."""
+        try:
+            permit.pop()
+        except IndexError:
+            self.wait(permit)
+        try:
+            yield
+        finally:
+            permit.append(True)
+            if self.waiting:
+                self.wake()
+
 class Session:
     """Bound to exactly one backend; see the module docstring for the guarantees.
 
@@ -151,6 +211,7 @@ class Session:
         self.machine = machine
         self.ledger = ledger or Ledger()
         self._pending_ids = self.ledger.pending_ids  # membership tests on the hot path
+        self._resident_by_id = self.ledger.resident_by_id
         self._sanitize = self.ledger.sanitize
         if headroom is not None:
             headroom = _int(headroom, "the headroom setting", "an int >= 0, or None")
@@ -169,8 +230,10 @@ class Session:
         observers = list(observers)
         if tracer is not None and not any(o is tracer for o in observers):
             observers.append(tracer)
-        #: live reservations of this session -> the lock that serialises verbs on each
-        self._live: dict[Reservation, threading.Lock] = {}
+        #: live reservations of this session -> the permit (see _Permits) that serialises verbs on each
+        self._live: dict[Reservation, list[bool]] = {}
+        self._permits = _Permits()
+        self._waiting = self._permits.waiting  # looked at by every release on the hot path
         #: reservations with (or recently with) live tensor views -> {view key: (offset, end)}; an entry is
         #: added under the reservation's lock, removed without any lock by the finalizer of the tensor's storage
         self._views: dict[Reservation, dict[int, tuple[int, int]]] = {}
@@ -218,6 +281,9 @@ class Session:
         self.observers = list(observers)
         for attr, fn in bound.items():
             setattr(self, attr, fn)
+        self._hot = self._hot_verbs()
+        for verb, fn in self._hot.items():  # the instance's own: no bound method is made per call
+            setattr(self, verb, fn)
 
     @staticmethod
     def _through(caller: Any, argnames: tuple[str, ...]) -> Callable[..., Any]:
@@ -257,9 +323,10 @@ class Session:
             f"{verb}: reservation #{r.id} ({r.device}) was handed out by another session of backend "
             f"{self.name!r}; nothing was changed. Accepted: reservations this session reserved and has not released")
 
-    def _lock_of(self, r: Any, verb: str) -> threading.Lock:
+    def _lock_of(self, r: Any, verb: str) -> contextlib.AbstractContextManager[None]:
+        """What ``with`` takes to hold ``r``'s permit; the typed error for a reservation not alive here."""
         try:
-            return self._live[r]
+            return self._permits.held(self._live[r])
         except (KeyError, TypeError):
             self._refuse(r, verb)
 
@@ -307,83 +374,123 @@ class Session:
                     or r.size % r.page_size or r.backend != self.name or r.released:
                 raise PluginError(f"backend {self.name!r} broke the contract: reserve({device}, {size}) returned {r!r}")
             self.ledger.on_reserve(r)
-            self._live[r] = threading.Lock()
+            self._live[r] = [True]
         except BaseException:
             self._give_back(r)
             raise
         return r
 
     def fault(self, reservation: Reservation, offset: int, size: int) -> Fault:
-        """Back every page of the range; ``Fault.ok`` false is out of memory (nothing changed)."""
-        try:
-            lock = self._live[reservation]
-        except (KeyError, TypeError):
-            self._refuse(reservation, "fault")
-        if offset.__class__ is not int or size.__class__ is not int or size <= 0 or offset < 0 \
-                or offset + size > reservation.size:
-            offset, size = self._range(reservation, offset, size)
-        lock.acquire()  # acquire/release: a `with` block cost twice as much on the hot path
-        try:
-            if reservation.released:  # released by another thread while this one waited
-                self.ledger.check_alive(reservation, "fault")
-            try:
-                f = self._fault(reservation, offset, size)
-            except Exception as exc:
-                if (untyped := self._failed("fault", exc, reservation)) is None:
-                    raise
-                raise untyped from exc
-            if f.mapped:
-                self.ledger.on_fault(reservation, f.mapped)
-        finally:
-            lock.release()
-        return f
+        """Back every page of the range; ``Fault.ok`` false is out of memory (nothing changed).
+
+        Each session answers this from the closure :meth:`_hot_verbs` made for it (an attribute of the
+        instance); this method is what ``Session.fault(session, ...)`` reaches."""
+        return self._hot["fault"](reservation, offset, size)  # type: ignore[no-any-return]
 
     def free(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
         """Fence, then drop the resident pages of a page-aligned range (default: all). Returns bytes dropped.
 
-        ``TensorAlive`` (nothing changed) while a tensor from ``membackend._tensors`` views the range."""
-        try:
-            lock = self._live[reservation]
-        except (KeyError, TypeError):
-            self._refuse(reservation, "free")
-        if size is None:
-            if offset.__class__ is not int:
-                offset = _int(offset, "offset", f"an int from 0 to {reservation.size - 1}")
-            if not 0 <= offset < reservation.size:
-                raise OutOfRange(f"offset {offset} is outside reservation #{reservation.id} of {reservation.size} "
-                                 f"bytes; accepted: 0 <= offset < {reservation.size}")
-            size = reservation.size - offset
-        if offset.__class__ is not int or size.__class__ is not int or size <= 0 or offset < 0 \
-                or offset + size > reservation.size:
-            offset, size = self._range(reservation, offset, size)
-        ps = reservation.page_size
-        end = offset + size
-        if offset % ps or end % ps:
-            if offset % ps or end < reservation.requested:
-                raise Misaligned(f"free range [{offset}, {end}) must start on a page boundary and end on one "
-                                 f"(or at the end of the reservation); page size {ps}")
-            size = reservation.size - offset  # the tail page holds only this caller's bytes
-        lock.acquire()
-        try:
-            if reservation.released:
-                self.ledger.check_alive(reservation, "free")
-            if reservation in self._views:
-                self._check_views(reservation, offset, size, "free")
-            if reservation.id in self._pending_ids:
-                self._wait_tokens(reservation)
-            if self._sanitize:
-                self.ledger.check_quiet(reservation, "free")
+        ``TensorAlive`` (nothing changed) while a tensor from ``membackend._tensors`` views the range. A
+        reservation the ledger holds no resident byte of has nothing to drop: after the checks and the fence
+        the free returns 0 without calling the backend. Answered like :meth:`fault`."""
+        return self._hot["free"](reservation, offset, size)  # type: ignore[no-any-return]
+
+    def _hot_verbs(self) -> dict[str, Callable[..., Any]]:
+        """``fault`` and ``free`` as closures over what they use, made by :meth:`_bind` for the verbs as bound.
+
+        Why closures: the hot verbs are meant to cost little more than the backend's own method, and every
+        attribute of the session they read on each call was a measurable part of what they cost over it
+        (``membackend bench``; ``docs/performance.md``). Each check is the one the session makes anywhere:
+        the reservation alive here, the arguments, the permit (:class:`_Permits`), G2's fence before a free,
+        the ledger.
+        """
+        live, permits, waiting, ledger = self._live, self._permits, self._waiting, self.ledger
+        views, pending_ids, resident_by_id, sanitize = self._views, self._pending_ids, self._resident_by_id, \
+            self._sanitize
+        backend_fault, backend_free, refuse, in_range, failed = self._fault, self._free, self._refuse, \
+            self._range, self._failed
+
+        def fault(reservation: Reservation, offset: int, size: int) -> Fault:
             try:
-                dropped = self._free(reservation, offset, size)
-            except Exception as exc:
-                if (untyped := self._failed("free", exc, reservation)) is None:
-                    raise
-                raise untyped from exc
-            if dropped:
-                self.ledger.on_free(reservation, dropped)
-        finally:
-            lock.release()
-        return dropped
+                permit = live[reservation]
+            except (KeyError, TypeError):
+                refuse(reservation, "fault")
+            if not (offset.__class__ is int and size.__class__ is int and 0 <= offset < offset + size
+                    <= reservation.size):
+                offset, size = in_range(reservation, offset, size)
+            try:  # take the permit, inlined (see _Permits)
+                permit.pop()
+            except IndexError:
+                permits.wait(permit)
+            try:
+                if reservation.released:  # released by another thread while this one waited
+                    ledger.check_alive(reservation, "fault")
+                try:
+                    f: Fault = backend_fault(reservation, offset, size)
+                except Exception as exc:
+                    if (untyped := failed("fault", exc, reservation)) is None:
+                        raise
+                    raise untyped from exc
+                if f.mapped:
+                    ledger.on_fault(reservation, f.mapped)
+            finally:
+                permit.append(True)  # give it back, inlined
+                if waiting:
+                    permits.wake()
+            return f
+
+        def free(reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
+            try:
+                permit = live[reservation]
+            except (KeyError, TypeError):
+                refuse(reservation, "free")
+            if size is None:
+                if offset.__class__ is not int:
+                    offset = _int(offset, "offset", f"an int from 0 to {reservation.size - 1}")
+                if not 0 <= offset < reservation.size:
+                    raise OutOfRange(f"offset {offset} is outside reservation #{reservation.id} of "
+                                     f"{reservation.size} bytes; accepted: 0 <= offset < {reservation.size}")
+                size = reservation.size - offset
+            if not (offset.__class__ is int and size.__class__ is int and 0 <= offset < offset + size
+                    <= reservation.size):
+                offset, size = in_range(reservation, offset, size)
+            ps = reservation.page_size
+            end = offset + size
+            if offset % ps or end % ps:
+                if offset % ps or end < reservation.requested:
+                    raise Misaligned(f"free range [{offset}, {end}) must start on a page boundary and end on one "
+                                     f"(or at the end of the reservation); page size {ps}")
+                size = reservation.size - offset  # the tail page holds only this caller's bytes
+            try:  # take the permit, inlined (see _Permits)
+                permit.pop()
+            except IndexError:
+                permits.wait(permit)
+            try:
+                if reservation.released:
+                    ledger.check_alive(reservation, "free")
+                if reservation in views:
+                    self._check_views(reservation, offset, size, "free")
+                if reservation.id in pending_ids:
+                    self._wait_tokens(reservation)
+                if sanitize:
+                    ledger.check_quiet(reservation, "free")
+                if not resident_by_id.get(reservation.id):
+                    return 0  # the ledger holds no byte of it resident: nothing for the backend to drop
+                try:
+                    dropped: int = backend_free(reservation, offset, size)
+                except Exception as exc:
+                    if (untyped := failed("free", exc, reservation)) is None:
+                        raise
+                    raise untyped from exc
+                if dropped:
+                    ledger.on_free(reservation, dropped)
+            finally:
+                permit.append(True)  # give it back, inlined
+                if waiting:
+                    permits.wake()
+            return dropped
+
+        return {"fault": fault, "free": free}
 
     def release_reservation(self, reservation: Reservation) -> int:
         """Fence, drop every page and return the address range; the reservation is dead afterwards.
@@ -512,10 +619,10 @@ class Session:
             raise WrongDevice("fence needs a device or a reservation")
         device = self._device(device)
         errors: list[BaseException] = []
-        for r, lock in list(self._live.items()):
+        for r, permit in list(self._live.items()):
             if r.device != device or not self._may_have_work(r):
                 continue
-            with lock:
+            with self._permits.held(permit):
                 if not r.released:
                     try:
                         self._wait_tokens(r)

@@ -737,3 +737,176 @@ def test_bad_inputs_are_typed_and_say_what_is_accepted(session_and_reservation, 
     with pytest.raises(error, match=match):
         call(s, r)
     assert (s.ledger.account(CPU), s.ledger.resident(r), resident_bytes(r.base, r.size)) == before
+
+
+# --------------------------------------------------------------------------- the permits (the reservations' mutexes)
+
+
+def test_a_permit_excludes_every_other_holder_under_contention():
+    """Eight threads each add to a total 3,000 times through a read, a switch of threads and a write: only
+    mutual exclusion keeps every addition. Half take the permit inlined (as the hot verbs do), half through
+    ``held``, and the switch interval is as short as it goes, so waits and wake-ups happen thousands of times."""
+    import sys
+
+    from membackend._session import _Permits
+
+    permits, permit, total = _Permits(), [True], [0]
+
+    def inlined() -> None:
+        for _ in range(3000):
+            try:
+                permit.pop()
+            except IndexError:
+                permits.wait(permit)
+            try:
+                seen = total[0]
+                threading.Event().wait(0) if seen % 7 == 0 else None  # let another thread in, holding it
+                total[0] = seen + 1
+            finally:
+                permit.append(True)
+                if permits.waiting:
+                    permits.wake()
+
+    def with_block() -> None:
+        for _ in range(3000):
+            with permits.held(permit):
+                seen = total[0]
+                threading.Event().wait(0) if seen % 5 == 0 else None
+                total[0] = seen + 1
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=inlined if i % 2 else with_block) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(before)
+    assert not any(t.is_alive() for t in threads)
+    assert total[0] == 8 * 3000
+    assert permit == [True] and permits.waiting == {}  # given back, nobody left counted as waiting
+
+
+def test_a_thread_waiting_for_a_permit_is_woken_by_its_release():
+    from membackend._session import _Permits
+
+    permits, permit = _Permits(), [True]
+    permit.pop()  # held by this thread
+    got = threading.Event()
+
+    def waiter() -> None:
+        permits.wait(permit)
+        got.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    while not permits.waiting:  # the waiter counted itself and sleeps on the condition
+        threading.Event().wait(0.001)
+    assert not got.wait(0.05)
+    permit.append(True)
+    if permits.waiting:
+        permits.wake()
+    assert got.wait(10)
+    t.join(10)
+    assert permit == [] and permits.waiting == {}  # the waiter holds it now
+
+
+class Overlap(HostBackend):
+    """A backend that notes when two verbs run on one reservation at the same time (the session must never
+    let that happen: a backend is only safe for concurrent calls on different reservations)."""
+
+    def __init__(self):
+        super().__init__(page_size=64 * 1024)
+        self.inside: dict[int, int] = {}
+        self.overlaps = 0
+
+    def _enter(self, r):
+        self.inside[r.id] = self.inside.get(r.id, 0) + 1
+        if self.inside[r.id] > 1:
+            self.overlaps += 1
+        threading.Event().wait(0)  # give another thread the chance to come in
+
+    @hookimpl
+    def membackend_fault(self, reservation, offset, size):
+        self._enter(reservation)
+        try:
+            return super().membackend_fault(reservation, offset, size)
+        finally:
+            self.inside[reservation.id] -= 1
+
+    @hookimpl
+    def membackend_free(self, reservation, offset, size):
+        self._enter(reservation)
+        try:
+            return super().membackend_free(reservation, offset, size)
+        finally:
+            self.inside[reservation.id] -= 1
+
+
+def test_verbs_on_one_reservation_never_overlap_in_the_backend_under_contention():
+    import sys
+
+    backend = Overlap()
+    s = Session(backend, machine=gather_machine())
+    r = s.reserve("cpu", 1 * MiB)
+    page = 64 * 1024
+    errors: list[BaseException] = []
+
+    def churn(i: int) -> None:
+        try:
+            for n in range(400):
+                off = ((i + n) % 16) * page
+                assert s.fault(r, off, page).ok
+                s.free(r, off, page)
+                with s._permits.held(s._live[r]):  # a third way in: what fence and release take
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=churn, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(before)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert backend.overlaps == 0
+    assert s.ledger.resident(r) == backend.resident  # the ledger kept matching the backend
+    s.close()
+
+
+def test_a_free_of_a_reservation_with_nothing_resident_skips_the_backend_but_not_the_fence():
+    calls = []
+
+    class Counting(HostBackend):
+        @hookimpl
+        def membackend_free(self, reservation, offset, size):
+            calls.append((offset, size))
+            return super().membackend_free(reservation, offset, size)
+
+    s = Session(Counting(page_size=2 * MiB), machine=gather_machine())
+    r = s.reserve("cpu", 8 * MiB)
+    waited = []
+
+    class Token:
+        def done(self):
+            return bool(waited)
+
+        def wait(self):
+            waited.append(True)
+
+    s.record(r, Token())
+    assert s.free(r, 2 * MiB, 2 * MiB) == 0
+    assert waited == [True] and calls == []  # fenced first (G2); nothing resident: the backend was not asked
+    with pytest.raises(OutOfRange):
+        s.free(r, 0, 9 * MiB)  # the checks are the same
+    s.fault(r, 0, 2 * MiB)
+    assert s.free(r, 0, 4 * MiB) == 2 * MiB and calls == [(0, 4 * MiB)]  # something resident: the backend frees
+    assert s.free(r) == 0 and calls == [(0, 4 * MiB)]
+    s.close()
