@@ -36,13 +36,56 @@ telemetry) add ``wrapper=True`` hookimpls of the same names; any other
 observer hookimpl is refused.
 
 All sizes are bytes; offsets are relative to the reservation's base.
+
+The whole contract is this module: the hook specifications below (each with
+its pre- and post-conditions, its errors and a short example), :class:`Backend`
+(a ``typing.Protocol`` of what every backend has: check a class against it
+with a type checker, ``backend: Backend = MyBackend()``, or at run time with
+``isinstance(obj, Backend)``, which looks at the names only) and
+:class:`OptionalHooks` (the four hooks a backend may add:
+``membackend_trim``, ``membackend_inspect``, ``membackend_inject_failures``,
+``membackend_close``). The conformance kit (:mod:`membackend.testing`) checks
+what the types cannot: the behaviour.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import pluggy
 
-from .types import Budget, Candidate, Device, DriverState, FailureInjection, Fault, Machine, Reservation
+from .types import (
+    Budget,
+    Candidate,
+    Device,
+    DriverState,
+    FailureInjection,
+    Fault,
+    Machine,
+    Reservation,
+)
+
+__all__ = [
+    "PROJECT",
+    "hookspec",
+    "hookimpl",
+    "VERBS",
+    "HOOKS",
+    "OPTIONAL_HOOKS",
+    "Backend",
+    "OptionalHooks",
+    "membackend_probe",
+    "membackend_reserve",
+    "membackend_fault",
+    "membackend_free",
+    "membackend_release_reservation",
+    "membackend_fence",
+    "membackend_budget_query",
+    "membackend_trim",
+    "membackend_close",
+    "membackend_inspect",
+    "membackend_inject_failures",
+]
 
 PROJECT = "membackend"
 
@@ -74,7 +117,16 @@ def membackend_probe(machine: Machine) -> Candidate:
     does not fit, and ``reason`` says why in words a user can act on.
     Errors: an exception here (or not answering within the ``probe_timeout``
     setting) marks the plugin broken; it is logged and skipped.
+
+    Example::
+
+        @hookimpl
+        def membackend_probe(self, machine):
+            if not any(d.device.kind == "cuda" for d in machine.devices):
+                return Candidate(self.name, Score.NONE, "no CUDA device")
+            return Candidate(self.name, 30, "a CUDA device; its own mechanism")
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -86,7 +138,17 @@ def membackend_reserve(device: Device, size: int) -> Reservation:
     pages; no physical memory is committed yet.
     Errors: ``WrongDevice`` for a device not served; ``DriverError`` when the
     address space cannot be reserved (nothing is left reserved).
+
+    Example::
+
+        @hookimpl
+        def membackend_reserve(self, device, size):
+            rounded = -(-size // self.page_size) * self.page_size
+            base = self.driver.reserve(rounded)          # DriverError when refused
+            return Reservation(device, base, rounded, self.page_size, self.name,
+                               handle=PageTable(rounded // self.page_size), requested=size)
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -101,7 +163,20 @@ def membackend_fault(reservation: Reservation, offset: int, size: int) -> Fault:
     Errors: ``DriverError`` for failures other than out-of-memory, after rollback;
     pages the rollback could not unmap stay resident, and their bytes go on the
     error as ``mapped`` so the session's ledger counts them.
+
+    Example::
+
+        @hookimpl
+        def membackend_fault(self, reservation, offset, size):
+            pages = reservation.page_range(offset, size)
+            missing = [i for i in pages if not reservation.handle.resident[i]]
+            if not self.driver.map_all(reservation, missing):   # rolled back inside
+                return Fault(False, (), pages.start, 0)
+            gens = reservation.handle.new_generations(missing)
+            return Fault(True, tuple(gens[pages.start:pages.stop]), pages.start,
+                         len(missing) * reservation.page_size)
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -120,7 +195,17 @@ def membackend_free(reservation: Reservation, offset: int, size: int) -> int:
     ``dropped`` (0 when none), so the session's ledger keeps matching the
     driver. A free is not rolled back (a dropped page is not backed again);
     the caller may free again, and the retry drops what is left.
+
+    Example::
+
+        @hookimpl
+        def membackend_free(self, reservation, offset, size):
+            resident = [i for i in reservation.page_range(offset, size)
+                        if reservation.handle.resident[i]]
+            self.driver.unmap_all(reservation, resident)
+            return len(resident) * reservation.page_size
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -134,7 +219,16 @@ def membackend_release_reservation(reservation: Reservation) -> int:
     puts the bytes it dropped on the error as ``dropped``. The reservation then
     stays alive (the session does not mark it released), holding what could not
     be given back, so a later release (or ``Session.close``) tries again.
+
+    Example::
+
+        @hookimpl
+        def membackend_release_reservation(self, reservation):
+            dropped = self.membackend_free(reservation, 0, reservation.size)
+            self.driver.release(reservation.base, reservation.size)
+            return dropped
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -145,7 +239,14 @@ def membackend_fence(device: Device, reservation: Reservation | None) -> None:
     waited on the fence tokens recorded with it; a backend adds its own
     (stream or event synchronisation) or does nothing.
     Errors: ``DriverError``.
+
+    Example::
+
+        @hookimpl
+        def membackend_fence(self, device, reservation):
+            self.driver.synchronize(device)   # or nothing: the session waited for its tokens
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -155,7 +256,15 @@ def membackend_budget_query(device: Device) -> Budget:
     Post: ``Budget(total, free, headroom, usable, source, unified)``;
     ``source`` names where the numbers came from (for the doctor).
     Errors: ``WrongDevice`` for a device not served; ``DriverError``.
+
+    Example::
+
+        @hookimpl
+        def membackend_budget_query(self, device):
+            total, free = self.driver.mem_get_info(device.index)
+            return Budget.of(total, free, total // 20, "driver mem_get_info")
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 # --------------------------------------------------------------------------- optional hooks
@@ -173,7 +282,14 @@ def membackend_trim(device: Device) -> int:
     platform does not let the backend give back (a reserve-churn limit whose frees are spent: those windows
     stay, bounded, and ``inspect`` reports them as held).
     Errors: ``DriverError``; what could not be given back stays held (and is tried again next time).
+
+    Example::
+
+        @hookimpl
+        def membackend_trim(self, device):
+            return sum(self.driver.release_handle(h) for h in self.kept.pop(device, []))
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -184,7 +300,16 @@ def membackend_close() -> None:
     device trimmed: a retained primary context (``cuDevicePrimaryCtxRelease``), a
     runtime handle. Using the backend afterwards may acquire them again.
     Errors: ``DriverError``; ``close()`` reports it with the other failures.
+
+    Example::
+
+        @hookimpl
+        def membackend_close(self):
+            if self.context is not None:
+                self.driver.release_primary_context(self.context)
+                self.context = None
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -199,7 +324,16 @@ def membackend_inspect(device: Device) -> DriverState | None:
     it: the kit checks those against the kernel itself (``/proc/self/maps``,
     ``mincore``). A GPU backend without it gets a kit summary that names the
     checks it could not run.
+
+    Example::
+
+        @hookimpl
+        def membackend_inspect(self, device):
+            state = self.driver.allocation_table(device)   # the driver's, not the backend's, count
+            return DriverState(reserved=state.reserved, resident=state.mapped,
+                               held=state.unused_handles, source="driver allocation table")
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)
@@ -213,4 +347,64 @@ def membackend_inject_failures(probability: float, seed: int) -> FailureInjectio
     whose ``stop()`` ends it, or None when this backend cannot inject. The
     conformance kit uses it to prove rollback and accounting under failure; a
     backend without it gets a summary that names the checks skipped.
+
+    Example::
+
+        @hookimpl
+        def membackend_inject_failures(self, probability, seed):
+            return self.driver.fail_randomly(probability, seed)   # has .injected and .stop()
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
+
+
+# --------------------------------------------------------------------------- the protocols
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend has: the attributes the manager and the session read, and the seven required hooks.
+
+    ``name``: lower case, unique among installed backends; ``device_kinds``: what it serves, of
+    ``cpu``, ``cuda``, ``hip``; ``version`` and ``capabilities`` are read with ``getattr`` and may be
+    left out (the defaults: no version, ``Capabilities()``), so they are not part of this protocol.
+    Each method is decorated ``@hookimpl`` in the backend and keeps the argument names of its hook
+    specification above (pluggy passes them by name). Check a class with a type checker::
+
+        backend: Backend = MyBackend()
+
+    ``isinstance(obj, Backend)`` checks that the names are there, not their signatures.
+    """
+
+    name: str
+    device_kinds: tuple[str, ...]
+
+    def membackend_probe(self, machine: Machine) -> Candidate: ...
+
+    def membackend_reserve(self, device: Device, size: int) -> Reservation: ...
+
+    def membackend_fault(self, reservation: Reservation, offset: int, size: int) -> Fault: ...
+
+    def membackend_free(self, reservation: Reservation, offset: int, size: int) -> int: ...
+
+    def membackend_release_reservation(self, reservation: Reservation) -> int: ...
+
+    def membackend_fence(self, device: Device, reservation: Reservation | None) -> None: ...
+
+    def membackend_budget_query(self, device: Device) -> Budget: ...
+
+
+@runtime_checkable
+class OptionalHooks(Protocol):
+    """The hooks a backend may add (:data:`OPTIONAL_HOOKS`), each used when present: ``trim`` (what is kept
+    for reuse goes back), ``inspect`` (the driver's own view, for the kit), ``inject_failures`` (the
+    platform's own failures at random, for the kit), ``close`` (what is held of the driver itself).
+    A backend with all four satisfies ``Backend`` and this protocol; one with some of them is checked
+    against their hook specifications by the kit."""
+
+    def membackend_trim(self, device: Device) -> int: ...
+
+    def membackend_inspect(self, device: Device) -> DriverState | None: ...
+
+    def membackend_inject_failures(self, probability: float, seed: int) -> FailureInjection | None: ...
+
+    def membackend_close(self) -> None: ...
