@@ -303,6 +303,13 @@ class BackendManager:
         return candidates, failed
 
     def select(self, machine: Machine | None = None) -> Selection:
+        """Choose the backend for ``machine`` (default: the machine the settings describe).
+
+        In order: switched off by ``disable`` (no record); forced by the ``backend`` setting
+        (``BackendNotFound`` naming what is available and why the others are not, when it is not
+        installed, broken or blocked); else the highest probe score among the backends that fit, are
+        not blocked and are not opt-in (ties: the first by name, warned once); else the ``host`` fallback.
+        """
         machine = machine or machine_for(self.settings)
         s = self.settings
         blocked = [n for n in s.block if n != FALLBACK]
@@ -315,25 +322,31 @@ class BackendManager:
             if name not in self.records and name not in broken:
                 log.warning("membackend: block names %r, which is not an installed backend", name)
         if s.backend:
-            rec = self.records.get(s.backend)
-            if rec is None or s.backend in failed or s.backend in blocked:
-                unavailable = dict(broken)
-                unavailable.update({n: f"does not fit: {c.reason}" for n, c in candidates.items() if c.score == 0})
-                unavailable.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
-                available = [n for n in candidates if n not in unavailable]
-                raise BackendNotFound(s.backend, available, unavailable)
-            c = candidates[s.backend]
-            note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
-            return Selection(rec, "forced", f"forced by backend={s.backend!r}{note}", candidates, broken, blocked)
+            return self._forced(s.backend, candidates, failed, broken, blocked)
+        return self._by_score(candidates, broken, blocked)
+
+    def _forced(self, name: str, candidates: dict[str, Candidate], failed: dict[str, str],
+                broken: dict[str, str], blocked: list[str]) -> Selection:
+        """The selection the ``backend`` setting forces, or ``BackendNotFound`` saying what could be forced."""
+        rec = self.records.get(name)
+        if rec is None or name in failed or name in blocked:
+            unavailable = dict(broken)
+            unavailable.update({n: f"does not fit: {c.reason}" for n, c in candidates.items() if c.score == 0})
+            unavailable.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
+            available = [n for n in candidates if n not in unavailable]
+            raise BackendNotFound(name, available, unavailable)
+        c = candidates[name]
+        note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
+        return Selection(rec, "forced", f"forced by backend={name!r}{note}", candidates, broken, blocked)
+
+    def _by_score(self, candidates: dict[str, Candidate], broken: dict[str, str],
+                  blocked: list[str]) -> Selection:
+        """The highest score among the usable candidates (ties: alphabetical, documented), else the fallback."""
         usable = {n: c for n, c in candidates.items() if c.score > Score.NONE and n not in blocked and not c.opt_in}
-        top = max((c.score for c in usable.values()), default=0)
-        best = sorted(n for n, c in usable.items() if c.score == top)  # ties: alphabetical, documented
+        top, best = _highest(usable)
         tied = best if len(best) > 1 else []
-        if tied and tuple(tied) not in self._warned_ties:
-            self._warned_ties.add(tuple(tied))
-            log.warning("membackend: backends %s tie with score %d; %r wins (alphabetical); choose with "
-                        "MEMBACKEND_BACKEND=<name> or block the others with MEMBACKEND_BLOCK",
-                        " and ".join(repr(n) for n in tied), top, best[0])
+        if tied:
+            self._warn_tie(tied, top)
         if not best or best[0] == FALLBACK:
             rec = self.records.get(FALLBACK) or self._fallback()
             why = "no other backend fits this machine" if len(self.records) > 1 else "no other backend is installed"
@@ -342,6 +355,15 @@ class BackendManager:
         if tied:
             why += f" (tied with {', '.join(n for n in tied if n != best[0])}; the first by name wins)"
         return Selection(self.records[best[0]], "auto", why, candidates, broken, blocked, tied)
+
+    def _warn_tie(self, tied: list[str], score: int) -> None:
+        """Warn once per set of tied backends (a selection runs at every start and on every doctor)."""
+        if tuple(tied) in self._warned_ties:
+            return
+        self._warned_ties.add(tuple(tied))
+        log.warning("membackend: backends %s tie with score %d; %r wins (alphabetical); choose with "
+                    "MEMBACKEND_BACKEND=<name> or block the others with MEMBACKEND_BLOCK",
+                    " and ".join(repr(n) for n in tied), score, tied[0])
 
     def _fallback(self) -> PluginRecord:
         plugin = HostBackend.from_settings(self.settings)
@@ -385,6 +407,12 @@ class BackendManager:
             if tracer is not None:  # the session was not made: its trace file does not stay open
                 tracer.close()
             raise
+
+
+def _highest(usable: dict[str, Candidate]) -> tuple[int, list[str]]:
+    """The highest score of ``usable`` (0 when empty) and the names that have it, sorted by name."""
+    top = max((c.score for c in usable.values()), default=0)
+    return top, sorted(n for n, c in usable.items() if c.score == top)
 
 
 def create_session(**settings: Any) -> Session:
