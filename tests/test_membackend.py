@@ -52,3 +52,21 @@ def test_create_session_selects_by_the_settings_and_kwargs_win(monkeypatch):
         assert s.fault(r, 0, r.size).ok
     finally:
         s.close()
+
+
+def test_python_dash_m_membackend_is_the_command(tmp_path):
+    """``python -m membackend`` runs the ``membackend`` command: its help, its version, its exit codes."""
+    run = [sys.executable, "-m", "membackend"]
+    p = subprocess.run(run + ["--version"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and membackend.__version__ in p.stdout + p.stderr
+    p = subprocess.run(run + ["--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.startswith("usage: membackend")
+    p = subprocess.run(run + ["no-such-command"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "no-such-command" in p.stderr
+
+
+def test_the_package_is_typed():
+    """``py.typed`` ships in the package (PEP 561), so a type checker reads membackend's annotations."""
+    from pathlib import Path
+
+    assert (Path(membackend.__file__).parent / "py.typed").is_file()
