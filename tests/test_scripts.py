@@ -28,6 +28,12 @@ name=$(basename "$0")
 if [ "$name" = python ] && [ "${1:-}" = -m ] && [ "${2:-}" = pytest ]; then
     exit "${STANDIN_RC:-0}"
 fi
+if [ "$name" = python ] && [ "${1:-}" = -m ] && [ "${2:-}" = ruff ]; then
+    exit "${STANDIN_RUFF_RC:-0}"
+fi
+if [ "$name" = python ] && [ "${1:-}" = -m ] && [ "${2:-}" = mypy ]; then
+    exit "${STANDIN_MYPY_RC:-0}"
+fi
 exit 0
 """
 
@@ -39,6 +45,7 @@ def skeleton(tmp_path):
     (tree / "scripts").mkdir(parents=True)
     (tree / ".ci").mkdir()
     shutil.copy2(ROOT / "scripts" / "test", tree / "scripts" / "test")
+    shutil.copy2(ROOT / "scripts" / "check", tree / "scripts" / "check")
     shutil.copy2(ROOT / ".ci" / "run", tree / ".ci" / "run")
     bin_dir = tree / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -101,6 +108,22 @@ def test_ci_runs_scripts_test_with_the_long_part(skeleton):
 def test_ci_fails_when_pytest_fails(skeleton, status):
     rc, _ = run(skeleton, ".ci/run", rc=status)
     assert rc == status
+
+
+def test_ci_runs_ruff_and_mypy_before_the_tests(skeleton):
+    rc, calls = run(skeleton, ".ci/run")
+    assert rc == 0
+    tools = [c[1] for c in calls if c[:1] == ["-m"]]
+    assert tools.index("ruff") < tools.index("pytest") and tools.index("mypy") < tools.index("pytest"), calls
+    assert ["-m", "ruff", "check", "--no-cache", "."] in calls and ["-m", "mypy"] in calls
+
+
+@pytest.mark.parametrize("which", ["STANDIN_RUFF_RC", "STANDIN_MYPY_RC"])
+def test_a_static_check_finding_fails_ci_and_no_test_runs(skeleton, which):
+    rc, calls = run(skeleton, ".ci/run", **{which: "1"})
+    assert rc != 0
+    tools = [c[1] for c in calls if c[:1] == ["-m"]]
+    assert "pytest" not in tools and {"ruff", "mypy"} <= set(tools), calls  # both ran: one run shows everything
 
 
 def test_the_marker_is_registered_for_the_repository_and_by_the_kit():
