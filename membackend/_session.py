@@ -157,7 +157,8 @@ class Session:
     Threads: a session may be called from several threads at once (a worker
     issuing verbs, copy threads calling :meth:`record`, a server thread
     unloading). Verbs on one reservation are serialised by a lock of that
-    reservation; verbs on different reservations proceed independently (the
+    reservation (its *permit*, see :class:`_Permits`; "the reservation's lock"
+    below); verbs on different reservations proceed independently (the
     backend must then be safe for concurrent calls on different reservations,
     as a real driver is). The ledger's updates are atomic. :meth:`record`
     racing :meth:`release_reservation` either records first, and the release
