@@ -202,6 +202,20 @@ class Session:
     above (the residency manager logs its decisions to it).
     """
 
+    # bound by _bind: each verb of the backend (its own method, or a hook caller through the observers), each
+    # optional hook's function or None; and the hot verbs' closures (_hot_verbs)
+    _reserve: Callable[..., Any]
+    _fault: Callable[..., Any]
+    _free: Callable[..., Any]
+    _release_reservation: Callable[..., Any]
+    _fence: Callable[..., Any]
+    _budget_query: Callable[..., Any]
+    _opt_trim: Callable[..., Any] | None
+    _opt_inspect: Callable[..., Any] | None
+    _opt_inject_failures: Callable[..., Any] | None
+    _opt_close: Callable[..., Any] | None
+    _hot: dict[str, Callable[..., Any]]
+
     def __init__(self, backend: Any, *, machine: Machine, ledger: Ledger | None = None,
                  observers: Iterable[Any] = (), headroom: int | None = None, headroom_source: str | None = None,
                  candidate: Candidate | None = None, how: str = "forced", tracer: Any = None):
@@ -269,7 +283,7 @@ class Session:
                         raise PluginError(
                             f"{label} implements {caller.name} as a plain hookimpl, which could answer in the "
                             f"backend's place; accepted: observers mark every hookimpl @hookimpl(wrapper=True)")
-        bound: dict[str, Callable[..., Any]] = {}
+        bound: dict[str, Callable[..., Any] | None] = {}
         for verb in hookspec.VERBS:
             caller = getattr(pm.hook, verb)
             wrapped = any(impl.plugin is not self.backend for impl in caller.get_hookimpls())
@@ -386,7 +400,8 @@ class Session:
 
         Each session answers this from the closure :meth:`_hot_verbs` made for it (an attribute of the
         instance); this method is what ``Session.fault(session, ...)`` reaches."""
-        return self._hot["fault"](reservation, offset, size)  # type: ignore[no-any-return]
+        f: Fault = self._hot["fault"](reservation, offset, size)
+        return f
 
     def free(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
         """Fence, then drop the resident pages of a page-aligned range (default: all). Returns bytes dropped.
@@ -394,7 +409,8 @@ class Session:
         ``TensorAlive`` (nothing changed) while a tensor from ``membackend._tensors`` views the range. A
         reservation the ledger holds no resident byte of has nothing to drop: after the checks and the fence
         the free returns 0 without calling the backend. Answered like :meth:`fault`."""
-        return self._hot["free"](reservation, offset, size)  # type: ignore[no-any-return]
+        dropped: int = self._hot["free"](reservation, offset, size)
+        return dropped
 
     def _hot_verbs(self) -> dict[str, Callable[..., Any]]:
         """``fault`` and ``free`` as closures over what they use, made by :meth:`_bind` for the verbs as bound.
@@ -539,7 +555,8 @@ class Session:
             if views is None:
                 views = self._views[reservation] = {}
             views[key] = (offset, offset + size)
-        return functools.partial(views.pop, key, None)
+        end_view: Callable[[], None] = functools.partial(views.pop, key, None)  # type: ignore[assignment]
+        return end_view  # (what pop returns is of no use to the caller: it only ends the view)
 
     def views(self, reservation: Reservation, offset: int = 0, size: int | None = None) -> list[tuple[int, int]]:
         """The byte ranges ``(offset, end)`` of live tensor views overlapping ``[offset, offset+size)``

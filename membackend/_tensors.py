@@ -136,6 +136,7 @@ def _tensor(address: int, nbytes: int, device: Device | str, dtype: Any = None,
     if nbytes <= 0:
         raise InvalidSize(f"nbytes must be > 0, got {nbytes}")
     d = Device.parse(device)
+    holder: memoryview | _CudaRange
     if (where or torch_device(d)) == "cpu":
         # the storage holds the buffer export of ``holder`` (a memoryview, which takes weak references)
         # until it is freed; ``holder`` keeps ``raw`` alive; both share the reservation's memory

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 __all__ = [
     "Device",
@@ -221,6 +221,10 @@ class DriverError(MembackendError, OSError):
     before raising it; both default to 0.
     """
 
+    #: bytes a failed fault left mapped, and bytes a failed free or release already dropped (see above)
+    mapped: int = 0
+    dropped: int = 0
+
     def __init__(self, code: Any, call: str, detail: str = ""):
         self.code = code
         self.call = call
@@ -241,7 +245,7 @@ class PartialFailure(MembackendError):
     for each item that failed, and the message names them all.
     """
 
-    def __init__(self, operation: str, failures: list[tuple[str, BaseException]]):
+    def __init__(self, operation: str, failures: Sequence[tuple[str, BaseException]]):
         self.operation = operation
         self.failures = list(failures)
         lines = [f"{operation}: {len(self.failures)} failure(s)"]
