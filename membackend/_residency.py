@@ -159,12 +159,19 @@ class _Slot:
     def alive(self) -> bool:
         return self.reservation is not None and not self.reservation.released
 
+    @property
+    def bound(self) -> Reservation:
+        """The reservation of a slot that was bound: every verb of the policy runs on a bound slot."""
+        r = self.reservation
+        assert r is not None, "a slot is bound to its reservation before the policy works on it"
+        return r
+
     def resident_bytes(self) -> int:
-        return self.resident.count(RESIDENT) * self.reservation.page_size + self.maybe if self.alive else 0
+        return self.resident.count(RESIDENT) * self.bound.page_size + self.maybe if self.alive else 0
 
     def missing(self, first: int, last: int) -> int:
         """Bytes of ``[first, last)`` not known to be resident (UNKNOWN pages included)."""
-        return (last - first - self.resident.count(RESIDENT, first, last)) * self.reservation.page_size
+        return (last - first - self.resident.count(RESIDENT, first, last)) * self.bound.page_size
 
     # the map follows every verb's outcome exactly as the ledger does
 
@@ -179,7 +186,7 @@ class _Slot:
     def freed(self, first: int, last: int, dropped: int) -> None:
         """A free of pages ``[first, last)`` succeeded and dropped ``dropped`` bytes."""
         if self.resident.count(UNKNOWN, first, last):
-            self.maybe -= dropped - self.resident.count(RESIDENT, first, last) * self.reservation.page_size
+            self.maybe -= dropped - self.resident.count(RESIDENT, first, last) * self.bound.page_size
         self.resident[first:last] = bytes(last - first)
         self._settle()
 
@@ -200,7 +207,7 @@ class _Slot:
         for p in range(first, last):
             if r[p] == RESIDENT:
                 r[p] = UNKNOWN
-        self.maybe += known * self.reservation.page_size + mapped - dropped
+        self.maybe += known * self.bound.page_size + mapped - dropped
 
     def _settle(self) -> None:
         # only a backend whose results disagree with its own errors can trip these; keep the map sane
@@ -340,7 +347,7 @@ class ResidencyManager:
             if not slot.alive:
                 continue
             try:
-                self.session.release_reservation(slot.reservation)
+                self.session.release_reservation(slot.bound)
                 self._trim(slot.device)
             except Exception as undo:  # the original error is the one to report; say what stayed behind
                 log.error("membackend: rolling back model %r on %s failed: %s", model.id, slot.device, undo)
@@ -363,7 +370,7 @@ class ResidencyManager:
 
     def _reserve(self, slot: _Slot) -> None:
         slot.bind(self.session.reserve(slot.device, slot.model.size))
-        self._trace("reserve", slot.model, device=str(slot.device), bytes=slot.reservation.size)
+        self._trace("reserve", slot.model, device=str(slot.device), bytes=slot.bound.size)
 
     def _reserve_making_room(self, slot: _Slot) -> None:
         """Reserve ``slot``; when the backend refuses for want of memory or address space (a
@@ -547,7 +554,7 @@ class ResidencyManager:
                             result="oom", reason="address space")
                 return Fault(False, (), first, 0)
             offset, size, first, last = self._pages(slot, model, offset, size)
-        r = slot.reservation
+        r = slot.bound
         model.last_used = next(self._clock)
         if slot.watermark is not None and offset + size > slot.watermark:
             self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
@@ -584,7 +591,7 @@ class ResidencyManager:
 
     def _session_fault(self, slot: _Slot, offset: int, size: int, first: int, last: int) -> Fault:
         try:
-            return self.session.fault(slot.reservation, offset, size)
+            return self.session.fault(slot.bound, offset, size)
         except Exception as exc:
             slot.fault_failed(first, last, exc)
             raise
@@ -660,15 +667,15 @@ class ResidencyManager:
         """Free unpinned resident (or UNKNOWN) pages of ``slot`` from the top down, up to ``amount``
         bytes (rounded up to pages). Another model's reservation gets a watermark at the lowest page
         freed; the faulting reservation gives up pages above its range without one."""
-        r = slot.reservation
+        r = slot.bound
         ps = r.page_size
         own = protect is not None and protect[0] is slot
-        lo, hi = (protect[1], protect[2]) if own else (0, 0)
+        lo, hi = (protect[1], protect[2]) if protect is not None and own else (0, 0)
         resident, pins = slot.resident, slot.pins
         held = self._viewed(slot)  # pages a live tensor views are skipped, as pinned ones are
 
         def evictable(p: int) -> bool:
-            return resident[p] and not pins[p] and not lo <= p < hi and p not in held
+            return bool(resident[p]) and not pins[p] and not lo <= p < hi and p not in held
 
         freed, lowest, p = 0, None, r.pages - 1
         while p >= 0 and freed < amount:
@@ -694,11 +701,11 @@ class ResidencyManager:
         spans = views(slot.reservation) if views is not None else ()
         if not spans:
             return frozenset()
-        ps = slot.reservation.page_size
+        ps = slot.bound.page_size
         return {p for a, b in spans for p in range(a // ps, (b - 1) // ps + 1)}
 
     def _free_pages(self, slot: _Slot, start: int, end: int) -> int:
-        r = slot.reservation
+        r = slot.bound
         self._fence_before_free(slot)
         try:
             dropped = self.session.free(r, start * r.page_size, (end - start) * r.page_size)
@@ -766,7 +773,7 @@ class ResidencyManager:
         self._check_registered(model)
         if self._pinned(model):
             return None
-        alive = [slot.reservation for slot in model.slots.values() if slot.alive]
+        alive = [slot.bound for slot in model.slots.values() if slot.alive]
         dropped = self.full_unload(model)
         return Unloaded(dropped, len(alive), sum(r.released for r in alive), sum(r.size for r in alive))
 
@@ -796,7 +803,7 @@ class ResidencyManager:
         return dropped
 
     def _unload_slot(self, slot: _Slot, release: bool) -> int:
-        r = slot.reservation
+        r = slot.bound
         self.session.fence(reservation=r)
         pins = slot.pins
         slot.clear_pins()  # its pins go with it
@@ -913,9 +920,9 @@ class ResidencyManager:
             raise InvalidSize(f"amount and floor must be >= 0 bytes, got {amount} and {floor}")
         if not slot.alive or not amount:
             return 0
-        ps = slot.reservation.page_size
+        ps = slot.bound.page_size
         low = -(-floor // ps)  # pages wholly above the floor
-        freed = self._shed(slot, amount, (slot, 0, low)) if low < slot.reservation.pages else 0
+        freed = self._shed(slot, amount, (slot, 0, low)) if low < slot.bound.pages else 0
         self._trace("shed", model, device=str(slot.device), bytes=amount, result=freed, floor=floor)
         self._note_loss(model, freed, "shed by its owner")
         return freed
@@ -946,7 +953,7 @@ class ResidencyManager:
         device = Device.parse(device)
         total = 0
         for slot in self._by_priority(device):
-            ps = slot.reservation.page_size
+            ps = slot.bound.page_size
             held = self._viewed(slot)
             total += sum(1 for i, (r, p) in enumerate(zip(slot.resident, slot.pins))
                          if r and not p and i not in held) * ps
