@@ -302,14 +302,16 @@ class VmmBackend:
 
     @property
     def driver(self) -> GpuDriver:
-        if self._driver is None or not self._initialised:
+        driver = self._driver
+        if driver is None or not self._initialised:
             with self._lock:
                 if self._driver is None:
-                    self._driver = self._driver_factory()
+                    self._driver = self._factory()()
+                driver = self._driver
                 if not self._initialised:
-                    self._driver.init()
+                    driver.init()
                     self._initialised = True
-        return self._driver
+        return driver
 
     def _use(self, index: int) -> _DeviceState:
         """Make device ``index`` current and return its state (created on first use)."""
@@ -361,9 +363,15 @@ class VmmBackend:
                 self._machine = None
         return self._machine_facts
 
+    def _factory(self) -> LazyDriver:
+        """The driver factory of a backend built without a driver (``__init__`` refuses one with neither)."""
+        factory = self._driver_factory
+        assert factory is not None, "a VmmBackend has a driver or a driver factory"
+        return factory
+
     def _os_and_driver_model(self, index: int) -> tuple[str, str | None]:
-        if self._facts() is not None:
-            m = self._machine_facts
+        m = self._facts()
+        if m is not None:
             info = next((i for i in m.devices if i.device == Device(self.device_kinds[0], index)), None)
             if info is not None and info.driver_model is not None:
                 return m.os, info.driver_model
@@ -405,10 +413,10 @@ class VmmBackend:
         if not isinstance(c, Candidate):
             raise TypeError(f"platform {self.name!r} probe returned {c!r}, not a Candidate")
         if c.score > Score.NONE and self._driver is None:
-            missing = self._driver_factory.missing()
+            missing = self._factory().missing()
             if missing:
                 return Candidate(self.name, Score.NONE, missing)
-        if self._driver.simulated if self._driver is not None else self._driver_factory.simulated:
+        if self._driver.simulated if self._driver is not None else self._factory().simulated:
             c = Candidate(c.name, c.score, f"{c.reason} [simulated driver]", c.opt_in)
         return Candidate(self.name, c.score, c.reason, c.opt_in)
 
@@ -580,9 +588,12 @@ class VmmBackend:
         if source != "unified":
             return total, free, label
         facts = self._facts()
-        caps = [(facts.ram_total, "machine.ram_total") if facts is not None and "ram_total" in facts.overridden
-                else None, (facts.cgroup_limit, "the memory cgroup's limit") if facts is not None else None]
-        for cap, why in (c for c in caps if c is not None and c[0] is not None):
+        caps: list[tuple[int, str]] = []
+        if facts is not None and "ram_total" in facts.overridden and facts.ram_total is not None:
+            caps.append((facts.ram_total, "machine.ram_total"))
+        if facts is not None and facts.cgroup_limit is not None:
+            caps.append((facts.cgroup_limit, "the memory cgroup's limit"))
+        for cap, why in caps:
             if cap < total:  # the same use, of a smaller pool
                 used = total - free
                 total, free, label = cap, max(0, min(free, cap - used)), f"{label}, capped by {why}"
@@ -914,7 +925,7 @@ class VmmBackend:
         """
         index = self._device_index(device)
         with self._lock:
-            raw = self.driver.inspect(index)
+            raw: dict[str, Any] | None = self.driver.inspect(index)  # "calls": a mapping of the simulation's
             if raw is None:
                 return None
             state = self._devices.get(index)
