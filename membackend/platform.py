@@ -47,7 +47,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ._drivers.gpu import BUDGET_SOURCES as DRIVER_BUDGET_SOURCES
 from ._settings.rules import FIELD_NAMES, SIZE_ACCEPTED, Rule, RuleError, flag, format_bytes, seconds, size
@@ -91,6 +91,11 @@ class PlatformSetting:
     """
 
     __slots__ = ("name", "parse", "default", "doc", "accepted")
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    doc: str
+    accepted: str
 
     def __init__(self, name: str, parse: Callable[[Any], Any], default: Any = None, doc: str = "",
                  accepted: str = ""):
@@ -251,8 +256,8 @@ class Platform:
     def capabilities_for(self, values: PlatformValues | None = None) -> Capabilities:
         """The capabilities, with this platform's settings where they depend on them (None: the defaults)."""
         rule = self.capabilities_rule
-        if rule is None:
-            return self.capabilities  # type: ignore[return-value]
+        if rule is None:  # __post_init__ replaced a rule by its answer: a Capabilities
+            return cast(Capabilities, self.capabilities)
         caps = rule(settings=self._values(values)) if _takes_settings(rule) else rule()
         if not isinstance(caps, Capabilities):
             raise ValueError(f"platform {self.name!r}: capabilities() gave {caps!r}; accepted: a Capabilities")

@@ -167,6 +167,7 @@ def answer(name: str, rows: dict[str, Answer] | None = None) -> Answer | None:
             return None
         by = getattr(ours, member)
         return Answer(name, SERVED, f"served by {qualified(ours)}.{member}", by=by)
+    assert parameter is not None  # the name has a member or a parameter, and no member
     init = ours.__init__
     if not _takes(init, parameter):
         return None

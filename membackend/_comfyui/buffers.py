@@ -192,7 +192,7 @@ class ModelMMAP:
     def __init__(self, filepath):
         try:
             with open(os.fspath(filepath), "rb") as f:
-                self._fd = os.dup(f.fileno())
+                self._fd: int | None = os.dup(f.fileno())
                 self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise RuntimeError(f"ModelMMAP allocation failed for {filepath} ({exc})") from None

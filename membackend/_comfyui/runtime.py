@@ -42,7 +42,7 @@ from .keepwarm import KeepWarm
 from .patches import Patches
 
 if TYPE_CHECKING:
-    from .._manager import BackendManager, Selection
+    from .._manager import BackendManager, PluginRecord, Selection
     from .._residency import ResidencyManager
     from .streams import CopyFences
 
@@ -198,7 +198,12 @@ class Runtime:
         self.manager = manager
         self.machine = machine
         self.selection = selection
-        self.name = selection.record.name
+        record = selection.record
+        if record is None:  # the start-up decision arms a runtime for a selected backend only
+            raise ValueError(f"a runtime needs a selected backend; the selection has none ({selection.reason})")
+        #: the selected backend's record (``selection.record``)
+        self.record: PluginRecord = record
+        self.name = record.name
         self.comfy_args = comfy_args
         self.patches = Patches()
         self.keep = KeepWarm()
@@ -242,7 +247,7 @@ class Runtime:
         self.delegates: dict[int, tuple[Any, int]] = {}
         #: every Hook delegate's nn.Module while anything keeps it alive (the status counts them)
         self.delegate_modules: weakref.WeakSet[Any] = weakref.WeakSet()
-        kinds = tuple(getattr(selection.record.plugin, "device_kinds", ("cpu",)))
+        kinds = tuple(getattr(record.plugin, "device_kinds", ("cpu",)))
         self.kind = next((k for k in ("cuda", "hip") if k in kinds), "cpu")
 
     # ------------------------------------------------------------------ arming (prestartup, before torch)
@@ -409,10 +414,11 @@ class Runtime:
         if b.free >= b.headroom:
             return 0
         reason = f"headroom raised to {gb(b.headroom)} (live)"
-        freed = self.residency.keep_warm(dev, reason=reason)
+        residency = self.policy()
+        freed = residency.keep_warm(dev, reason=reason)
         b = self.session.budget_query(dev)
         if b.free < b.headroom:
-            freed += self.residency.free_memory(b.headroom - b.free, dev, reason=reason)
+            freed += residency.free_memory(b.headroom - b.free, dev, reason=reason)
         return freed
 
     # ------------------------------------------------------------------ loads, history
@@ -457,8 +463,8 @@ class Runtime:
             log.debug("membackend: history sample skipped: %s: %s", type(exc).__name__, exc)
             return
         with self._lock:  # status() copies the history under the same lock
-            for d, row in rows:
-                hist = self.history.setdefault(d, collections.deque(maxlen=HISTORY_KEPT))
+            for key, row in rows:
+                hist = self.history.setdefault(key, collections.deque(maxlen=HISTORY_KEPT))
                 if coalesce and hist and now - hist[-1][0] < HISTORY_EVERY:  # a burst of changes: the newest stands
                     hist[-1] = row
                 else:
@@ -543,7 +549,7 @@ class Runtime:
         mp = sys.modules.get("comfy.model_patcher")
         try:
             if mp is not None and getattr(mp, "CoreModelPatcher", None) is getattr(mp, "ModelPatcherDynamic", ()):
-                mp.CoreModelPatcher = mp.ModelPatcher
+                setattr(mp, "CoreModelPatcher", mp.ModelPatcher)
         except Exception as exc:
             return [f"comfy.model_patcher.CoreModelPatcher: {exc}"]
         return []
@@ -551,6 +557,14 @@ class Runtime:
     @property
     def running(self) -> bool:
         return bool(self.started) and self.aborted is None
+
+    def policy(self) -> ResidencyManager:
+        """The residency manager :meth:`start` made; what runs before it (or after a start that failed
+        before making it) gets a ``RuntimeError``."""
+        residency = self.residency
+        if residency is None:
+            raise RuntimeError("membackend's residency manager is not made yet (init_devices did not start it)")
+        return residency
 
     # ------------------------------------------------------------------ used by the facade and the wiring
 
@@ -571,7 +585,7 @@ class Runtime:
         return kind == ("cpu" if self.kind == "cpu" else "cuda")  # torch calls HIP devices cuda
 
     def page_size(self, device: Device) -> int:
-        return int(getattr(self.selection.record.plugin, "page_size", 2 << 20))
+        return int(getattr(self.record.plugin, "page_size", 2 << 20))
 
     def unload_vbar(self, vbar: Any, reason: str, earlier: int = 0) -> None:
         """Full unload of a VBAR's model (G1), now when nothing is pinned, else at the next quiescent point.
@@ -583,7 +597,7 @@ class Runtime:
         freed from it (for the log line)."""
         model = vbar._model
         try:
-            dropped = self.residency.full_unload_unless_pinned(model)
+            dropped = self.policy().full_unload_unless_pinned(model)
         except PartialFailure as exc:
             self.put_off(vbar)
             say(f"full unload of {model.id} failed, retried at the next node ({exc})", logging.WARNING)
@@ -603,7 +617,7 @@ class Runtime:
                  "reservations": dropped.released, "reserved_bytes": dropped.reserved_bytes, "reason": reason}
         entry["time"] = time.time()
         entry["name"] = self.display_name(model.id)
-        lost = self.residency.losses.get(model.id)
+        lost = self.policy().losses.get(model.id)
         if lost is not None:  # the policy says "full unload"; the adapter knows who asked
             lost["reason"] = reason
         with self._lock:
@@ -681,7 +695,7 @@ class Runtime:
         return self._give_back("every model unloaded") if self.residency is not None else 0
 
     def _give_back(self, why: str) -> int:
-        given = self.residency.on_idle()
+        given = self.policy().on_idle()
         self.sample(force=True)
         if given:
             say(f"{why}: gave back {gb(given)} the backend kept for reuse")
@@ -756,13 +770,14 @@ class Runtime:
             headroom[str(d)] = {"bytes": value, "source": source, "live": source == LIVE_SOURCE,
                                 "min": lo, "max": hi}
             try:  # what the backend keeps for reuse (kept address windows included); the status never fails on it
-                state = self.session.inspect(d)
+                inspected = self.session.inspect(d)
             except Exception as exc:  # noqa: BLE001
                 log.debug("membackend: inspecting %s for the status failed: %s: %s", d, type(exc).__name__, exc)
-                state = None
-            if state is not None:
-                held[str(d)] = {"held": state.held, "committed": committed_bytes(state), "source": state.source,
-                                "hazards": state.hazards, "calls": dict(state.calls or {})}
+                inspected = None
+            if inspected is not None:
+                held[str(d)] = {"held": inspected.held, "committed": committed_bytes(inspected),
+                                "source": inspected.source, "hazards": inspected.hazards,
+                                "calls": dict(inspected.calls or {})}
             kept = self._kept_windows(d)
             if kept is not None:
                 windows[str(d)] = kept
@@ -775,7 +790,7 @@ class Runtime:
         out["headroom"] = headroom
         out["models"] = self.model_details()
         #: per model id, what it lost since its last load (``ResidencyManager.losses``): recent evictions
-        out["evictions"] = {k: dict(v) for k, v in list(self.residency.losses.items())}
+        out["evictions"] = {k: dict(v) for k, v in list(self.policy().losses.items())}
         with self._lock:  # sample() appends from other threads
             out["history"] = {d: [list(x) for x in h] for d, h in self.history.items()}
         return out
@@ -808,9 +823,10 @@ class Runtime:
         held = {id(v._model) for p in list(self.keep.held.values())
                 for v in (getattr(getattr(p, "model", None), "dynamic_vbars", None) or {}).values()
                 if hasattr(v, "_model")}
-        stats = self.residency.stats()
+        residency = self.policy()
+        stats = residency.stats()
         out: dict[str, Any] = {}
-        for m in self.residency.models():
+        for m in residency.models():
             row = dict(stats.get(m.id, {"resident": 0, "reserved": False}))
             pinned = evictable = page = 0
             for dev in m.devices:
@@ -818,7 +834,7 @@ class Runtime:
                 r = slot.reservation if slot is not None and slot.alive else None
                 if r is None:
                     continue
-                bits = self.residency.residency(m, dev)
+                bits = residency.residency(m, dev)
                 page = r.page_size
                 pinned += sum(1 for x in bits if x & 2) * r.page_size
                 evictable += sum(1 for x in bits if x == 1) * r.page_size

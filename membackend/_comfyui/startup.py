@@ -89,7 +89,7 @@ class Decision:
     text: str  # the start-up line, after "membackend <version>: "
 
 
-def _brief(text: str, limit: int = 70) -> str:
+def _brief(text: object, limit: int = 70) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 1].rsplit(" ", 1)[0] + "…"
 

@@ -156,10 +156,10 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
     if not isinstance(body, dict) or "headroom" not in body or not set(body) <= {"device", "headroom", "save"} \
             or not isinstance(save, bool) or (save and body["headroom"] is None):
         accepted = _accepted(rt, None)
-        exc = ConfigError("headroom", f"POST {HEADROOM_ROUTE}", f"the request body must be a JSON object with "
+        bad = ConfigError("headroom", f"POST {HEADROOM_ROUTE}", f"the request body must be a JSON object with "
                           f"\"headroom\" (and optionally \"device\", and \"save\": true or false; a saved "
                           f"headroom is a size, not null), got {quoted(body)}", accepted)
-        return BAD_INPUT, _error(exc, accepted)
+        return BAD_INPUT, _error(bad, accepted)
     device = body.get("device")
     try:  # bad input is refused before anything changes
         rt.parse_headroom(rt.device_named(device), body["headroom"])

@@ -154,7 +154,7 @@ class ModelVBAR:
     def unpin(self, alloc, size):
         holds = self._holds.get((alloc, int(size))) if self._holds else None
         ended = bool(holds)
-        if ended:  # one tensor's hold on the range ends with one pin (before it: the unpin may run a release)
+        if holds:  # one tensor's hold on the range ends with one pin (before it: the unpin may run a release)
             holds.pop()()
             if not holds:
                 del self._holds[(alloc, int(size))]

@@ -243,7 +243,7 @@ def wire(rt: Runtime) -> None:
             hide = []
             if memory_required < EVERYTHING and rt.keep.enabled:
                 dev = rt.device_for(device)
-                room = rt.session.budget_query(dev).usable + rt.residency.evictable(dev)
+                room = rt.session.budget_query(dev).usable + rt.policy().evictable(dev)
                 if memory_required <= room:
                     hide = [lm for lm in before if not lm.is_dead() and _dynamic(lm)]
             if hide:
@@ -282,7 +282,7 @@ def wire(rt: Runtime) -> None:
                 rt.cancel_put_off(v)
             _name(rt, models)
             if vbars:
-                rt.residency.use([v._model for v in vbars])
+                rt.policy().use([v._model for v in vbars])
             rt.keep.hold([m for m in models if _vbars_of(m)])
             return result
         p.replace(mm, "load_models_gpu", rt.guard("load_models_gpu", original_load, load_models_gpu))

@@ -42,7 +42,7 @@ def _import_driver() -> Any:
         from cuda.bindings import driver  # the `cuda` extra (cuda-python 12.6 and later)
     except ImportError:
         try:
-            from cuda import cuda as driver  # type: ignore[no-redef]  # cuda-python before 12.6
+            from cuda import cuda as driver  # cuda-python before 12.6
         except ImportError:
             raise ImportError("cuda-python is not installed (no cuda.bindings.driver, no cuda.cuda)") from None
     return driver

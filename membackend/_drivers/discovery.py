@@ -263,7 +263,7 @@ def _fill_from_nvml(f: _Facts, d: Any, nvml: list[dict], os_name: str) -> None:
 def _nvml(os_name: str) -> tuple[list[dict], list[str]]:
     """NVML's devices as plain records (name, total_memory, driver_model, pci); errors are no answer."""
     try:
-        import pynvml  # type: ignore[import-not-found]  # nvidia-ml-py, optional
+        import pynvml  # nvidia-ml-py, optional
     except ImportError:
         return [], ["nvml: not asked (nvidia-ml-py is not installed; optional)"]
     try:
@@ -393,8 +393,9 @@ def discover(bindings: Bindings) -> Discovered:
         nvml_devices, more = _nvml(os_name)
         notes += more
     cuda: list[DeviceInfo] = []
-    if bindings.cuda is not None:
-        cuda, more = _guarded(lambda: _cuda(bindings.cuda, os_name, nvml_devices), "cuda")
+    cuda_opener = bindings.cuda
+    if cuda_opener is not None:
+        cuda, more = _guarded(lambda: _cuda(cuda_opener, os_name, nvml_devices), "cuda")
         notes += more
     if not cuda and nvml_devices:
         cuda = [DeviceInfo(Device("cuda", i), n.get("name", ""), n.get("total_memory", 0),

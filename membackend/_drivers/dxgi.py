@@ -93,7 +93,7 @@ def query_video_memory(luid: tuple[int, int], node: int = 0) -> VideoMemoryInfo:
     if sys.platform != "win32":
         raise DriverError("unavailable", "IDXGIAdapter3::QueryVideoMemoryInfo", "DXGI exists only on Windows")
     try:
-        dxgi = ctypes.WinDLL("dxgi")  # type: ignore[attr-defined]
+        dxgi = ctypes.WinDLL("dxgi")
     except OSError as exc:
         raise DriverError("unavailable", "CreateDXGIFactory1", str(exc)) from exc
     create = dxgi.CreateDXGIFactory1

@@ -74,9 +74,12 @@ class GpuDriver:
     vendor = ""
     #: True for a simulated twin (the only place the layers above learn it: a probe's reason says so)
     simulated = False
-    #: True where device memory is ordinary memory of this process that the CPU reads and writes at the
-    #: same addresses (a simulated device that holds its bytes): torch views it as a CPU tensor then
-    cpu_addressable = False
+
+    @property
+    def cpu_addressable(self) -> bool:
+        """True where device memory is ordinary memory of this process that the CPU reads and writes at the
+        same addresses (a simulated device that holds its bytes): torch views it as a CPU tensor then."""
+        return False
 
     def memory_note(self) -> str | None:
         """Where this driver's device memory lives, when that is worth a line in the doctor (a simulated

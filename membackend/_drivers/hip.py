@@ -48,7 +48,9 @@ class HipDriver(GpuDriver):
                 label = f"hip-python {importlib.metadata.version('hip-python')}"
             except Exception:
                 label = "hip-python"
-        super().__init__(module, label or getattr(module, "label", "hip"))
+        if not label:
+            label = getattr(module, "label", "hip")
+        super().__init__(module, label)
         e = self.m.hipError_t
         self.SUCCESS, self.OOM, self.NOT_READY = e.hipSuccess, e.hipErrorOutOfMemory, e.hipErrorNotReady
         self._props: dict[int, Any] = {}

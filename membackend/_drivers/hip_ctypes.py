@@ -198,6 +198,8 @@ class HipRuntime:
         fn = self._fns.get(name)
         if fn is None:
             address = _c.cast(getattr(self._lib, name), _VP).value
+            if address is None:  # never for an exported symbol; the error CFUNCTYPE(...)(None) would raise
+                raise TypeError(f"{name}: the library gives a null address")
             fn = self._fns[name] = _c.CFUNCTYPE(_INT, *argtypes)(address)
         return fn
 

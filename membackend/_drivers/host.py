@@ -68,7 +68,7 @@ class HostDriver:
 
     populate_method = "touch"
 
-    def reserve(self, size: int, align: int) -> int: ...
+    def reserve(self, size: int, align: int) -> int: raise NotImplementedError
     def commit(self, addr: int, size: int) -> None: ...
     def populate(self, addr: int, size: int) -> None: ...
     def decommit(self, addr: int, size: int) -> None: ...
@@ -92,13 +92,12 @@ class PosixHostDriver(HostDriver):
         self._mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         self._munmap = libc.munmap
         self._mprotect = libc.mprotect
-        self._madvise = libc.madvise
-        for fn in (self._munmap, self._mprotect, self._madvise):
+        libc_madvise = libc.madvise
+        for fn in (self._munmap, self._mprotect, libc_madvise):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        if madvise is not None:
-            self._madvise = madvise
+        self._madvise: Callable[[int, int, int], int] = madvise if madvise is not None else libc_madvise
         self.page = os_page_size()
         self.populate_method = self._probe_populate_method()
         self.hugepages = self._thp_enabled()
@@ -238,7 +237,7 @@ def win32_args(call: str, addr: int | None, size: int) -> tuple[str, tuple]:
 
 
 class WindowsHostDriver(HostDriver):
-    def __init__(self, kernel32: object | None = None) -> None:
+    def __init__(self, kernel32: Any = None) -> None:
         if kernel32 is None:
             kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
             kernel32.VirtualAlloc.restype = ctypes.c_void_p

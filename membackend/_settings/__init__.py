@@ -62,7 +62,15 @@ from .save import save_setting
 if TYPE_CHECKING:  # built by model.models() on first use; the names resolve through __getattr__ below
     from pydantic import BaseModel as _BaseModel
 
-    Settings = MachineOverrides = DeviceOverride = _BaseModel
+    class _Model(_BaseModel):
+        """What a type checker sees of the models: pydantic models whose fields (built from the tables of
+        :mod:`.rules`) and methods read as ``Any``."""
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    Settings = _Model
+    MachineOverrides = _Model
+    DeviceOverride = _Model
 
 __all__ = ["Settings", "MachineOverrides", "DeviceOverride", "load_settings", "parse_bytes", "format_bytes",
            "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "SIZE_MAX",

@@ -16,10 +16,13 @@ does, once.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .rules import DEVICE_FIELDS, FIELDS, MACHINE_FIELDS, Field
 from .sources import Resolved, Sources, resolve
+
+if TYPE_CHECKING:
+    from pydantic.json_schema import JsonDict
 
 __all__ = ["models", "construct", "load_settings"]
 
@@ -32,7 +35,7 @@ def models() -> tuple[Any, Any, Any]:
     from pydantic import BaseModel, ConfigDict, PrivateAttr, create_model, model_validator
     from pydantic import Field as ModelField
 
-    def ruled(name: str, fields: tuple[Field, ...], doc: str, base: type = BaseModel,
+    def ruled(name: str, fields: tuple[Field, ...], doc: str, base: type[BaseModel] = BaseModel,
               annotations: dict[str, Any] | None = None) -> Any:
         rules = {f.name: f.rule for f in fields}
 
@@ -41,18 +44,19 @@ def models() -> tuple[Any, Any, Any]:
                 return {k: rules[k](v) if rules.get(k) is not None else v for k, v in data.items()}
             return data
 
-        spec = {}
+        spec: dict[str, Any] = {}  # field name: (annotation, FieldInfo)
         for f in fields:
             kind = (annotations or {}).get(f.name, f.annotation)
-            extra = {"accepted": f.accepted}
+            extra: JsonDict = {"accepted": f.accepted}
             if f.factory is not None:
                 spec[f.name] = (kind, ModelField(default_factory=f.factory, description=f.doc or None,
                                                  json_schema_extra=extra))
             else:
                 spec[f.name] = (kind, ModelField(f.default, description=f.doc or None, json_schema_extra=extra))
-        model = create_model(name, __base__=base, __module__=MODULE, __doc__=doc,
-                             __validators__={"_apply_rules": model_validator(mode="before")(classmethod(apply_rules))},
-                             **spec)
+        # model_validator makes apply_rules (first parameter: cls) a classmethod; __validators__ takes what
+        # pydantic's decorators return, though its annotation says callables
+        validators: dict[str, Any] = {"_apply_rules": model_validator(mode="before")(apply_rules)}
+        model = create_model(name, __base__=base, __module__=MODULE, __doc__=doc, __validators__=validators, **spec)
         model.__qualname__ = name
         return model
 

@@ -83,7 +83,7 @@ class QuickSettings:
 
             values = {k: getattr(self, k) for k in FIELD_NAMES if k != "machine"}
             self._full = construct(Resolved({**values, "machine": {}}, self._origins, self._given,
-                                            self._sources))  # type: ignore[arg-type]
+                                            self._sources))
         return self._full
 
     def __getattr__(self, name: str) -> Any:

@@ -340,7 +340,7 @@ class Field:
 
     __slots__ = ("name", "rule", "default", "doc", "annotation", "factory", "table", "items", "accepted_text")
 
-    def __init__(self, name: str, rule: Rule | None, default: Any = None, doc: str = "", annotation: Any = None,
+    def __init__(self, name: str, rule: Rule, default: Any = None, doc: str = "", annotation: Any = None,
                  factory: Callable[[], Any] | None = None, table: tuple["Field", ...] | None = None,
                  items: tuple["Field", ...] | None = None, accepted_text: str = ""):
         self.name, self.rule, self.default, self.doc, self.annotation = name, rule, default, doc, annotation

@@ -21,6 +21,7 @@ from ..._hostmem import HostMemory
 from ...types import DriverError
 from ..cuda import CudaDriver
 from ..discovery import torch_vendor_of
+from ..gpu import GpuDriver
 from ..hip import HipDriver
 from .platform import FaultPlan, FaultRule, SimError, SimPlatform, SimulatedBugcheck, SimulatedCrash
 from .profiles import PROFILES, Profile, SimDeviceSpec, get_profile
@@ -61,14 +62,14 @@ class SimInjection:
                 self._sim.faults.rules.remove(rule)
 
 
-class _Simulated:
+class _Simulated(GpuDriver):
     """What a simulated driver adds to the real wrapper (mixed in before it)."""
 
     sim: SimPlatform
     simulated = True
 
     @property
-    def cpu_addressable(self) -> bool:  # type: ignore[override]
+    def cpu_addressable(self) -> bool:
         """The simulated device's bytes are memory of this process, at the same addresses (unless the
         operating system could not back them: ``sim.memory.reason`` says why)."""
         return self.sim.memory.backed
@@ -89,7 +90,7 @@ class _Simulated:
         if source == "unified":  # /proc/meminfo of the one pool
             info = sim.meminfo()
             return info["MemTotal"], info["MemAvailable"], f"unified pool: MemAvailable ({self.label})"
-        return super().budget(source, index)  # type: ignore[misc]
+        return super().budget(source, index)
 
     def inspect(self, index: int) -> dict[str, Any]:
         st = self.sim.state(index)

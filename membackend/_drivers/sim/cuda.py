@@ -117,7 +117,7 @@ class _Pointer(_Handle):
     __slots__ = ()
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and int(other) == self._value  # type: ignore[call-overload]
+        return type(other) is type(self) and int(other) == self._value
 
     __hash__ = _Handle.__hash__
 
@@ -187,7 +187,7 @@ def _bindings() -> Any:
         from cuda.bindings import driver
     except ImportError:
         try:
-            from cuda import cuda as driver  # type: ignore[no-redef]  # cuda-python before 12.6
+            from cuda import cuda as driver  # cuda-python before 12.6
         except ImportError:
             return STAND_IN_TYPES
     return driver

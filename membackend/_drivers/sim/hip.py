@@ -27,7 +27,9 @@ def _bindings() -> Any:
     try:
         from hip import hip
     except ImportError:
-        from .. import hip_ctypes as hip
+        from .. import hip_ctypes
+
+        return hip_ctypes
     return hip
 
 

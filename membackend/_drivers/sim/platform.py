@@ -86,7 +86,7 @@ class SimError(Exception):
     """A driver call failed; ``kind`` is one of oom, invalid, not_ready, invalid_device, invalid_context,
     not_supported, no_device, injected."""
 
-    def __init__(self, kind: str, detail: str = "", code: object = None):
+    def __init__(self, kind: str, detail: str = "", code: Any = None):
         super().__init__(f"{kind}: {detail}")
         self.kind, self.detail, self.code = kind, detail, code
 
@@ -330,6 +330,7 @@ class SimPlatform:
 
     def _land(self, op: _Op) -> None:
         """A copy's bytes arrive, if its destination is still the memory it was queued on."""
+        assert op.copy is not None  # _settle lands copies only
         dst, src, size = op.copy
         try:
             still = self._handles_in(dst, size, True) == op.handles
