@@ -104,11 +104,11 @@ class Check:
     """Every part, over one driver wrapper (real cuda-python, or a simulated one in the unit test)."""
 
     def __init__(self, driver: Any, index: int, total: int, reps: int, torch: Any = None):
-        from membackend._machine import gather_machine
+        from membackend.testing.real import this_machine
 
         self.d, self.index, self.total, self.reps, self.torch = driver, index, total, reps, torch
         self.device = f"cuda:{index}"
-        self.machine = gather_machine()
+        self.machine = this_machine()
         driver.init()
         driver.set_device(index)
         self.stream = driver.stream_create()
@@ -121,12 +121,12 @@ class Check:
             pass
 
     def session(self, page: int = 32 * MiB, **caps: Any) -> Any:
-        from membackend._backends.vmm import VmmBackend
+        from membackend import Session
         from membackend.platform import GENERIC
-        from membackend._session import Session
+        from membackend.testing.real import vmm_backend
 
         capabilities = _capabilities(GENERIC.capabilities, caps)
-        return Session(VmmBackend(GENERIC, self.d, page_size=page, capabilities=capabilities), machine=self.machine)
+        return Session(vmm_backend(self.d, page_size=page, capabilities=capabilities), machine=self.machine)
 
     # ------------------------------------------------------------------ fault + copy
 
@@ -289,7 +289,7 @@ class Check:
 
     def _g2_kernel(self, s: Any) -> dict[str, Any]:
         torch = self.torch
-        from membackend._tensors import tensor_at
+        from membackend.testing.real import tensor_at
 
         size = 64 * MiB
         r = s.reserve(self.device, size)
@@ -459,22 +459,20 @@ def _aimdo(index: int, total: int, reps: int, command: list[str] | None) -> dict
 
 def aimdo_child(driver: Any, index: int, total: int, reps: int) -> dict[str, Any]:
     """The aimdo backend (comfy-aimdo's VBARs, 32 MiB pages) through the same measurements."""
-    from membackend._backends.aimdo import AimdoBackend
-    from membackend._session import Session
+    from membackend import Session
+    from membackend.testing.real import aimdo_backend, event_token
 
     check = Check(driver, index, total, reps)
     out: dict[str, Any] = {}
     try:
-        s = Session(AimdoBackend(), machine=check.machine)
+        s = Session(aimdo_backend(), machine=check.machine)
         try:
             out["fault_copy"] = {"32MiB": _part(lambda: check.fault_copy(s, 32 * MiB))}
 
             def token(r: Any) -> Any:  # aimdo has no event tokens of its own: an event on the copy stream
-                from membackend._drivers.gpu import EventToken
-
                 event = driver.event_create()
                 driver.event_record(event, check.stream)
-                return EventToken(driver, event, index)
+                return event_token(driver, event, index)
             out["free_latency"] = _part(lambda: check.free_latency(s, token))
             out["note"] = "aimdo synchronizes the whole device before its frees (fence_granularity device)"
         finally:
@@ -508,9 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": f"--device {args.device}: the driver lists {count} device(s)"}))
         return 2
     try:
-        from membackend._drivers.cuda import CudaDriver
+        from membackend.testing.real import cuda_driver
 
-        driver = CudaDriver()
+        driver = cuda_driver()
     except Exception as exc:  # cuda-python or membackend's own dependencies missing
         print(json.dumps({"error": f"membackend cannot drive the GPU here ({type(exc).__name__}: {exc}); this "
                                    f"check installs nothing: run scripts/setup with the cuda extra first",

@@ -17,15 +17,8 @@ from __future__ import annotations
 import json
 import sys
 
-from membackend._backends.host import HostBackend
-from membackend._backends.vmm import VmmBackend
-from membackend.platform import GENERIC
-from membackend._drivers.sim import PROFILES, sim_driver
-from membackend._ledger import Ledger
-from membackend._machine import gather_machine
-from membackend._residency import ResidencyManager
-from membackend._replay.stock import StockPolicy
-from membackend._session import Session
+from membackend import ResidencyManager, Session
+from membackend.testing.simulated import StockPolicy, host_session, simulated_profiles, simulated_session
 from membackend.types import Device
 
 MiB = 1 << 20
@@ -34,12 +27,11 @@ WORKFLOW = ("image", "video", "image", "audio", "image")
 
 def session_for(target: str) -> tuple[Session, Device, int, float]:
     if target == "host":
-        s = Session(HostBackend(capacity=256 * MiB, headroom=16 * MiB), machine=gather_machine(), ledger=Ledger())
-        return s, Device("cpu", 0), 2 * MiB, 0.0
-    p = PROFILES[target]
-    backend = VmmBackend(GENERIC, sim_driver(p), page_size=64 * MiB, capabilities=p.capabilities())
-    s = Session(backend, machine=gather_machine(), ledger=Ledger())
-    return s, Device(p.vendor, 0), 64 * MiB, p.copy_bandwidth
+        return host_session(capacity=256 * MiB, headroom=16 * MiB), Device("cpu", 0), 2 * MiB, 0.0
+    # the generic VMM backend with the profile's own knobs, on the profile's machine
+    s = simulated_session(target, page_size=64 * MiB)
+    profile = s.backend.driver.sim.profile
+    return s, Device(profile.vendor, 0), 64 * MiB, profile.copy_bandwidth
 
 
 def run(target: str, cls) -> dict:
@@ -56,7 +48,7 @@ def run(target: str, cls) -> dict:
         copied += f.mapped
     policy.unload_all()
     acct = s.ledger.account(dev)
-    sim = getattr(getattr(s.backend, "_driver", None), "sim", None)
+    sim = getattr(getattr(s.backend, "driver", None), "sim", None)  # None: the host backend's driver
     return {"copied": copied, "copy_seconds": copied / bandwidth if bandwidth else None,
             "alive_after_unload": acct.reservations_alive, "reserved_after_unload": acct.reserved,
             "private_commit_after_unload": sim.private_commit if sim is not None else None, "model_bytes": size}
@@ -65,7 +57,7 @@ def run(target: str, cls) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     results = {t: {cls.policy: run(t, cls) for cls in (StockPolicy, ResidencyManager)}
-               for t in ["host", *(n for n, p in PROFILES.items() if all(d.vmm for d in p.devices))]}
+               for t in ["host", *simulated_profiles(vmm_only=True)]}
     if "--json" in argv:
         print(json.dumps(results, indent=2))
         return 0
@@ -78,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             t = f"{r['copy_seconds']:.2f} s" if r["copy_seconds"] is not None else "-"
             commit = r["private_commit_after_unload"]
             c = f"{commit / MiB:,.0f} MiB" if commit is not None and target == "rocm-win-2gpu" else "-"
+            tail = f"  {ratio:.2f}" if name == "membackend" else ""
             print(f"{target:<15} {name:<11} {r['copied'] / MiB:>8,.0f} MiB {t:>10} {r['alive_after_unload']:>6} "
-                  f"{r['reserved_after_unload'] / MiB:>8,.0f} MiB {c:>12}" + (f"  {ratio:.2f}" if name == "membackend" else ""))
+                  f"{r['reserved_after_unload'] / MiB:>8,.0f} MiB {c:>12}" + tail)
     return 0
 
 

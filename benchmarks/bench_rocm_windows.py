@@ -37,16 +37,9 @@ import json
 import os
 import sys
 
-from membackend._backends.vmm import VmmBackend
-from membackend._drivers.open import LazyDriver, machine_for
-from membackend._ledger import Ledger
-from membackend._manager import BackendManager
+from membackend import ResidencyManager, create_session
 from membackend.platform import GENERIC
-from membackend._residency import ResidencyManager
-from membackend._replay.stock import StockPolicy
-from membackend._session import Session
-from membackend._settings import load_settings
-from membackend.types import Device
+from membackend.testing.simulated import StockPolicy, simulated_session
 from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -58,12 +51,10 @@ VBAR_PAGE = 32 * MiB
 def session(backend: str | None):
     """``None``: what membackend selects on the profile (the plugin, through its entry point); ``"vmm"``: the
     generic backend with comfy-aimdo's 32 MiB pages, so both sides map the same pages."""
-    settings = load_settings(sim_profile=PROFILE)
-    if backend == "vmm":
-        vmm = VmmBackend(GENERIC, driver_factory=LazyDriver("hip", PROFILE), page_size=VBAR_PAGE)
-        s = Session(vmm, machine=machine_for(settings), ledger=Ledger())
+    if backend == "vmm":  # the generic platform's own knobs (no churn limit), not the profile's
+        s = simulated_session(PROFILE, GENERIC, page_size=VBAR_PAGE)
     else:
-        s = BackendManager(settings).session()
+        s = create_session(sim_profile=PROFILE)
     return s, s.backend.driver.sim
 
 
@@ -158,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'backend':<13} {'policy':<11} {'unload':<11} {'done':>5} {'large frees':>11} {'commit first':>13} "
           f"{'commit last':>12} {'flat':>5} {'peak VA':>12} {'quota':>12}  first failure")
     for r in results["cycles"]:
+        flat = "-" if r["commit_flat_after_2"] is None else str(r["commit_flat_after_2"])
         print(f"  {r['backend']:<13} {r['policy']:<11} {r['unload']:<11} {r['done']:>5} {r['large_frees']:>11} "
-              f"{mib(r['commit_first']):>13} {mib(r['commit_last']):>12} {'-' if r['commit_flat_after_2'] is None else str(r['commit_flat_after_2']):>5} "
+              f"{mib(r['commit_first']):>13} {mib(r['commit_last']):>12} {flat:>5} "
               f"{mib(r['peak_quota_used']):>12} {mib(r['quota_limit']):>12}  {r['error'] or '-'}")
     print("16 GiB reservations alternating hip:0 / hip:1 until refused (runtime quota 256 GiB)")
     for r in results["quota"]:

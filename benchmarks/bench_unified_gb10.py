@@ -38,7 +38,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from membackend._replay.stock import StockPolicy
+from membackend.testing.simulated import StockPolicy
 from membackend_unified_gb10.workload import CUDA0, GB, Workload, gb10_session, stock_session
 
 PROFILE = "gb10-128gb"

@@ -9,9 +9,13 @@ simulation.
 The platform plugins under ``plugins/`` sit above the core, as a third party's
 would: the module an entry point names imports membackend's public face only
 (``membackend``, ``hookspec``, ``types``, ``platform``); their other modules
-(workloads and comparisons for the benchmarks) may use the core's internals but
-never the simulation, the ComfyUI adapter or the CLI; the core never imports a
-plugin.
+(workloads and comparisons for the benchmarks), the scripts in ``benchmarks/``
+and the documentation's examples under ``docs/examples/`` may import the kit
+(``membackend.testing``, whose ``simulated`` and ``real`` modules build their
+sessions) and ``membackend.bench`` besides, but nothing internal (no module
+with a part starting with ``_``); the core never imports a plugin. Tests, the
+plugins' (``plugins/*/tests/``) and membackend's (``tests/``), may use the
+internals.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ LAYERS = [
     ["membackend._manager"],
     ["membackend._residency"],
     ["membackend._tensors"],
-    ["membackend._comfyui", "membackend._replay", "membackend.testing", "membackend._cli"],
+    ["membackend._comfyui", "membackend._replay", "membackend._pictures", "membackend.testing", "membackend.bench",
+     "membackend._cli"],
     ["membackend"],  # the package facade: nothing inside may import it
 ]
 SIM = "membackend._drivers.sim"
@@ -77,7 +82,11 @@ def imports_of(path: Path, package: str | None = None) -> list[str]:
     if package is None:
         name = module_name(path)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text())
+    return imports_in(ast.parse(path.read_text()), package)
+
+
+def imports_in(tree: ast.AST, package: str) -> list[str]:
+    """:func:`imports_of` for a parsed module."""
     skip = _type_checking_nodes(tree)
     found = []
     for node in ast.walk(tree):
@@ -153,8 +162,14 @@ def test_no_import_circle_inside_the_comfyui_adapter():
 
 # --------------------------------------------------------------------------- the plugins
 
-PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+REPO = Path(__file__).resolve().parents[1]
+PLUGINS = REPO / "plugins"
+#: what the module an entry point names may import: membackend's public face for a backend at run time
 PUBLIC = ("membackend", "membackend.hookspec", "membackend.types", "membackend.platform")
+#: what a plugin's other modules, a benchmark and an example may import besides: the kit (with its submodules)
+#: and the benchmark suite; a name ``membackend`` re-exports counts as public (``from membackend import Session``
+#: is ``membackend.Session``), one starting with ``_`` never does (:func:`is_internal`)
+PUBLIC_FOR_TOOLS = (*PUBLIC, "membackend.testing", "membackend.bench")
 NEVER_FROM_A_PLUGIN = (SIM, "membackend._comfyui", "membackend._cli")
 
 
@@ -220,3 +235,83 @@ def test_the_plugin_checks_can_fail(tmp_path):
     assert "membackend._drivers.sim" in found and _is_under("membackend._drivers.sim", NEVER_FROM_A_PLUGIN)
     assert "membackend._settings" in found and "membackend._settings" not in PUBLIC
     assert "membackend.types" in found
+
+
+# --------------------------------------------------------------------------- plugins' code, benchmarks, examples
+
+
+def is_internal(name: str) -> bool:
+    """A module (or a name imported from ``membackend``) is internal when a part of its dotted path starts
+    with ``_`` (docs/modules.md)."""
+    return any(part.startswith("_") for part in name.split("."))
+
+
+def tool_files(root: Path = REPO) -> list[Path]:
+    """Every Python file of a plugin's package (not its tests), of ``benchmarks/`` and of ``docs/examples/``."""
+    found = [*root.glob("plugins/*/membackend_*/**/*.py"), *root.glob("benchmarks/**/*.py"),
+             *root.glob("docs/examples/**/*.py")]
+    return sorted(p for p in found if "__pycache__" not in p.parts)
+
+
+def tool_imports(path: Path) -> list[str]:
+    """:func:`plugin_imports`, and the imports of the Python code ``path`` holds in its strings (the script a
+    benchmark runs in a child process with ``python -c CODE``)."""
+    found = plugin_imports(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+            try:
+                code = ast.parse(node.value)
+            except SyntaxError:  # prose, a shell line: no code
+                continue
+            found += imports_in(code, "plugin")
+    return found
+
+
+def internal_imports(root: Path = REPO) -> list[str]:
+    """``path imports module`` for every import of a membackend module or name that is not public, or that is
+    not under :data:`PUBLIC_FOR_TOOLS`, in :func:`tool_files` (lazy ones and code in strings included,
+    ``TYPE_CHECKING`` exempt)."""
+    return [f"{path.relative_to(root).as_posix()} imports {imp}" for path in tool_files(root)
+            for imp in tool_imports(path) if is_internal(imp) or not _is_under(imp, PUBLIC_FOR_TOOLS)]
+
+
+def test_plugins_benchmarks_and_examples_import_public_names_only():
+    """Nothing under ``plugins/*/membackend_*/``, ``benchmarks/`` or ``docs/examples/`` imports an internal
+    module; what a plugin's comparison or a benchmark needs comes from ``membackend.testing`` (``simulated``,
+    ``real``) or ``membackend.bench``."""
+    files = tool_files()
+    assert any(p.parts[len(REPO.parts)] == "benchmarks" for p in files)
+    assert any(p.parts[len(REPO.parts)] == "plugins" and p.name != "__init__.py" for p in files)
+    assert any(p.parts[len(REPO.parts)] == "docs" for p in files)
+    offenders = internal_imports()
+    assert offenders == [], "internal imports (use membackend.testing.simulated / .real or membackend.bench):\n" \
+        + "\n".join(offenders)
+
+
+def test_the_public_names_check_can_fail(tmp_path):
+    """An internal import in a plugin module (lazy) and in a benchmark (also in the code of a child process it
+    holds in a string) is caught, with its file; one under ``TYPE_CHECKING``, the public ones and a plugin's
+    own tests are not."""
+    module = tmp_path / "plugins" / "acme" / "membackend_acme" / "compare.py"
+    bench = tmp_path / "benchmarks" / "bench_acme.py"
+    example = tmp_path / "docs" / "examples" / "acme" / "membackend_acme.py"
+    test = tmp_path / "plugins" / "acme" / "tests" / "test_acme.py"
+    for path in (module, bench, example, test):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    module.write_text("from typing import TYPE_CHECKING\n"
+                      "from membackend.testing.simulated import simulated_session\n"
+                      "from membackend import ResidencyManager, Session\n"
+                      "if TYPE_CHECKING:\n    from membackend._ledger import Ledger\n"
+                      "def f():\n    from membackend._residency import ResidencyManager\n")
+    bench.write_text("import membackend.bench\nfrom membackend import _session\nimport membackend._replay.stock\n"
+                     'CHILD = """\nimport sys\nfrom membackend._replay.compare import replay\n"""\n'
+                     "USAGE = 'python bench_acme.py [--json]: it imports nothing'\n")
+    example.write_text("from membackend import hookimpl\nfrom membackend.types import Budget\n")
+    test.write_text("from membackend._drivers.sim import sim_driver\n")
+    assert internal_imports(tmp_path) == [
+        "benchmarks/bench_acme.py imports membackend._session",
+        "benchmarks/bench_acme.py imports membackend._replay.stock",
+        "benchmarks/bench_acme.py imports membackend._replay.compare",
+        "plugins/acme/membackend_acme/compare.py imports membackend._residency",
+    ]
+    assert tool_files(tmp_path) == sorted([module, bench, example])

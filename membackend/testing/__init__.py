@@ -27,11 +27,32 @@ registers these fixtures (none is autouse):
 
 and these functions:
 
-* :func:`simulated_session` ``(profile, platform=None, *, capabilities=None,
-  observers=(), **settings)`` — a session on ``VmmBackend(platform, driver)``
-  over a fresh simulation of a profile (``wddm-6gb``, ``rocm-win-2gpu``,
-  ``gb10-128gb``, ``h200``), with its own ledger; ``ResidencyManager(session)``
-  puts the residency policy on it;
+* :func:`simulated_session` ``(profile, platform=None, *, backend=None,
+  driver=None, capabilities=None, page_size=None, machine=None, observers=(),
+  **settings)`` — the one builder of sessions on simulated machines: a
+  session over a fresh simulation of a profile (``wddm-6gb``,
+  ``rocm-win-2gpu``, ``gb10-128gb``, ``h200``, ...), on the generic VMM
+  backend with the profile's knobs, a plugin's ``platform``, a variant
+  ``driver`` or a ``backend`` built by the caller, with its own ledger;
+  ``membackend.ResidencyManager(session)`` puts the residency policy on it;
+* :func:`host_session` ``(*, capacity=None, headroom=None, page_size=None,
+  observers=(), **settings)`` — a session on the host backend (this process's
+  memory, nothing simulated), optionally capped;
+* :func:`simulated_driver` ``(profile, vendor=None, *, hold_bytes=True,
+  **changes)``, :func:`simulated_machine` ``(profile)``,
+  :func:`simulated_profiles` ``(vmm_only=False)``, :func:`simulated_failures`
+  ``()`` — a profile's driver (or a variant of it), its machine facts, the
+  profile names, the exceptions that end a simulated machine;
+* :class:`StockPolicy`, :class:`AimdoStockVmm`, :class:`AimdoLoadPolicy` —
+  membackend's models of stock ComfyUI + comfy-aimdo 0.5.x, the stock side of a
+  comparison;
+
+  all of these from :mod:`membackend.testing.simulated`, which needs no pytest
+  (benchmarks and a plugin's comparison code import it without the ``kit``
+  extra);
+* :func:`this_machine`, :func:`cuda_driver`, :func:`vmm_backend`,
+  :func:`aimdo_backend`, :func:`event_token`, :func:`tensor_at` — what a check
+  on a real GPU needs (:mod:`membackend.testing.real`, no pytest either);
 * :func:`clean_environment` ``(monkeypatch, directory, also=())`` — what
   ``membackend_clean_env`` does, for a platform that also clears variables of
   its own;
@@ -42,12 +63,23 @@ and these functions:
 
 from typing import Any
 
-__all__ = ["Target", "async_work", "build_session", "checker_for", "clean_environment", "driver_view",
-           "inject_failures", "parse_target", "simulated_session"]
+#: where each name lives (a name not listed: :mod:`membackend.testing.harness`): imported on first use, so
+#: ``membackend doctor`` (which runs the kit's checks through the harness), the benchmarks and a plugin's
+#: comparison code (which build sessions through :mod:`membackend.testing.simulated`) need no pytest, which
+#: only the ``kit`` extra brings
+_HOME = {
+    "clean_environment": "fixtures",
+    "simulated_session": "simulated", "host_session": "simulated", "simulated_driver": "simulated",
+    "simulated_machine": "simulated", "simulated_profiles": "simulated", "simulated_failures": "simulated",
+    "StockPolicy": "simulated", "AimdoStockVmm": "simulated", "AimdoLoadPolicy": "simulated",
+    "this_machine": "real", "cuda_driver": "real", "vmm_backend": "real", "aimdo_backend": "real",
+    "event_token": "real", "tensor_at": "real",
+}
 
-#: where each name lives: imported on first use, so ``membackend doctor`` (which runs the kit's checks
-#: through :mod:`membackend.testing.harness`) needs no pytest, which only the ``kit`` extra brings
-_HOME = {"clean_environment": "fixtures", "simulated_session": "fixtures"}
+__all__ = ["Target", "async_work", "build_session", "checker_for", "driver_view", "inject_failures", "parse_target",
+           "clean_environment", "simulated_session", "host_session", "simulated_driver", "simulated_machine",
+           "simulated_profiles", "simulated_failures", "StockPolicy", "AimdoStockVmm", "AimdoLoadPolicy",
+           "this_machine", "cuda_driver", "vmm_backend", "aimdo_backend", "event_token", "tensor_at"]
 
 
 def __getattr__(name: str) -> Any:

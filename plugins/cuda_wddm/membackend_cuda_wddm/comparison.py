@@ -15,9 +15,9 @@ finds no memory is streamed instead (ComfyUI's fallback), as is one that
 raises a typed driver error. At the end everything is unloaded.
 
 **Stock** (:func:`stock_session`): membackend's own model of stock ComfyUI +
-comfy-aimdo 0.5.x (``membackend._replay.stock``, shared with ``membackend
-replay``): :class:`AimdoStockVmm` (the VMM mechanism doing what aimdo does on
-this path) under :class:`AimdoLoadPolicy` (evictions made by a fault skip the
+comfy-aimdo 0.5.x (from ``membackend.testing.simulated``, shared with
+``membackend replay``): :class:`AimdoStockVmm` (the VMM mechanism doing what
+aimdo does on this path) under :class:`AimdoLoadPolicy` (evictions made by a fault skip the
 device sync, as aimdo's ``vbars_free`` does while the prefetch's malloc graph
 is sync-paused). It records no fence tokens: aimdo has none, it relies on
 ``cuCtxSynchronize``.
@@ -38,13 +38,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from membackend._backends.vmm import VmmBackend
-from membackend._drivers.open import machine_for, open_sim_variant, simulated_failures
-from membackend._ledger import Ledger
-from membackend._replay.stock import AimdoLoadPolicy, AimdoStockVmm
-from membackend._residency import ResidencyManager
-from membackend._session import Session
-from membackend._settings import load_settings
+from membackend import ResidencyManager, Session
+from membackend.testing.simulated import (AimdoLoadPolicy, AimdoStockVmm, simulated_driver, simulated_failures,
+                                          simulated_session)
 from membackend.types import Device, MembackendError
 
 from . import PLATFORM
@@ -70,9 +66,9 @@ class Timing:
     run_ahead: tuple[float, ...]  # seconds the host runs ahead after each layer, cycled
 
     def driver(self) -> Any:
-        """A driver over a fresh simulated machine of :data:`PROFILE` with this seed's timing (through
-        membackend's one opener of simulated drivers)."""
-        return open_sim_variant(PROFILE, hold_bytes=False,  # modelled copies: sizes and times, no bytes
+        """A driver over a fresh simulated machine of :data:`PROFILE` with this seed's timing
+        (``membackend.testing.simulated.simulated_driver``, a variant of the profile)."""
+        return simulated_driver(PROFILE, hold_bytes=False,  # modelled copies: sizes and times, no bytes
                                 pagein_seconds=self.pagein_seconds, copy_bandwidth=self.copy_bandwidth)
 
 
@@ -86,19 +82,15 @@ def timing_for(seed: int) -> Timing:
 # --------------------------------------------------------------------------- sessions
 
 
-def _session(backend: VmmBackend) -> Session:
-    return Session(backend, machine=machine_for(load_settings(sim_profile=PROFILE)), ledger=Ledger())
-
-
 def stock_session(timing: Timing, page_size: int, carry_on: bool = True) -> Session:
     """A session over :class:`AimdoStockVmm` on a fresh simulated machine with the seed's timing."""
-    return _session(AimdoStockVmm(timing.driver(), page_size=page_size, carry_on=carry_on,
-                                  budget_source="wddm"))
+    stock = AimdoStockVmm(timing.driver(), page_size=page_size, carry_on=carry_on, budget_source="wddm")
+    return simulated_session(PROFILE, backend=stock)
 
 
 def plugin_session(timing: Timing, page_size: int) -> Session:
     """A session over the ``cuda_wddm`` platform's backend on a fresh simulated machine with the seed's timing."""
-    return _session(VmmBackend(PLATFORM, timing.driver(), page_size=page_size))
+    return simulated_session(PROFILE, PLATFORM, driver=timing.driver(), page_size=page_size)
 
 
 # --------------------------------------------------------------------------- one seed

@@ -4,7 +4,7 @@ On a GB10 (DGX Spark), a Jetson or any other integrated NVIDIA part there is
 no VRAM of its own: device pages, pinned host buffers, staging copies and the
 rest of the system all draw from one pool of system memory. This record tells
 membackend's generic virtual-memory backend so (it subclasses nothing; the
-mechanism is :class:`membackend._backends.vmm.VmmBackend`):
+mechanism stays that backend's, ``vmm``):
 
 * **When it fits** (:func:`probe`): every CUDA device of the machine reports
   the *integrated* attribute and supports virtual memory management, as

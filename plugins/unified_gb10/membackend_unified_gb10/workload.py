@@ -7,15 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from membackend._backends.vmm import VmmBackend
-from membackend._drivers.open import machine_for, open_gpu_driver
-from membackend._ledger import Ledger
-from membackend._manager import BackendManager
+from membackend import ResidencyManager, Session, create_session
 from membackend.platform import GENERIC
-from membackend._residency import ResidencyManager
-from membackend._session import Session
-from membackend._settings import load_settings
+from membackend.testing.simulated import simulated_session
 from membackend.types import Device
+
 from . import PAGE_SIZE
 
 GB = 10**9
@@ -31,20 +27,17 @@ WORKFLOWS: dict[str, tuple[tuple[str, int], ...]] = {
 }
 
 
-def gb10_session(backend: str | None = None):
+def gb10_session(backend: str | None = None) -> Session:
     """A session on the simulated GB10, auto-selected (``backend=None``) or forced."""
-    return BackendManager(load_settings(sim_profile="gb10-128gb", backend=backend)).session()
+    return create_session(sim_profile="gb10-128gb", backend=backend)
 
 
-def stock_session():
+def stock_session() -> Session:
     """Today's GB10 without this plugin: the generic VMM with the budget stock ComfyUI and comfy-aimdo read
     (the driver's mem-get-info, i.e. MemFree; membackend's own generic platform reads the pool on an
     integrated device since) over the same simulated machine, with this plugin's page size so bytes compare
     page for page."""
-    settings = load_settings(sim_profile="gb10-128gb")
-    stock = replace(GENERIC, budget_source="device")
-    backend = VmmBackend(stock, open_gpu_driver("cuda", "gb10-128gb"), page_size=PAGE_SIZE)
-    return Session(backend, machine=machine_for(settings), ledger=Ledger())
+    return simulated_session("gb10-128gb", replace(GENERIC, budget_source="device"), page_size=PAGE_SIZE)
 
 
 class Refusals:
