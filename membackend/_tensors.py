@@ -23,8 +23,8 @@ refuses a range the residency policy does not know to be resident with
 and :func:`model_tensor` make is registered with the session as a live *view*
 of its byte range (``Session.add_view``) -- :func:`reservation_tensor` before it
 faults the range, :func:`model_tensor` right after its fault, under the residency
-policy's lock, so no eviction comes between -- and the view ends when torch frees the tensor's storage, that is when the tensor and
-every tensor sharing its memory (slices, ``.view()``, ``.numpy()``) are gone.
+policy's lock, so no eviction comes between -- and the view ends when torch frees
+the tensor's storage, that is when the tensor and every tensor sharing its memory (slices, ``.view()``, ``.numpy()``) are gone.
 While a view lives:
 
 * ``Session.free`` and ``Session.release_reservation`` of an overlapping range

@@ -399,7 +399,8 @@ class Device:
         try:
             return cls(kind.strip().lower(), int(index) if index else 0)
         except ValueError:
-            raise WrongDevice(f"device {text!r} is not of the form KIND[:INDEX]; kinds: {', '.join(DEVICE_KINDS)}") from None
+            raise WrongDevice(f"device {text!r} is not of the form KIND[:INDEX]; kinds: "
+                              f"{', '.join(DEVICE_KINDS)}") from None
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.index}"

@@ -111,7 +111,8 @@ class HostBackend:
 
     @hookimpl
     def membackend_probe(self, machine: Machine) -> Candidate:
-        return Candidate(self.name, Score.FALLBACK, "host RAM through OS virtual memory; always available, the fallback")
+        return Candidate(self.name, Score.FALLBACK,
+                         "host RAM through OS virtual memory; always available, the fallback")
 
     @hookimpl
     def membackend_reserve(self, device: Device, size: int) -> Reservation:

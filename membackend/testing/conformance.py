@@ -31,6 +31,7 @@ import errno
 import gc
 import re
 import threading
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -247,7 +248,8 @@ def test_out_of_memory_is_a_result_and_changes_nothing(membackend_target, how):
     where the backend honours it): the fault returns ok=False (or raises a typed ``DriverError``),
     and the ledger, the kernel and the driver are exactly as before."""
     check = f"out-of-memory rollback ({how})"
-    s = build_session(membackend_target, **({"host_capacity": OOM_CAPACITY} if how == "capacity" else {}))
+    extra: dict[str, Any] = {"host_capacity": OOM_CAPACITY} if how == "capacity" else {}
+    s = build_session(membackend_target, **extra)
     try:
         dev = kit_device(s)
         if how == "capacity" and dev.kind != "cpu":  # host_capacity caps host memory: nothing to honour here
@@ -464,7 +466,8 @@ def _budget_falls(s: Session, dev: Device, size: int | None, machine: bool) -> b
             moved = machine_before.free_high - machine_now.free_high if machine_before and machine_now else None
             assert machine and (moved is None or moved < size // 2), \
                 f"budget_query({dev}) free went from {before.free} to {now.free} after fault(#{r.id}, 0, {size}) " \
-                f"made {size} bytes resident" + (f", while {machine_now.source} fell by {moved}" if machine else "") \
+                f"made {size} bytes resident" \
+                + (f", while {machine_now.source} fell by {moved}" if machine_now else "") \
                 + "; expected the budget to fall by about what the backend holds"
         return False
     finally:
@@ -512,6 +515,8 @@ def test_a_free_that_fails_part_way_reports_exactly_what_it_dropped(membackend_t
             dropped = getattr(error, "dropped", 0)
             if cpu:
                 now = resident_pages(r, range(r.pages))
+                assert now is not None, f"{step} raised {error!r}: part of #{r.id}'s range is no longer mapped; " \
+                                        "a failed free keeps the whole address range"
                 gone = [p for p in range(r.pages) if not now[p]]
                 assert dropped == len(gone) * ps, \
                     f"{step} raised {error!r} with dropped={dropped}; the kernel (mincore) shows page(s) " \
@@ -617,8 +622,8 @@ def test_a_fault_that_fails_part_way_rolls_back_what_it_backed(membackend_target
                 left = resident_bytes_of(r) - len(kept) * ps
                 assert left == mapped, f"{step} returned {f!r} (mapped={mapped}) but the kernel (mincore) finds " \
                                        f"{left} bytes more resident: expected {mapped} (what the rollback says it kept)"
-            elif before is not None:
-                left = checker.resident(dev) - before
+            elif before is not None and (after := checker.resident(dev)) is not None:
+                left = after - before
                 assert left == mapped, f"{step} returned {f!r} (mapped={mapped}) but the driver holds {left} more " \
                                        f"bytes: expected {mapped}"
             _verify(s, dev, step)
@@ -714,7 +719,7 @@ def test_a_full_unload_returns_the_reservation(membackend_session):
 
 
 #: device lists of machines no simulated profile is: an integrated device beside a discrete one, two of each
-ODD_MACHINES = (
+ODD_MACHINES: tuple[list[dict[str, Any]], ...] = (
     [{"name": "integrated", "total_memory": "16GiB", "integrated": True},
      {"name": "discrete", "total_memory": "80GiB"}],
     [{"name": "a", "total_memory": "80GiB"}, {"name": "b", "total_memory": "80GiB", "unified": True}],
@@ -735,7 +740,8 @@ def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
     target = checker.target
     if platform is None:  # a backend of its own: no probe over other machines' facts to judge
         pytest.skip(f"{target} is not a platform record")
-    if simulated_truth(s, dev) is None:
+    truth = simulated_truth(s, dev)
+    if truth is None:
         note(target, "where the platform fits", "not on a simulated machine (no figures to check its budget by)")
         pytest.skip(f"{target} is not on a simulated machine")
     here = machine_for(load_settings())
@@ -757,8 +763,9 @@ def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
         other = build_session(Target(target.backend, profile, target.import_path), report=False)
         try:
             d = other.devices()[0]
-            truth, b = simulated_truth(other, d), other.budget_query(d)
-            problems = budget_problems(truth, b, checker_for(other).held(d), tolerance_for(truth, d))
+            other_truth, b = simulated_truth(other, d), other.budget_query(d)
+            assert other_truth is not None  # a simulated profile: the simulation's figures are there
+            problems = budget_problems(other_truth, b, checker_for(other).held(d), tolerance_for(other_truth, d))
             assert not problems, f"{target}'s probe fits {profile}, where budget_query({d}) returns {b!r}: " \
                                  + "; ".join(problems)
         finally:
@@ -766,7 +773,6 @@ def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
     if not fits:  # hardware no profile simulates (a device model of its own): nothing more to judge it by
         note(target, "where the platform fits", f"its probe fits none of the simulated machines "
                                                 f"({', '.join(profile_names(vmm_only=True))})")
-    truth = simulated_truth(s, dev)
     if truth.free_low:  # one pool with the host
         own = getattr(s.backend, "own_headroom", None)
         room = own(dev, truth.total)[0] if callable(own) else s.budget_query(dev).headroom
@@ -815,12 +821,13 @@ class VerbSequences(RuleBasedStateMachine):
     no backend internals are read.
     """
 
-    target = None
+    target: Target | None = None
     #: when a list, every sequence's :attr:`trail` is appended to it at teardown (the kit's own tests read it)
     journal: list[tuple[str, ...]] | None = None
 
     def __init__(self) -> None:
         super().__init__()
+        assert self.target is not None, "VerbSequences is subclassed per target"
         self.session = build_session(self.target, sanitize=True)
         self.checker = checker_for(self.session)
         self.device = kit_device(self.session)

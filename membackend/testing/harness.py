@@ -447,8 +447,9 @@ class KernelWatch:
         if not owned or self.keeps_for_reuse:
             return []
         now = Holdings.take()
-        shared = {inode for other in (self.session.reservations() if self.session is not None else ())
-                  if other.id != r.id for inode in _mapped_inodes(other)}
+        alive = self.session.reservations() if self.session is not None else ()
+        shared: set[tuple[int, int] | None] = {inode for other in alive if other.id != r.id
+                                               for inode in _mapped_inodes(other)}
         shared |= {h.inode for rid, held in self.owned.items() for h in held.values()}
         left = []
         for h in owned.values():
@@ -767,7 +768,8 @@ def async_work(session: Session, r: Reservation, offset: int, size: int, seconds
             ctypes.memset(lo, 0x5A, size)
         return FutureToken(_copies.submit(copy))
     driver = getattr(backend, "driver", None)
-    if callable(getattr(backend, "fence_token", None)) and hasattr(driver, "memcpy_htod_async"):
+    if driver is not None and callable(getattr(backend, "fence_token", None)) \
+            and hasattr(driver, "memcpy_htod_async"):
         driver.set_device(r.device.index)
         stream = driver.stream_create()
         source = ctypes.create_string_buffer(size)  # a real driver reads it when the copy runs: kept with the token

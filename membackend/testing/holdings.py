@@ -58,7 +58,7 @@ class Held:
 
 
 def _descriptors() -> list[Held]:
-    found = []
+    found: list[Held] = []
     try:
         names = os.listdir(FDS)
     except OSError:
@@ -149,7 +149,7 @@ class Holdings:
 
     def files(self) -> dict[str, Held]:
         """Regular files on disk that a descriptor or mapping of this snapshot names."""
-        found = {}
+        found: dict[str, Held] = {}
         for h in self.held.values():
             path = _file_of(h)
             if path is not None:
