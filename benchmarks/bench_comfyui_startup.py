@@ -1,7 +1,8 @@
 """What the ComfyUI adapter adds to ComfyUI's start-up, as a ratio to ``python -c "import torch"``.
 
-A thin wrapper over :func:`membackend._comfyui.startup_cost.measure_startup`, whose docstring
-says what each side measures; rounds alternate the sides and each keeps its best round.
+A thin wrapper over :func:`membackend.bench.measure_startup_cost` (the measurement ``membackend bench``
+runs, whose docstring says what each side measures); rounds alternate the sides and each keeps its
+best round.
 Target: ratio <= 0.15.
 Usage: ``python benchmarks/bench_comfyui_startup.py [--rounds N] [--json] [--no-bytecode-cache]``.
 """
@@ -12,7 +13,7 @@ import argparse
 import json
 import sys
 
-from membackend._comfyui.startup_cost import format_startup, measure_startup
+from membackend.bench import format_startup, measure_startup_cost
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-bytecode-cache", action="store_true",
                     help="run the interpreters with this environment's bytecode settings as they are")
     a = ap.parse_args(argv)
-    result = measure_startup(a.rounds, bytecode_cache=not a.no_bytecode_cache)
+    result = measure_startup_cost(a.rounds, bytecode_cache=not a.no_bytecode_cache)
     print(json.dumps(result) if a.json else format_startup(result))
     return 0
 

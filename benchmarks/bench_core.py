@@ -11,8 +11,9 @@
 3. One fault+free with 100k pages alive against 1k pages alive. Target <= 1.5.
 
 Timings interleave the two sides and keep the best of several rounds, since
-this machine is shared and noisy. The measuring lives in ``membackend._replay.bench``
-(``membackend bench`` runs these with the start-up benchmark and the replays).
+this machine is shared and noisy. The measuring lives in the public module
+``membackend.bench`` (``membackend bench`` runs these with the free-sync and
+start-up benchmarks and the replays).
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ import argparse
 import json
 import sys
 
-from membackend._replay.bench import (GiB, MiB, bench_fault_throughput, bench_hot_path, bench_pages_alive,
-                                     core_entries, format_core)
+from membackend.bench import (
+    GiB,
+    MiB,
+    bench_fault_throughput,
+    bench_hot_path,
+    bench_pages_alive,
+    core_entries,
+    format_core,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

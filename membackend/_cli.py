@@ -4,7 +4,9 @@
 custom node that starts membackend inside ComfyUI (see ``docs/comfyui.md``).
 
 ``membackend replay SCENARIO|TRACE_FILE`` runs a seed report's workload (or a recorded
-trace) stock and plugin side by side; ``membackend bench`` runs the benchmark suite.
+trace) stock and plugin side by side (``membackend._replay``; ``--plot`` draws the timelines
+with ``membackend._pictures``); ``membackend bench`` runs the benchmark suite
+(``membackend.bench``).
 
 Exit codes: 0 ok; 1 the self-test failed, or a replay's plugin side broke a
 guarantee; 2 a configuration error (its message is printed), including a forced
@@ -113,7 +115,9 @@ def settings_report(mgr: BackendManager) -> dict[str, Any]:
     read: list[str] = []
     for name, rec in sorted(mgr.records.items()):
         values = rec.values
-        for key in values or ():
+        if values is None:
+            continue
+        for key in values:
             read.append(values.env_name(key))
             rows.append({"key": f"{name}.{key}", "value": values[key], "source": values.source(key),
                          "kind": values.kind(key), "env": values.env_name(key)})
@@ -128,7 +132,7 @@ def settings_report(mgr: BackendManager) -> dict[str, Any]:
                 f"{ENV_PREFIX}{n.upper().replace('-', '_')}_")), None)
             if owner in broken:
                 continue  # the plugin is listed as broken, with the reason
-            declared = [k for k in getattr(mgr.records.get(owner), "values", None) or ()]
+            declared = [k for k in getattr(mgr.records.get(owner) if owner else None, "values", None) or ()]
             why = (f"platform {owner} declares no such setting (it declares: {', '.join(declared) or 'none'})"
                    if owner else "no setting of membackend or of an installed platform has this name")
             unread.append({"env": var, "why": why})
@@ -259,8 +263,10 @@ def kept_windows_report(session: Session) -> list[dict[str, Any]]:
     """Per device, the address windows a backend under a reserve-churn limit keeps reserved after release,
     the large frees it spent and the bound on what stays (``VmmBackend.kept_windows``); empty elsewhere."""
     kept = getattr(session.backend, "kept_windows", None)
-    rows = []
-    for dev in session.devices() if kept is not None else ():
+    rows: list[dict[str, Any]] = []
+    if kept is None:
+        return rows
+    for dev in session.devices():
         try:
             k = kept(dev)
         except MembackendError as exc:
@@ -332,8 +338,8 @@ def _print_backends(rows: list[dict[str, Any]], sel: Selection) -> None:
         print(f"selected: {sel.record.name} ({sel.how}): {sel.reason}")
         others = [r["name"] for r in rows if r["name"] != sel.record.name and not r.get("broken")]
         if others:
-            print(f"  to force another: MEMBACKEND_BACKEND={others[0]} (or backend = \"{others[0]}\" in membackend.toml); "
-                  f"choices: {', '.join(others)}")
+            print(f"  to force another: MEMBACKEND_BACKEND={others[0]} (or backend = \"{others[0]}\" in "
+                  f"membackend.toml); choices: {', '.join(others)}")
 
 
 def _print_budgets(rows: list[dict[str, Any]]) -> None:
@@ -351,8 +357,8 @@ def _print_selftest(t: dict[str, Any]) -> None:
     print(f"self-test on {t['backend']} ({t['device'] or 'no device'}):")
     base = t["steps"][0]["rss"]
     for s in t["steps"]:
-        print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_mib(s['rss']):>10} ({(s['rss'] - base) / MiB:+8.1f} MiB)"
-              f"  ledger resident {_mib(s['ledger_resident'])}  {s['detail']}")
+        print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_mib(s['rss']):>10}"
+              f" ({(s['rss'] - base) / MiB:+8.1f} MiB)  ledger resident {_mib(s['ledger_resident'])}  {s['detail']}")
     print("self-test: " + ("passed" if t["ok"] else "FAILED"))
 
 
@@ -442,7 +448,7 @@ def _replay(a: argparse.Namespace) -> int:
 
     try:
         if a.plot is not None:  # before the replay runs: an empty path, a wrong suffix or a missing extra
-            from ._replay.plot import check_plot_target  # must not cost the run
+            from ._pictures import check_plot_target  # must not cost the run
 
             try:
                 check_plot_target(a.plot)
@@ -462,7 +468,7 @@ def _replay(a: argparse.Namespace) -> int:
     else:
         print(comparison.table())
     if a.plot is not None:
-        from ._replay.plot import write_plot
+        from ._pictures import write_plot
 
         sc = comparison.scenario
         reported = f"reported in {sc.report}: " + next(iter(sc.reported.values())) if sc and sc.reported else None
@@ -480,7 +486,7 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
-    from ._replay.bench import format_bench, run_bench
+    from .bench import format_bench, run_bench
 
     result = run_bench(quick=a.quick, seeds=a.seeds,
                        progress=None if a.json else (lambda step: print(f"  ... {step}", file=sys.stderr)))

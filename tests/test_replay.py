@@ -8,12 +8,12 @@ import json
 import pytest
 
 from membackend import _cli as cli
+from membackend._manager import BackendManager
 from membackend._replay import scenarios
 from membackend._replay.compare import replay
 from membackend._replay.traceformat import TraceError, parse_lines, read_trace
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
-from membackend._manager import BackendManager
 
 GiB = 1 << 30
 

@@ -10,8 +10,15 @@ import os
 import pytest
 
 from membackend._replay import traceformat
-from membackend._replay.traceformat import (MAX_LINE_BYTES, TraceError, TraceEvents, TraceWriteError, parse_lines,
-                                            read_trace, write_trace)
+from membackend._replay.traceformat import (
+    MAX_LINE_BYTES,
+    TraceError,
+    TraceEvents,
+    TraceWriteError,
+    parse_lines,
+    read_trace,
+    write_trace,
+)
 from membackend.types import MembackendError
 
 GiB = 1 << 30

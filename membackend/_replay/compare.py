@@ -163,6 +163,11 @@ class Comparison:
         }
 
     def table(self) -> str:
+        """The printed table: what ran where, one row per figure (stock, plugin, reported), then what
+        did not run or stopped and whether each side showed what it must."""
+        return "\n".join(self._table_head() + self._table_rows() + self._table_notes())
+
+    def _table_head(self) -> list[str]:
         sc = self.scenario
         head = f"{sc.name} ({sc.report}): {sc.title}" if sc else f"trace {self.source}"
         changed = ", ".join(f"{k}={_describe_change(k, v)}" for k, v in self.changes.items())
@@ -173,54 +178,64 @@ class Comparison:
             left = ", ".join(f"{k}={_describe_change(k, v)}" for k, v in self.not_applied.items())
             lines.append(f"  recorded on {self.recorded_on or 'another profile'} with {left}: not applied on "
                          f"{self.profile} (--keep-machine applies them)")
+        return lines
+
+    def _table_rows(self) -> list[str]:
         names = {side: (f"{side} ({runs[0].backend})" if runs else side) for side, runs in self.results.items()}
         stock_h, plugin_h = names.get("stock", "stock"), names.get("plugin", "plugin")
         rows = self.rows()
         width = max(len(r[1]) for r in rows)
-        lines.append(f"  {'figure':<{width}}  {stock_h:>22}  {plugin_h:>24}  reported")
+        lines = [f"  {'figure':<{width}}  {stock_h:>22}  {plugin_h:>24}  reported"]
+        ran = [side in self.results and side not in self.missing for side in SIDES]
         for key, label, s, p, rep in rows:
             unit = next((u for k, _, _, u in FIGURES if k == key), 1.0 if key.endswith("seconds") else None)
-            cells = format_cells([s, p], unit, [side in self.results and side not in self.missing for side in SIDES])
+            cells = format_cells([s, p], unit, ran)
             lines.append(f"  {label:<{width}}  {cells[0]:>22}  {cells[1]:>24}  {rep}")
-        for side, why in self.missing.items():
-            lines.append(f"  {side}: not run: {why}")
+        return lines
+
+    def _table_notes(self) -> list[str]:
+        lines = [f"  {side}: not run: {why}" for side, why in self.missing.items()]
         for side, runs in self.results.items():
-            lost = [r.lost for r in runs if r.lost]
-            if lost:
-                lines.append(f"  {side}: the simulated machine was lost in {len(lost)} seed(s), first at {lost[0]}")
-            stopped = [r.stopped for r in runs if r.stopped]
-            if stopped:
-                lines.append(f"  {side}: the run stopped in {len(stopped)} seed(s), first at {stopped[0]}")
-            notes = sorted({n for r in runs for n in r.notes})
-            if notes:
-                lines.append(f"  {side}: {'; '.join(notes)}")
+            lines += _side_notes(side, runs)
         if self.stock_reproduces is not None:
             lines.append(f"  stock reproduces the reported failure: {'yes' if self.stock_reproduces else 'no'}")
         if "plugin" in self.results:
             v = self.violations
-            g = sc.guarantee if sc else "the guarantees"
+            g = self.scenario.guarantee if self.scenario else "the guarantees"
             lines.append(f"  plugin holds {g}: yes" if not v else "  plugin breaks: " + "; ".join(v))
-        return "\n".join(lines)
+        return lines
 
+
+def _side_notes(side: str, runs: list[SideResult]) -> list[str]:
+    """Where a side's machine was lost or its run stopped (the first seed's place), and its notes."""
+    lines = []
+    lost = [r.lost for r in runs if r.lost]
+    if lost:
+        lines.append(f"  {side}: the simulated machine was lost in {len(lost)} seed(s), first at {lost[0]}")
+    stopped = [r.stopped for r in runs if r.stopped]
+    if stopped:
+        lines.append(f"  {side}: the run stopped in {len(stopped)} seed(s), first at {stopped[0]}")
+    notes = sorted({n for r in runs for n in r.notes})
+    if notes:
+        lines.append(f"  {side}: {'; '.join(notes)}")
+    return lines
 
 
 def format_cells(values: list[Any], unit: float | None, ran: list[bool]) -> list[str]:
     """One row's values as text, side by side: byte figures in ``unit``; a row holding a fractional
     value prints every value with two decimals, so the sides read alike (120.00 vs 9.00)."""
-    nums = [v / unit if unit not in (None, 1, 1.0) and isinstance(v, (int, float)) else v for v in values]
-    decimals = unit not in (None, 1, 1.0) or any(
-        isinstance(v, float) and not v.is_integer() for v in nums if not isinstance(v, bool))
-    out = []
-    for v, r in zip(nums, ran):
-        if not r:
-            out.append("not run")
-        elif v is None:
-            out.append("-")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            out.append(str(v))
-        else:
-            out.append(f"{v:,.2f}" if decimals else f"{int(v):,}")
-    return out
+    scaled = unit not in (None, 1, 1.0)
+    nums = [v / unit if scaled and unit is not None and isinstance(v, (int, float)) else v for v in values]
+    decimals = scaled or any(isinstance(v, float) and not v.is_integer() for v in nums if not isinstance(v, bool))
+    return [_cell(v, decimals) if r else "not run" for v, r in zip(nums, ran)]
+
+
+def _cell(value: Any, decimals: bool) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:,.2f}" if decimals else f"{int(value):,}"
 
 
 def _describe_change(key: str, value: Any) -> str:
@@ -287,27 +302,40 @@ def _check_machine(changes: dict[str, Any], profile: str, where: str) -> None:
     :class:`TraceError` at ``where`` saying what is accepted."""
     from .._drivers.open import open_sim_variant
 
-    base = open_sim_variant(profile, hold_bytes=False).sim.profile
+    driver: Any = open_sim_variant(profile, hold_bytes=False)  # a simulated driver: it has ``sim``
+    base = driver.sim.profile
     kinds = {f.name: str(f.type) for f in dataclasses.fields(base)}
     for key, value in changes.items():
-        if key == "device_memory":
-            if not (type(value) is int and 1 <= value <= MAX_COUNT):
-                raise TraceError(f"{where}: 'machine' field 'device_memory' must be a whole number of bytes "
-                                 f"from 1 to 2**63 - 1, got {value!r}")
-            continue
-        kind = kinds.get(key)
-        if kind is None or kind not in _FIELD_KINDS or key in ("name", "vendor"):
-            accepted = sorted([k for k, v in kinds.items() if v in _FIELD_KINDS and k not in ("name", "vendor")]
-                              + ["device_memory"])
-            raise TraceError(f"{where}: 'machine' field {key!r} is not a profile field a trace may change; "
-                             f"accepted: {', '.join(accepted)}")
-        if not _fits(kind, value) or (key in ("copy_bandwidth", "granularity") and not value):
-            raise TraceError(f"{where}: 'machine' field {key!r} must be {_FIELD_KINDS[kind]}"
-                             f"{' (not 0)' if key in ('copy_bandwidth', 'granularity') else ''}, got {value!r}")
+        _check_field(key, value, kinds, where)
     try:
         open_sim_variant(profile, hold_bytes=False, **changes)
     except (ConfigError, ValueError, TypeError) as exc:
         raise TraceError(f"{where}: 'machine': {exc}") from None
+
+
+def _check_field(key: str, value: Any, kinds: dict[str, str], where: str) -> None:
+    """One changed profile field (``kinds``: each field's annotation), or :class:`TraceError`."""
+    if key == "device_memory":
+        if not (type(value) is int and 1 <= value <= MAX_COUNT):
+            raise TraceError(f"{where}: 'machine' field 'device_memory' must be a whole number of bytes "
+                             f"from 1 to 2**63 - 1, got {value!r}")
+        return
+    kind = _field_kind(key, kinds, where)
+    not_zero = key in ("copy_bandwidth", "granularity")
+    if not _fits(kind, value) or (not_zero and not value):
+        raise TraceError(f"{where}: 'machine' field {key!r} must be {_FIELD_KINDS[kind]}"
+                         f"{' (not 0)' if not_zero else ''}, got {value!r}")
+
+
+def _field_kind(key: str, kinds: dict[str, str], where: str) -> str:
+    """The kind of profile field ``key`` is, when a trace may change it; else :class:`TraceError`."""
+    kind = kinds.get(key)
+    if kind is None or kind not in _FIELD_KINDS or key in ("name", "vendor"):
+        accepted = sorted([k for k, v in kinds.items() if v in _FIELD_KINDS and k not in ("name", "vendor")]
+                          + ["device_memory"])
+        raise TraceError(f"{where}: 'machine' field {key!r} is not a profile field a trace may change; "
+                         f"accepted: {', '.join(accepted)}")
+    return kind
 
 
 class _Progress:
@@ -370,81 +398,149 @@ def replay(source: str, *, backend: str | None = None, profile: str | None = Non
     :class:`TraceError` naming the header's line for the header's). A long trace reports its
     progress on stderr.
     """
-    from .._drivers.open import profile_names
-    from .engine import check_plugin
-
     if policy not in ("stock", "plugin", "both"):
         raise ReplayError(f"policy {policy!r}; accepted: stock, plugin, both")
     if record is not None:
         _check_record_path(record, source)
     trace, scenario, changes = load_source(source, run)
-    builtin = scenario is not None and source in SCENARIOS
+    builtin = scenario if scenario is not None and source in SCENARIOS else None
+    seeds = _seed_count(source, builtin, seeds)
+    home = _home_profile(builtin, scenario, trace)
+    prof = _checked_profile(profile, home, trace)
+    changes, not_applied = _applied(changes, elsewhere=prof != home and not keep_machine)
+    _check_machine(changes, prof, f"scenario {builtin.name}" if builtin else trace.header_where())
+    plugin_backend, from_header = _plugin_backend(backend, builtin, trace, prof)
+    sides = SIDES if policy == "both" else (policy,)
+    if "plugin" in sides and (backend is not None or from_header):
+        _check_named_plugin(trace, prof, plugin_backend, changes, from_header)
+    comparison = Comparison(source, scenario, prof, seeds, trace, changes, not_applied=not_applied,
+                            recorded_on=home)
+    _run_seeds(comparison, _Sides(builtin, prof == home or keep_machine, sides, plugin_backend, backend is not None,
+                                  record))
+    return comparison
+
+
+def _seed_count(source: str, builtin: Scenario | None, seeds: int | None) -> int:
+    """How many seeds run: ``seeds`` (a whole number >= 1, for a built-in scenario only), else the
+    scenario's default, else (a trace file) one."""
     if seeds is not None and (not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1):
         raise ReplayError(f"seeds must be a whole number >= 1, got {seeds!r}")
-    if not builtin and seeds not in (None, 1):
+    if builtin is None and seeds not in (None, 1):
         raise ReplayError(f"{source} is a trace file: it replays as recorded, once; --seeds applies to the "
                           f"built-in scenarios ({', '.join(SCENARIOS)})")
-    seeds = seeds or (scenario.default_seeds if builtin else 1)
-    recorded_on = trace.header.get("sim_profile")
-    home = scenario.profile if builtin else (recorded_on or (scenario.profile if scenario else None))
-    prof = profile or home
+    return seeds or (builtin.default_seeds if builtin else 1)
+
+
+def _home_profile(builtin: Scenario | None, scenario: Scenario | None, trace: Trace) -> str | None:
+    """Where the workload was recorded: a built-in scenario's profile, else the trace header's, else
+    the profile of the scenario the trace names (None: real hardware)."""
+    if builtin is not None:
+        return builtin.profile
+    return trace.header.get("sim_profile") or (scenario.profile if scenario else None)
+
+
+def _applied(changes: dict[str, Any], *, elsewhere: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(applied, not applied)`` of the recorded machine changes: none apply ``elsewhere`` (on
+    another profile than the one they were recorded on, without --keep-machine)."""
+    if changes and elsewhere:
+        return {}, changes
+    return changes, {}
+
+
+def _checked_profile(asked: str | None, home: str | None, trace: Trace) -> str:
+    """The profile the replay runs on: ``asked``, else ``home`` (the scenario's, or the one the trace
+    was recorded on); a simulated one, else :class:`ReplayError` (:class:`TraceError` for the header's)."""
+    from .._drivers.open import profile_names
+
+    prof = asked or home
     if not prof:
         raise ReplayError(f"{trace.header_where()}: the trace names no simulated profile (it was recorded on real "
                           f"hardware); pass --profile, one of: {', '.join(profile_names())}")
     if prof not in profile_names():
-        if profile is None:  # the header's
+        if asked is None:  # the header's
             raise TraceError(f"{trace.header_where()}: header 'sim_profile' {prof!r} is no simulated profile; "
                              f"accepted: {', '.join(profile_names())} (or pass --profile)")
         raise ReplayError(f"profile {prof!r} is unknown; accepted: {', '.join(profile_names())}")
-    where = f"scenario {scenario.name}" if builtin else trace.header_where()
-    not_applied: dict[str, Any] = {}
-    if changes and prof != home and not keep_machine:
-        not_applied, changes = changes, {}
-    _check_machine(changes, prof, where)
-    plugin_backend = backend or (scenario.plugin if builtin else None)
-    from_header = False
-    if plugin_backend is None and not builtin and prof == recorded_on:
-        plugin_backend = trace.header.get("backend") if trace.header.get("backend") != "aimdo_stock" else None
-        from_header = plugin_backend is not None
-    sides = SIDES if policy == "both" else (policy,)
-    if "plugin" in sides and (backend is not None or from_header):
-        try:  # before any side runs: a backend named but not there is the caller's (or the trace's) mistake
-            check_plugin(prof, plugin_backend, changes)
-        except ReplayError as exc:
-            if not from_header:
-                raise
-            raise TraceError(f"{trace.header_where()}: header 'backend': {exc}; or pass --backend to replay "
-                             "with another") from None
-    comparison = Comparison(source, scenario, prof, seeds, trace, changes, not_applied=not_applied,
-                            recorded_on=home)
-    progress = _Progress(seeds * len(sides), len(trace.events), several_seeds=seeds > 1)
+    return prof
+
+
+def _plugin_backend(backend: str | None, builtin: Scenario | None, trace: Trace, prof: str) -> tuple[str | None, bool]:
+    """The plugin side's backend and whether the trace's header named it: ``backend``, else the
+    built-in scenario's plugin, else, on the profile the trace was recorded on, the backend that
+    recorded it (unless that was stock), else None (membackend's selection)."""
+    plugin_backend = backend or (builtin.plugin if builtin else None)
+    if plugin_backend is None and builtin is None and prof == trace.header.get("sim_profile"):
+        named = trace.header.get("backend")
+        plugin_backend = named if named != "aimdo_stock" else None
+        return plugin_backend, plugin_backend is not None
+    return plugin_backend, False
+
+
+def _check_named_plugin(trace: Trace, prof: str, plugin_backend: str | None, changes: dict[str, Any],
+                        from_header: bool) -> None:
+    """Before any side runs: a backend named but not there is the caller's (or the trace's) mistake."""
+    from .engine import check_plugin
+
+    try:
+        check_plugin(prof, plugin_backend, changes)
+    except ReplayError as exc:
+        if not from_header:
+            raise
+        raise TraceError(f"{trace.header_where()}: header 'backend': {exc}; or pass --backend to replay "
+                         "with another") from None
+
+
+@dataclass(frozen=True)
+class _Sides:
+    """How :func:`replay` runs each seed's sides."""
+
+    builtin: Scenario | None  # the built-in scenario: seeds after 0 build their own workload
+    machine_kept: bool  # a seed's drawn machine changes apply (on the scenario's profile, or --keep-machine)
+    sides: tuple[str, ...]
+    plugin_backend: str | None
+    backend_named: bool  # asked for by name: not installed is a configuration error, not a missing column
+    record: str | None
+
+
+def _run_seeds(comparison: Comparison, how: _Sides) -> None:
+    """Run every seed's sides into ``comparison``, with a progress line on stderr when long."""
+    seeds, sides = comparison.seeds, how.sides
+    progress = _Progress(seeds * len(sides), len(comparison.trace.events), several_seeds=seeds > 1)
     recorded_side = "plugin" if "plugin" in sides else sides[0]
     try:
         for seed in range(seeds):
-            if seed and builtin:
-                events, drawn = scenario.build(seed)
-                drawn = {**scenario.machine, **drawn} if (prof == home or keep_machine) else {}
-                trace_s, changes_s = Trace(trace.header, events, source), drawn
-            else:
-                trace_s, changes_s = trace, changes
+            trace, changes = _seed_workload(comparison, how, seed)
             for side in sides:
-                if side in comparison.missing:
-                    progress.side_done(last=seed == seeds - 1 and side == sides[-1])
-                    continue
-                rec = record if (record is not None and seed == 0 and side == recorded_side) else None
-                try:
-                    result = run_side(trace_s, side, profile=prof,
-                                      backend=plugin_backend if side == "plugin" else None,
-                                      changes=changes_s, record=rec, progress=progress.side(side))
-                except PluginMissing as exc:
-                    if backend is not None:
-                        raise  # asked for by name: a configuration error, not a missing column
-                    comparison.missing[side] = str(exc)
-                    progress.side_done(last=seed == seeds - 1 and side == sides[-1])
-                    continue
-                comparison.results.setdefault(side, []).append(result)
+                record = how.record if (seed == 0 and side == recorded_side) else None
+                _run_one(comparison, how, side, trace, changes, record, progress)
                 progress.side_done(last=seed == seeds - 1 and side == sides[-1])
     except BaseException:
         progress.stop()
         raise
-    return comparison
+
+
+def _seed_workload(comparison: Comparison, how: _Sides, seed: int) -> tuple[Trace, dict[str, Any]]:
+    """The trace and profile changes of ``seed``: seed 0's as loaded, a built-in scenario's others drawn."""
+    if seed and how.builtin is not None:
+        events, drawn = how.builtin.build(seed)
+        drawn = {**how.builtin.machine, **drawn} if how.machine_kept else {}
+        return Trace(comparison.trace.header, events, comparison.source), drawn
+    return comparison.trace, comparison.changes
+
+
+def _run_one(comparison: Comparison, how: _Sides, side: str, trace: Trace, changes: dict[str, Any],
+             record: str | None, progress: _Progress) -> None:
+    """One side's run of one seed, its result added to ``comparison``; a plugin that is not installed
+    (and was not asked for by name) leaves the side missing, and it runs no more seeds."""
+    if side in comparison.missing:
+        return
+    try:
+        result = run_side(trace, side, profile=comparison.profile,
+                          backend=how.plugin_backend if side == "plugin" else None,
+                          changes=changes, record=record, progress=progress.side(side))
+    except PluginMissing as exc:
+        if how.backend_named:
+            raise  # asked for by name: a configuration error, not a missing column
+        comparison.missing[side] = str(exc)
+        return
+    comparison.results.setdefault(side, []).append(result)

@@ -29,9 +29,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import heapq
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 from .._drivers.open import machine_for, open_sim_variant, simulated_failures
 from .._ledger import Ledger
@@ -39,6 +40,7 @@ from .._residency import ResidencyManager
 from .._session import Session
 from .._settings import load_settings
 from .._trace import TraceObserver
+from ..platform import Platform
 from ..types import Device, MembackendError, PluginMissing, ReplayError, TraceError, TraceWriteError
 from .stock import AimdoLoadPolicy, AimdoStockVmm
 from .timeline import Marker, Sample, Timeline
@@ -104,14 +106,35 @@ def _distribution(backend: str) -> str:
 
 def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) -> Session:
     from .._backends.vmm import VmmBackend
-    from .._manager import BackendManager
 
     settings = load_settings(sim_profile=profile, backend=backend, disable=False)
+    name, platform = _plugin_platform(settings, profile, backend)
+    vendor = platform.vendor or "cuda"
+    driver = open_sim_variant(profile, hold_bytes=False, **changes)  # modelled copies: sizes and times
+    if driver.vendor != vendor and platform.vendor:
+        raise ReplayError(f"backend {name!r} drives {vendor} devices; profile {profile!r} simulates "
+                          f"{driver.vendor}")
+    machine = machine_for(settings)
+    # the simulated machine's facts (its OS, each device's driver model) decide what the platform's knobs
+    # resolve to, e.g. page_in_sync="wddm" on a simulated Windows profile, not this process's OS
+    built = VmmBackend(platform, driver, machine=lambda: machine)
+    return Session(built, machine=machine, ledger=Ledger())
+
+
+def _plugin_platform(settings: Any, profile: str, backend: str | None) -> tuple[str, Platform]:
+    """The plugin side's backend (``backend``, else what membackend selects on ``profile``): its name
+    and its platform. :class:`PluginMissing` when it is not installed, :class:`ReplayError` when it
+    is not built on the VMM mechanism (only those run on a simulated profile)."""
+    from .._backends.vmm import VmmBackend
+    from .._manager import BackendManager
+
     manager = BackendManager(settings)
     if backend is not None and backend not in manager.records:
         raise PluginMissing(f"backend {backend!r} is not installed (pip install {_distribution(backend)}); "
                             f"installed: {', '.join(sorted(manager.records))}")
     record = manager.records[backend] if backend else manager.select(machine_for(settings)).record
+    if record is None:  # nothing selected: only with membackend switched off, which this session is not
+        raise ReplayError(f"membackend selects no backend on profile {profile!r}; pass --backend")
     plugin = record.plugin
     if not isinstance(plugin, VmmBackend):
         vmm = [n for n, r in sorted(manager.records.items()) if isinstance(r.plugin, VmmBackend)]
@@ -119,16 +142,7 @@ def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) 
         raise ReplayError(f"{chosen}backend {record.name!r} is not built on the VMM mechanism, so it cannot run "
                           f"on a simulated profile; replays accept platform backends: pass --backend with one of "
                           f"{', '.join(vmm)}")
-    vendor = plugin.platform.vendor or "cuda"
-    driver = open_sim_variant(profile, hold_bytes=False, **changes)  # modelled copies: sizes and times
-    if driver.vendor != vendor and plugin.platform.vendor:
-        raise ReplayError(f"backend {record.name!r} drives {vendor} devices; profile {profile!r} simulates "
-                          f"{driver.vendor}")
-    machine = machine_for(settings)
-    # the simulated machine's facts (its OS, each device's driver model) decide what the platform's knobs
-    # resolve to, e.g. page_in_sync="wddm" on a simulated Windows profile, not this process's OS
-    built = VmmBackend(plugin.platform, driver, machine=lambda: machine)
-    return Session(built, machine=machine, ledger=Ledger())
+    return record.name, plugin.platform
 
 
 def check_plugin(profile: str, backend: str | None, changes: dict[str, Any] | None = None) -> None:
@@ -139,8 +153,8 @@ def check_plugin(profile: str, backend: str | None, changes: dict[str, Any] | No
 
 def _stock_session(profile: str, changes: dict[str, Any]) -> Session:
     settings = load_settings(sim_profile=profile)
-    driver = open_sim_variant(profile, hold_bytes=False, **changes)  # modelled copies: sizes and times
-    wddm = driver.sim.profile.wddm
+    driver: Any = open_sim_variant(profile, hold_bytes=False, **changes)  # modelled copies: sizes and times
+    wddm = driver.sim.profile.wddm  # a simulated driver: it has ``sim``
     backend = AimdoStockVmm(driver, budget_source="wddm" if wddm else "device")
     return Session(backend, machine=machine_for(settings), ledger=Ledger())
 
@@ -420,85 +434,133 @@ def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = Non
     if side not in SIDES:
         raise ReplayError(f"side {side!r}; accepted: {', '.join(SIDES)}")
     changes = dict(changes or {})
-    session = _stock_session(profile, changes) if side == "stock" else _plugin_session(profile, backend, changes)
-    tracer: _RecordingTracer | None = None
-    if record is not None:  # what MEMBACKEND_TRACE writes: the verbs and the policy's records
-        kept = {k: v for k, v in trace.header.items()
-                if k not in ("time", "event", "format", "version", "membackend", "sim_profile", "machine", "backend")}
-        try:
-            path = _fresh_record_path(record)
-            tracer = _RecordingTracer(path, **kept, sim_profile=profile, machine=changes,
-                                      backend=session.backend.name)
-        except TraceWriteError:
-            session.close()  # nothing reserved yet; the driver's contexts go back
-            raise
-        session = Session(session.backend, machine=session.machine, ledger=session.ledger, observers=[tracer],
-                          tracer=tracer)
+    session, tracer = _open_side(trace, side, profile, backend, changes, record)
     policy = AimdoLoadPolicy(session, tracer=tracer) if side == "stock" else ResidencyManager(session, tracer=tracer)
     result = SideResult(side, session.backend.name, profile, timeline=Timeline(side))
     run = _Run(session, policy, result, record_copies=side == "plugin")
-    fatal = simulated_failures()
-    done = 0
     try:
-        for n, (line, e) in enumerate(trace.numbered()):
-            try:
-                if tracer is not None and e["event"] in ("copy", "compute"):
-                    _trace_input(tracer, policy, e)
-                run.apply(e)
-            except fatal as exc:
-                result.lost = f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}"
-                if hasattr(session.backend, "carry_on"):
-                    session.backend.carry_on = True  # nothing after the end may bugcheck again
-                break
-            except KeyError as exc:
-                raise TraceError(f"{trace.where(n, line, e)}: model {exc.args[0]!r} was never registered (or was "
-                                 "unregistered before)") from None
-            except TraceError as exc:
-                raise TraceError(f"{trace.where(n, line, e)}: {exc}") from None
-            except MembackendError as exc:
-                if isinstance(exc, ValueError):  # bad input in the trace (a range, a size, a device, a kind)
-                    raise TraceError(f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}") from None
-                result.stopped = f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}"
-                break
-            if tracer is not None and tracer.failed is not None:
-                break  # the record file is full: raised below, once everything is released
-            run.sample()
-            done = n + 1
-            if progress is not None and done % PROGRESS_EVERY == 0:
-                progress(done)
-        if progress is not None and done % PROGRESS_EVERY:
-            progress(done)
+        _replay_events(run, trace, tracer, progress)
         run.finish_timeline()
-        sim = run.sim
-        for d in run.devices:
-            acct = session.ledger.account(d)
-            result.alive_after_unload += acct.reservations_alive
-            result.reserved_after_unload += acct.reserved
-        result.committed_end = run.committed_total()
-        result.bugchecks, result.hazards, result.spilled = sim.bugchecks, sim.use_after_free, sim.spilled_bytes
-        calls = sim.faults.calls
-        result.creates = calls.get("cuMemCreate", 0) + calls.get("hipMemCreate", 0)
-        result.releases = calls.get("cuMemRelease", 0) + calls.get("hipMemRelease", 0)
+        _take_end_figures(run)
     finally:
         # stock releases reservations only when its models are collected: after the figures, as ComfyUI would
         run.models.clear()
         del policy, run
         gc.collect()
-        if result.lost is None:
-            try:
-                session.close()
-            except Exception:  # a side that failed may not close cleanly; its figures are taken
-                pass
-        if tracer is not None:
-            tracer.close()
-    if tracer is not None and tracer.failed is not None:
-        try:
-            if Path(record).is_file():  # what was written of it is no trace: a replay would stop at its end
-                Path(record).unlink()
-        except OSError:
-            pass
-        raise TraceWriteError(record, tracer.failed, shown_path(record))
+        _close_side(session, tracer, lost=result.lost is not None)
+    failed = _record_failure(tracer, record)
+    if failed is not None:
+        raise failed
     return result
+
+
+#: the header fields a record file writes anew (the rest of the workload's header is kept)
+_OWN_HEADER = ("time", "event", "format", "version", "membackend", "sim_profile", "machine", "backend")
+
+
+def _open_side(trace: Trace, side: str, profile: str, backend: str | None, changes: dict[str, Any],
+               record: str | None) -> tuple[Session, _RecordingTracer | None]:
+    """The side's session on a fresh simulation and, with ``record``, the tracer writing it (the
+    session then reports to it). A record file that cannot be opened closes the session first."""
+    session = _stock_session(profile, changes) if side == "stock" else _plugin_session(profile, backend, changes)
+    if record is None:
+        return session, None
+    # what MEMBACKEND_TRACE writes: the verbs and the policy's records
+    kept = {k: v for k, v in trace.header.items() if k not in _OWN_HEADER}
+    try:
+        path = _fresh_record_path(record)
+        tracer = _RecordingTracer(path, **kept, sim_profile=profile, machine=changes, backend=session.backend.name)
+    except TraceWriteError:
+        session.close()  # nothing reserved yet; the driver's contexts go back
+        raise
+    traced = Session(session.backend, machine=session.machine, ledger=session.ledger, observers=[tracer],
+                     tracer=tracer)
+    return traced, tracer
+
+
+def _replay_events(run: _Run, trace: Trace, tracer: _RecordingTracer | None,
+                   progress: Callable[[int], None] | None) -> None:
+    """Apply the trace's events in order, sampling after each, until the end, the end of the side's
+    machine, a failure it cannot go on from, or a record file that could not be written."""
+    fatal = simulated_failures()
+    done = 0
+    for n, (line, e) in enumerate(trace.numbered()):
+        if not _apply_event(run, trace, tracer, fatal, (n, line, e)):
+            break
+        if tracer is not None and tracer.failed is not None:
+            break  # the record file is full: raised by run_side, once everything is released
+        run.sample()
+        done = n + 1
+        if progress is not None and done % PROGRESS_EVERY == 0:
+            progress(done)
+    if progress is not None and done % PROGRESS_EVERY:
+        progress(done)
+
+
+def _apply_event(run: _Run, trace: Trace, tracer: _RecordingTracer | None, fatal: tuple[type[BaseException], ...],
+                 at: tuple[int, int | None, dict[str, Any]]) -> bool:
+    """Apply one event (``at``: its index, line and fields); False when the side cannot go on: its
+    simulated machine ended (``lost``) or a typed failure stopped it (``stopped``). What the trace
+    gets wrong is raised as a :class:`TraceError` naming the event."""
+    n, line, e = at
+    try:
+        if tracer is not None and e["event"] in ("copy", "compute"):
+            _trace_input(tracer, run.policy, e)
+        run.apply(e)
+    except fatal as exc:
+        run.result.lost = f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}"
+        if hasattr(run.backend, "carry_on"):
+            run.backend.carry_on = True  # nothing after the end may bugcheck again
+        return False
+    except KeyError as exc:
+        raise TraceError(f"{trace.where(n, line, e)}: model {exc.args[0]!r} was never registered (or was "
+                         "unregistered before)") from None
+    except TraceError as exc:
+        raise TraceError(f"{trace.where(n, line, e)}: {exc}") from None
+    except MembackendError as exc:
+        if isinstance(exc, ValueError):  # bad input in the trace (a range, a size, a device, a kind)
+            raise TraceError(f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}") from None
+        run.result.stopped = f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}"
+        return False
+    return True
+
+
+def _take_end_figures(run: _Run) -> None:
+    """What the side still holds after its last event, and what the simulated driver counted."""
+    result, sim = run.result, run.sim
+    for d in run.devices:
+        acct = run.session.ledger.account(d)
+        result.alive_after_unload += acct.reservations_alive
+        result.reserved_after_unload += acct.reserved
+    result.committed_end = run.committed_total()
+    result.bugchecks, result.hazards, result.spilled = sim.bugchecks, sim.use_after_free, sim.spilled_bytes
+    calls = sim.faults.calls
+    result.creates = calls.get("cuMemCreate", 0) + calls.get("hipMemCreate", 0)
+    result.releases = calls.get("cuMemRelease", 0) + calls.get("hipMemRelease", 0)
+
+
+def _close_side(session: Session, tracer: _RecordingTracer | None, *, lost: bool) -> None:
+    """Close the session (not after the simulated machine ended) and the record file."""
+    if not lost:
+        try:
+            session.close()
+        except Exception:  # a side that failed may not close cleanly; its figures are taken
+            pass
+    if tracer is not None:
+        tracer.close()
+
+
+def _record_failure(tracer: _RecordingTracer | None, record: str | None) -> TraceWriteError | None:
+    """The error to raise when the record file could not be written, its partial file removed: what
+    was written of it is no trace (a replay would stop at its end)."""
+    if tracer is None or tracer.failed is None or record is None:
+        return None
+    try:
+        if Path(record).is_file():
+            Path(record).unlink()
+    except OSError:
+        pass
+    return TraceWriteError(record, tracer.failed, shown_path(record))
 
 
 def _trace_input(tracer: TraceObserver, policy: ResidencyManager, e: dict[str, Any]) -> None:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._backends.vmm import VmmBackend
 from .._drivers.open import simulated_failures
+from .._residency import Model, ResidencyManager, _locked, _Slot
 from ..platform import Platform
-from .._residency import ResidencyManager, Model, _Slot, _locked
 from ..types import Candidate, Capabilities, Device, Score
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class StockPolicy(ResidencyManager):
 def _release_on_gc(session: Session, slots: list[_Slot], tracer: TraceObserver | None) -> None:
     """StockPolicy: the reservation goes back only when the model object is collected."""
     for slot in slots:
-        if slot.alive:
+        if slot.alive and slot.reservation is not None:  # alive: it holds a reservation not yet released
             try:
                 session.release_reservation(slot.reservation)
             except Exception as exc:  # a finalizer must not raise

@@ -99,7 +99,8 @@ class Timeline:
                 raise TimelineError(f"tally {name}={total!r}: a running total is a whole number >= 0")
             before = self.tallies.get(name, 0)
             if total < before:
-                raise TimelineError(f"tally {name}={total} is below the last total {before}: a running total never falls")
+                raise TimelineError(f"tally {name}={total} is below the last total {before}: "
+                                    "a running total never falls")
             checked[name] = total
         step = self.steps
         for name, total in checked.items():

@@ -75,7 +75,9 @@ if TYPE_CHECKING:  # built by model.models() on first use; the names resolve thr
 __all__ = ["Settings", "MachineOverrides", "DeviceOverride", "load_settings", "parse_bytes", "format_bytes",
            "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "SIZE_MAX",
            "QUOTE_LIMIT", "quoted", "NAME_PATTERN", "PlatformValues",
-           "Rule", "RuleError"]
+           "Rule", "RuleError", "FLAG_ACCEPTED", "HOST_PAGE_SIZE", "PROBE_TIMEOUT_ABOVE", "PROBE_TIMEOUT_MAX",
+           "TRACE_ACCEPTED", "UNITS", "CONFIG_ACCEPTED", "CONFIG_ENV", "CONFIG_NAME", "ENV_PREFIX", "PYPROJECT_TABLE",
+           "Sources", "platform_env_name", "resolve_platform"]
 
 #: the names of the fields of :class:`Settings`, :class:`MachineOverrides` and :class:`DeviceOverride`, in order
 #: (the tables themselves, with each field's rule, are :data:`.rules.FIELDS` and its neighbours)

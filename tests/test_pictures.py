@@ -1,4 +1,5 @@
-"""``membackend._replay.plot.write_plot``: every format, the escaping, the typed errors, the atomic write."""
+"""``membackend._pictures.write_plot`` and the modules it draws with (``layout``, ``figure``, ``page``): every
+format, the escaping, the typed errors, the atomic write, what the pictures must show."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from membackend._replay import plot
-from membackend._replay.plot import ACCEPTED_SUFFIXES, PlotFormatError, PlotUnavailable, write_plot
+import membackend._pictures as pictures
+from membackend._pictures import ACCEPTED_SUFFIXES, style, write_plot
+from membackend._pictures.figure import draw_figure
+from membackend._pictures.layout import MAX_LANES, assign_lanes, lay_out, step_segments
 from membackend._replay.timeline import Marker, Sample, Timeline
-from membackend.types import MembackendError
+from membackend.types import MembackendError, PlotFormatError, PlotUnavailable
 
 GiB = 1 << 30
 EVIL = "<script>alert(1)</script>"
@@ -117,10 +120,11 @@ def test_matplotlib_is_imported_only_when_drawing_and_never_pyplot(tmp_path):
     pytest.importorskip("matplotlib")
     script = (
         "import sys\n"
-        "from membackend._replay.plot import write_plot\n"
+        "from membackend._pictures import write_plot\n"
         "from membackend._replay.timeline import Sample, Timeline\n"
         "assert 'matplotlib' not in sys.modules, 'imported at module load'\n"
-        f"write_plot({str(tmp_path / 'x.png')!r}, {{'stock': Timeline('stock', [Sample(0, 'cpu', 1, 1)])}}, title='t')\n"
+        f"write_plot({str(tmp_path / 'x.png')!r}, {{'stock': Timeline('stock', [Sample(0, 'cpu', 1, 1)])}},"
+        " title='t')\n"
         "assert 'matplotlib' in sys.modules\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot may pick an interactive backend'\n"
     )
@@ -225,7 +229,7 @@ def test_html_needs_no_matplotlib(tmp_path, monkeypatch):
 
 def test_step_vertices_hold_each_value_until_the_next_sample():
     points = [(0.0, 1), (1.0, 2), (1.0, 3), (2.0, None), (3.0, 5)]
-    assert plot._step_segments(points, end=4.0) == [
+    assert step_segments(points, end=4.0) == [
         [(0.0, 1), (1.0, 1), (1.0, 2), (1.0, 3), (2.0, 3)],  # same instant: each value in order
         [(3.0, 5), (4.0, 5)],  # None broke the line; the last value holds to the end
     ]
@@ -275,7 +279,7 @@ def test_a_failed_rename_leaves_no_file(tmp_path, monkeypatch):
     def refuse(src, dst):
         raise PermissionError("target locked")
 
-    monkeypatch.setattr(plot.os, "replace", refuse)
+    monkeypatch.setattr(pictures.os, "replace", refuse)
     with pytest.raises(PermissionError):
         write_plot(tmp_path / "timeline.html", _both(), title="t")
     assert list(tmp_path.iterdir()) == []
@@ -295,7 +299,7 @@ from membackend._replay.timeline import TALLY_MARKERS, TimelineError  # noqa: E4
 def _figure(timelines, *, title="t", reported=None):
     """The static figure, drawn, and its renderer (what write_plot saves)."""
     pytest.importorskip("matplotlib")
-    figure = plot._matplotlib_figure(plot._lay_out(timelines), title=title, reported=reported, suffix=".png")
+    figure = draw_figure(lay_out(timelines), title=title, reported=reported)
     figure.canvas.draw()
     return figure, figure.canvas.get_renderer()
 
@@ -356,7 +360,7 @@ def _stepped_side(side, *, release_at_idle):
 
 
 def test_markers_sharing_an_instant_get_their_own_steps_and_widened_spans():
-    layout = plot._lay_out({"stock": _stepped_side("stock", release_at_idle=False),
+    layout = lay_out({"stock": _stepped_side("stock", release_at_idle=False),
                             "plugin": _stepped_side("plugin", release_at_idle=True)})
     plugin = layout.panel("plugin", "hip:0")
     unloads = [p.x for p in plugin.markers if p.marker.kind == "unload"]
@@ -375,14 +379,14 @@ def test_markers_sharing_an_instant_get_their_own_steps_and_widened_spans():
 def test_sparse_samples_hold_their_value_until_the_next_step():
     timeline = Timeline("stock", [Sample(0.0, "cuda:0", 0, 0, None, 0), Sample(1.0, "cuda:0", 0, GiB, None, 5),
                                   Sample(2.0, "cuda:0", 0, 0, None, 9)])
-    layout = plot._lay_out({"stock": timeline})
+    layout = lay_out({"stock": timeline})
     assert layout.steps == 10
     (segment,) = layout.panel("stock", "cuda:0").series["resident"]
     assert segment == [(0.0, 0), (5.0, 0), (5.0, GiB), (9.0, GiB), (9.0, 0), (10.0, 0)]
 
 
 def test_full_unload_rocm_draws_each_unload_and_the_release_apart(rocm):
-    layout = plot._lay_out(rocm.timelines())
+    layout = lay_out(rocm.timelines())
     figure, _ = _figure(rocm.timelines())
     axes = figure.axes[layout.columns.index("hip:0") + len(layout.columns)]  # plugin · hip:0
     assert axes.get_title() == "plugin · hip:0"
@@ -419,10 +423,10 @@ def test_churn_picture_draws_and_counts_the_bugchecks(churn, tmp_path):
     assert any("0 simulated bugchecks" in t for t in texts)
     assert any(f"{stock.hazards:,} frees raced pending work" in t for t in texts)
     stock_axes = figure.axes[0]
-    crosses = [line for line in stock_axes.get_lines() if line.get_marker() == plot.RUG_STYLE["bugcheck"][1]]
+    crosses = [line for line in stock_axes.get_lines() if line.get_marker() == style.RUG_STYLE["bugcheck"][1]]
     assert sum(len(line.get_xdata()) for line in crosses) == len(
         [m for m in timelines["stock"].markers if m.kind == "bugcheck"])
-    assert not [line for line in figure.axes[1].get_lines() if line.get_marker() == plot.RUG_STYLE["bugcheck"][1]]
+    assert not [line for line in figure.axes[1].get_lines() if line.get_marker() == style.RUG_STYLE["bugcheck"][1]]
     assert not _overlaps(figure, renderer)
     page = _html(tmp_path, timelines)
     assert page.count('class="marker rug r-bugcheck"') == len([m for m in timelines["stock"].markers
@@ -469,7 +473,7 @@ def test_reserved_is_labelled_address_space_and_resident_is_drawn_over_committed
     (legend,) = [a.get_legend() for a in figure.axes if a.get_legend() is not None]
     assert "reserved (address space)" in [t.get_text() for t in legend.get_texts()]
     lines = {line.get_color(): line for line in figure.axes[0].get_lines()}
-    resident, committed = lines[plot.SERIES_STYLE["resident"].colour], lines[plot.SERIES_STYLE["committed"].colour]
+    resident, committed = lines[style.SERIES_STYLE["resident"].colour], lines[style.SERIES_STYLE["committed"].colour]
     assert resident.get_zorder() > committed.get_zorder()
     assert committed.get_linewidth() > 2 * resident.get_linewidth()  # where they are equal, committed shows around it
 
@@ -483,7 +487,7 @@ def test_crowded_labels_take_lanes_and_never_overlap():
         timeline.markers.append(Marker(k * 0.1, "workflow", f"a long workflow name {k}", step=k))
     figure, renderer = _figure({"stock": timeline})
     shown = [t for t in _texts(figure) if t.get_text().startswith("a long workflow name")]
-    assert len(shown) >= plot.MAX_LANES  # every lane used: not a vacuous check
+    assert len(shown) >= MAX_LANES  # every lane used: not a vacuous check
     assert not _overlaps(figure, renderer)
 
 
@@ -492,7 +496,7 @@ def test_lane_assignment_never_overlaps_and_flips_at_the_right_edge():
 
     rng = random.Random(7)
     spans = [(rng.uniform(0, 500), rng.uniform(20, 120)) for _ in range(40)]
-    lanes = plot._assign_lanes(spans, 0.0, 500.0, gap=3.0)
+    lanes = assign_lanes(spans, 0.0, 500.0, gap=3.0)
     placed = []
     for (anchor, width), lane in zip(spans, lanes):
         if lane is None:
@@ -501,11 +505,11 @@ def test_lane_assignment_never_overlaps_and_flips_at_the_right_edge():
         start = anchor - width if flipped else anchor
         assert start >= 0.0 and (start + width <= 500.0 or not flipped)
         placed.append((row, start, start + width))
-    assert any(lane is None for lane in lanes) and len({row for row, _, _ in placed}) == plot.MAX_LANES
+    assert any(lane is None for lane in lanes) and len({row for row, _, _ in placed}) == MAX_LANES
     for i, (row, a0, a1) in enumerate(placed):
         for other, b0, b1 in placed[i + 1:]:
             assert row != other or a1 + 3.0 <= b0 or b1 + 3.0 <= a0
-    assert plot._assign_lanes([(490.0, 50.0)], 0.0, 500.0, gap=3.0) == [(0, True)]
+    assert assign_lanes([(490.0, 50.0)], 0.0, 500.0, gap=3.0) == [(0, True)]
 
 
 def test_html_marks_unloads_rugs_and_summaries(tmp_path):

@@ -1,4 +1,5 @@
-"""``membackend._replay.bench``: every entry comes out with sane types, as JSON and as a table.
+"""``membackend.bench``: every entry comes out with sane types, as JSON and as a table; the public names the
+benchmark scripts import.
 
 No timing thresholds: the machines are shared and noisy, so only shapes and signs are checked.
 The start-up measurement is replaced by a fake module (it would spawn interpreters importing torch).
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from membackend._replay import bench, compare, scenarios
+from membackend import bench
+from membackend._replay import compare, scenarios
 from membackend._replay.scenarios import SCENARIOS
 
 STARTUP = "membackend._comfyui.startup_cost"
@@ -155,7 +157,7 @@ def test_table_mentions_every_entry(quick):
 ])
 def test_startup_failure_is_recorded_as_skipped(monkeypatch, module):
     monkeypatch.setitem(sys.modules, STARTUP, module)
-    got = bench.measure_startup(1)
+    got = bench.bench_startup(1)
     assert set(got) == {"skipped"} and isinstance(got["skipped"], str) and got["skipped"]
 
 
@@ -204,3 +206,32 @@ def test_bench_core_script_still_runs(tmp_path):
     data = json.loads(out.stdout)
     ratios = [row["ratio"] for row in data["hot_path"]] + [data["throughput"]["ratio"], data["pages_alive"]["ratio"]]
     assert len(ratios) == 4 and all(x > 0 for x in ratios)
+
+
+def test_the_public_face_benchmark_scripts_import():
+    """Everything in ``__all__`` is there; the re-exports are the replay's and the start-up measurement's own
+    functions, under names that do not clash with the suite's ``bench_startup``."""
+    from membackend._comfyui import startup_cost
+
+    assert all(hasattr(bench, name) for name in bench.__all__)
+    assert bench.replay is compare.replay
+    assert bench.measure_startup_cost is startup_cost.measure_startup
+    assert bench.format_startup is startup_cost.format_startup
+    assert not hasattr(bench, "measure_startup")
+    for name in ("bench_hot_path", "bench_fault_throughput", "bench_pages_alive", "bench_free_sync", "bench_startup",
+                 "run_bench", "replay", "measure_startup_cost"):
+        assert name in bench.__all__ and f"{name}`" in bench.__doc__, name  # each is said in the docstring
+
+
+def test_benchmark_scripts_import_the_public_bench_module_only():
+    """The four scripts built on the suite import nothing internal (no module with a part starting with ``_``)."""
+    import ast
+
+    for script in ("bench_core.py", "bench_free_sync.py", "bench_comfyui_startup.py", "bench_trace_stream.py"):
+        source = BENCH_CORE.with_name(script).read_text()
+        modules = [node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)]
+        modules += [a.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import) for a in node.names]
+        assert "from membackend.bench import" in source, script  # bench_trace_stream's is in its replaying child
+        internal = [m for m in modules if m and m.startswith("membackend")
+                    and any(part.startswith("_") for part in m.split("."))]
+        assert internal == [] and "membackend._" not in source, (script, internal)

@@ -1,30 +1,50 @@
-"""``membackend bench``: every benchmark and the four replays in one run, as ratios measured here.
+"""The benchmark suite ``membackend bench`` runs, for callers and benchmark writers: every figure a
+ratio of two things measured side by side in the same run.
 
-Each figure is a ratio of two things measured side by side in the same run: timings alternate
-the two sides in rounds and each side keeps its best round, because the machines this runs on
-are shared and noisy; absolute times are printed only next to their ratio.
+Timings alternate the two sides in rounds and each side keeps its best round, because the machines
+this runs on are shared and noisy; absolute times are printed only next to their ratio. Each
+``bench_*`` function measures one thing and returns its figures as JSON-serialisable rows:
 
-* hot path (:func:`bench_hot_path`): ``Session.fault`` on a resident page and ``Session.free``
-  of nothing, each against calling the backend's method directly (pluggy's generic dispatch is
-  shown for orientation). Target <= 2.5.
-* host fault (:func:`bench_fault_throughput`): faulting 1 GiB in 32 MiB pages on the host
-  backend against memset over already-resident memory (the zeroing limit). Target >= 0.35.
-* pages alive (:func:`bench_pages_alive`): one fault+free with 100k pages alive against 1k.
-  Target <= 1.5.
-* free sync (:func:`bench_free_sync`): on each simulated GPU profile, freeing a freshly faulted
-  range while a kernel on another range is still running (its fence token recorded), with the
-  device-wide synchronize after fresh mappings (``page_in_sync="always"``) against without it
-  (``"never"``): wall time per free, the device time the free waited, whether the other kernel
-  was still running afterwards, and what the driver saw (on WDDM, without the sync, the free
-  races the page-in: a bugcheck). No target: the platforms' choice is the figure.
-* start-up: the ComfyUI adapter's start-up against ``import torch``, measured by
-  ``membackend._comfyui.startup_cost.measure_startup`` (recorded as skipped when that cannot
-  run, e.g. without torch). Target <= 0.15.
-* scenarios: :func:`membackend._replay.compare.replay` of every built-in scenario, stock and
-  plugin side by side, with the guarantee the plugin side must hold.
+* :func:`bench_hot_path` ``(n, rounds)``: ``Session.fault`` on a resident page and ``Session.free``
+  of nothing on the host backend, each against calling the backend's method directly (pluggy's
+  generic dispatch is shown for orientation). Two rows ``{"bench", "session_ns", "direct_ns",
+  "ratio", "pluggy_generic_ratio", "target"}``. Target <= 2.5.
+* :func:`bench_fault_throughput` ``(total, page, rounds)``: faulting ``total`` bytes (1 GiB) in
+  ``page`` pages (32 MiB) on the host backend against memset over already-resident memory (the
+  zeroing limit). ``{"bench", "fault_GBps", "memset_GBps", "ratio", "target", "populate",
+  "hugepages"}``. Target >= 0.35.
+* :func:`bench_pages_alive` ``(small, large, n)``: one fault+free with 100k pages alive against
+  1k. ``{"bench", "small_us", "large_us", "ratio", "target"}``. Target <= 1.5.
+* :func:`bench_free_sync` ``(profiles, n, rounds, kernel_seconds, pages)``: on each simulated GPU
+  profile, freeing a freshly faulted range while a kernel on another range is still running (its
+  fence token recorded), with the device-wide synchronize after fresh mappings
+  (``page_in_sync="always"``) against without it (``"never"``): one row per profile with the wall
+  time per free, the device time the free waited, whether the other kernel was still running
+  afterwards, and what the driver saw (on WDDM, without the sync, the free races the page-in: a
+  bugcheck). No target: the platforms' choice is the figure.
+* :func:`bench_startup` ``(rounds)``: the ComfyUI adapter's start-up against ``import torch``,
+  measured by :func:`measure_startup_cost`. ``{"torch_seconds", "adapter_seconds", "ratio",
+  "target"}``, or ``{"skipped": reason}`` when that cannot run (no torch, say). Target <= 0.15.
 
-:func:`run_bench` returns the figures as a JSON-serialisable dict; :func:`format_bench` prints it.
-``benchmarks/bench_core.py`` is the command-line wrapper for the first three.
+:func:`run_bench` runs all of them and :func:`replay` of every built-in scenario (stock and plugin
+side by side, with the guarantee the plugin side must hold) and returns the figures as one
+JSON-serialisable dict (what ``membackend bench --json`` prints); :func:`format_bench` prints it as
+a table. :func:`core_entries` and :func:`format_core` turn the first three's rows into
+:func:`run_bench`'s entries and their table lines, :func:`format_free_sync` prints
+:func:`bench_free_sync`'s rows; :func:`side_by_side` is the alternating timer every ratio uses
+(the best seconds per call of each of two callables); :data:`TARGETS` holds each entry's bound.
+
+Re-exported for benchmark scripts, so they import from this module only:
+
+* :func:`replay` (``membackend replay``): a built-in scenario or a trace file, stock and plugin side
+  by side; returns the comparison (``.table()``, ``.to_json()``, ``.violations``).
+* :func:`measure_startup_cost` and :func:`format_startup`: the start-up measurement
+  :func:`bench_startup` wraps, with every side's figures (``rounds``, ``bytecode_cache``), and
+  its printed report.
+
+``benchmarks/bench_core.py`` is the command-line wrapper for the first three,
+``benchmarks/bench_free_sync.py`` for the free sync, ``benchmarks/bench_comfyui_startup.py`` for
+the start-up.
 """
 
 from __future__ import annotations
@@ -38,19 +58,43 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 
-from .. import hookspec
-from .._backends.host import HostBackend
-from .._ledger import Ledger
-from .._machine import gather_machine
-from .._session import Session
+from . import hookspec
+from ._backends.host import HostBackend
+from ._comfyui.startup_cost import format_startup
+from ._comfyui.startup_cost import measure_startup as measure_startup_cost
+from ._ledger import Ledger
+from ._machine import gather_machine
+from ._replay import compare
+from ._replay.compare import FIGURES, format_cells, replay
+from ._replay.engine import SIDES
+from ._session import Session
 
-__all__ = ["run_bench", "format_bench", "bench_hot_path", "bench_fault_throughput", "bench_pages_alive",
-           "bench_free_sync", "format_free_sync", "core_entries", "format_core", "side_by_side", "TARGETS",
-           "FREE_SYNC_PROFILES"]
+__all__ = [
+    "run_bench",
+    "format_bench",
+    "bench_hot_path",
+    "bench_fault_throughput",
+    "bench_pages_alive",
+    "bench_free_sync",
+    "bench_startup",
+    "format_free_sync",
+    "core_entries",
+    "format_core",
+    "side_by_side",
+    "best_per_call",
+    "replay",
+    "measure_startup_cost",
+    "format_startup",
+    "TARGETS",
+    "FREE_SYNC_PROFILES",
+    "MiB",
+    "GiB",
+]
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -76,7 +120,7 @@ def _meets(entry: str, ratio: float) -> bool:
 
 # --------------------------------------------------------------------------- measuring
 
-def best_per_call(fn: Callable[[], None], n: int) -> float:
+def best_per_call(fn: Callable[[], object], n: int) -> float:
     """Seconds per call of ``fn`` over ``n`` calls in a row."""
     start = time.perf_counter()
     for _ in range(n):
@@ -84,7 +128,7 @@ def best_per_call(fn: Callable[[], None], n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
-def side_by_side(a: Callable[[], None], b: Callable[[], None], n: int, rounds: int = 7) -> tuple[float, float]:
+def side_by_side(a: Callable[[], object], b: Callable[[], object], n: int, rounds: int = 7) -> tuple[float, float]:
     """Best per-call time of a and b, measured in alternating rounds."""
     ta = tb = float("inf")
     for _ in range(rounds):
@@ -197,13 +241,13 @@ def _free_sync_side(profile: str, mode: str, kernel_seconds: float, pages: int) 
     ``step()`` that frees a fresh range while another range's kernel runs."""
     import dataclasses
 
-    from .._backends.vmm import VmmBackend
-    from .._drivers.open import machine_for, open_gpu_driver, resolve_vendor, simulated_failures
-    from ..platform import GENERIC
-    from .._settings import load_settings
+    from ._backends.vmm import VmmBackend
+    from ._drivers.open import machine_for, open_gpu_driver, resolve_vendor, simulated_failures
+    from ._settings import load_settings
+    from .platform import GENERIC
 
     settings = load_settings(sim_profile=profile)
-    driver = open_gpu_driver(resolve_vendor(None, settings), profile)
+    driver: Any = open_gpu_driver(resolve_vendor(None, settings), profile)  # simulated: it has ``sim``
     p = driver.sim.profile
     # only the page-in sync differs between the sides: fence per reservation on both
     caps = dataclasses.replace(p.capabilities(), fence_granularity="reservation", page_in_sync=mode)
@@ -253,35 +297,47 @@ def bench_free_sync(profiles: tuple[str, ...] = FREE_SYNC_PROFILES, n: int = 50,
     rows = []
     for profile in profiles:
         sides = {mode: _free_sync_side(profile, mode, kernel_seconds, pages) for mode in FREE_SYNC_SIDES}
-        best = {mode: math.inf for mode in FREE_SYNC_SIDES}
-        for _ in range(rounds):
-            for mode, side in sides.items():
-                if side["failure"] is not None:
-                    continue
-                done = len(side["wall"])
-                try:
-                    for _ in range(n):
-                        side["step"]()
-                except side["fatal"] as exc:  # the simulated machine died: this side has no figures
-                    side["failure"] = f"{type(exc).__name__}: {exc}"
-                    continue
-                best[mode] = min(best[mode], sum(side["wall"][done:]) / n)
-        row: dict[str, Any] = {"bench": f"free of a fresh range, a kernel running on another ({profile})",
-                               "profile": profile,
-                               "platform_syncs": sides["always"]["platform_syncs"]}
-        for mode, key in (("always", "sync"), ("never", "nosync")):
-            side = sides[mode]
-            ran = side["steps"] > 0 and side["failure"] is None
-            row[f"{key}_us"] = best[mode] * 1e6 if ran else None
-            row[f"{key}_stall_ms"] = statistics.median(side["stall"]) * 1e3 if side["stall"] else None
-            row[f"{key}_kernel_running"] = side["still_running"] / side["steps"] if side["steps"] else None
-            row[f"{key}_failure"] = side["failure"]
-            row[f"{key}_hazards"] = side["sim"].use_after_free + side["sim"].bugchecks
-            if side["failure"] is None:
-                side["session"].close()
-        row["ratio"] = row["sync_us"] / row["nosync_us"] if row["sync_us"] and row["nosync_us"] else None
-        rows.append(row)
+        best = _free_sync_rounds(sides, n, rounds)
+        rows.append(_free_sync_row(profile, sides, best))
     return rows
+
+
+def _free_sync_rounds(sides: dict[str, dict[str, Any]], n: int, rounds: int) -> dict[str, float]:
+    """Run the sides in alternating rounds of ``n`` steps; each side's best round's mean wall time per
+    free (``inf`` where no round ran). A side whose simulated machine died runs no more rounds."""
+    best = {mode: math.inf for mode in FREE_SYNC_SIDES}
+    for _ in range(rounds):
+        for mode, side in sides.items():
+            if side["failure"] is not None:
+                continue
+            done = len(side["wall"])
+            try:
+                for _ in range(n):
+                    side["step"]()
+            except side["fatal"] as exc:  # the simulated machine died: this side has no figures
+                side["failure"] = f"{type(exc).__name__}: {exc}"
+                continue
+            best[mode] = min(best[mode], sum(side["wall"][done:]) / n)
+    return best
+
+
+def _free_sync_row(profile: str, sides: dict[str, dict[str, Any]], best: dict[str, float]) -> dict[str, Any]:
+    """One profile's row of :func:`bench_free_sync`; closes the sessions of the sides that survived."""
+    row: dict[str, Any] = {"bench": f"free of a fresh range, a kernel running on another ({profile})",
+                           "profile": profile,
+                           "platform_syncs": sides["always"]["platform_syncs"]}
+    for mode, key in (("always", "sync"), ("never", "nosync")):
+        side = sides[mode]
+        ran = side["steps"] > 0 and side["failure"] is None
+        row[f"{key}_us"] = best[mode] * 1e6 if ran else None
+        row[f"{key}_stall_ms"] = statistics.median(side["stall"]) * 1e3 if side["stall"] else None
+        row[f"{key}_kernel_running"] = side["still_running"] / side["steps"] if side["steps"] else None
+        row[f"{key}_failure"] = side["failure"]
+        row[f"{key}_hazards"] = side["sim"].use_after_free + side["sim"].bugchecks
+        if side["failure"] is None:
+            side["session"].close()
+    row["ratio"] = row["sync_us"] / row["nosync_us"] if row["sync_us"] and row["nosync_us"] else None
+    return row
 
 
 def format_free_sync(rows: list[dict[str, Any]]) -> list[str]:
@@ -309,12 +365,13 @@ def format_free_sync(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def measure_startup(rounds: int) -> dict[str, Any]:
-    """The adapter's start-up entry: ``{"torch_seconds", "adapter_seconds", "ratio", "target"}``,
-    or ``{"skipped": reason}`` when the measurement cannot be imported or run (no torch, say)."""
+def bench_startup(rounds: int) -> dict[str, Any]:
+    """The adapter's start-up entry, measured by :func:`measure_startup_cost` in ``rounds`` rounds:
+    ``{"torch_seconds", "adapter_seconds", "ratio", "target"}``, or ``{"skipped": reason}`` when the
+    measurement cannot be imported or run (no torch, say)."""
     try:
-        # imported here: it spawns interpreters that import torch, and it may not be installed
-        from .._comfyui.startup_cost import measure_startup as measure
+        # looked up when run (not the name imported above): a test may stand another module in for it
+        from ._comfyui.startup_cost import measure_startup as measure
         got = measure(rounds=rounds)
         entry = {k: float(got[k]) for k in ("torch_seconds", "adapter_seconds", "ratio")}
     except Exception as exc:  # any failure of an optional measurement is recorded, not raised
@@ -343,12 +400,12 @@ def core_entries(hot: list[dict[str, Any]], thr: dict[str, Any], alive: dict[str
 
 
 def _scenario_entry(name: str, seeds: int | None) -> dict[str, Any]:
-    from .compare import replay  # the replay machinery is only needed for this step
-
     with contextlib.redirect_stderr(io.StringIO()):  # replay's progress bar: run_bench reports its own
-        c = replay(name, seeds=seeds)
+        c = compare.replay(name, seeds=seeds)  # looked up when run: a test may stand another in for it
     j = c.to_json()
-    return {"report": j["report"], "title": c.scenario.title, "guarantee": c.scenario.guarantee,
+    sc = c.scenario
+    assert sc is not None, f"{name} is a built-in scenario"
+    return {"report": j["report"], "title": sc.title, "guarantee": sc.guarantee,
             "profile": j["profile"], "seeds": j["seeds"], "backends": j["backends"], "missing": j["missing"],
             "figures": j["figures"], "violations": j["violations"], "stock_reproduces": j["stock_reproduces"]}
 
@@ -370,39 +427,49 @@ def run_bench(*, quick: bool = False, startup_rounds: int = 3, seeds: int | None
     Keys: ``dispatch`` and ``dispatch_free`` (float ratios), ``hot_path`` (detail rows),
     ``host_fault`` ``{"gbps", "memset_gbps", "ratio", "target", ...}``, ``pages_alive``
     ``{"ns_1k", "ns_100k", "ratio", "target", ...}``, ``free_sync`` (rows of :func:`bench_free_sync`, no
-    target), ``startup`` (see :func:`measure_startup`),
+    target), ``startup`` (see :func:`bench_startup`),
     ``scenarios`` ``{name: {"report", "profile", "backends", "figures", "violations",
     "stock_reproduces", ...}}``, ``targets_met`` ``{entry: bool}`` (skipped entries left out),
     ``guarantees_held`` (True when every scenario's plugin side ran and broke no guarantee) and
     ``machine``. Every value is JSON-serialisable.
     """
-    from .scenarios import SCENARIOS
+    from ._replay.scenarios import SCENARIOS  # looked up when run: a test may run fewer
 
     say = progress or (lambda line: None)
+    result = _core(quick, say)
+    say("free sync")
+    result["free_sync"] = bench_free_sync(n=10 if quick else 50, rounds=3 if quick else 5)
+    say("startup")
+    result["startup"] = bench_startup(startup_rounds)
+    result["scenarios"] = {}
+    for name in SCENARIOS:
+        say(f"scenario {name}")
+        result["scenarios"][name] = _scenario_entry(name, seeds if seeds is not None or not quick else 1)
+    result["targets_met"] = _targets_met(result)
+    # a plugin that did not run shows no violation, but it did not hold the guarantee either
+    result["guarantees_held"] = all(not sc["violations"] and "plugin" not in sc["missing"]
+                                    for sc in result["scenarios"].values())
+    result["machine"] = _machine()
+    return result
+
+
+def _core(quick: bool, say: Callable[[str], None]) -> dict[str, Any]:
+    """The three core benchmarks, as :func:`core_entries`."""
     say("hot path")
     hot = bench_hot_path(2_000 if quick else 20_000, rounds=3 if quick else 7)
     say("host fault")
     thr = bench_fault_throughput(64 * MiB if quick else GiB, rounds=3 if quick else 5)
     say("pages alive")
     alive = bench_pages_alive(n=200 if quick else 2_000)
-    result = core_entries(hot, thr, alive)
-    say("free sync")
-    result["free_sync"] = bench_free_sync(n=10 if quick else 50, rounds=3 if quick else 5)
-    say("startup")
-    result["startup"] = measure_startup(startup_rounds)
-    result["scenarios"] = {}
-    for name in SCENARIOS:
-        say(f"scenario {name}")
-        result["scenarios"][name] = _scenario_entry(name, seeds if seeds is not None or not quick else 1)
+    return core_entries(hot, thr, alive)
+
+
+def _targets_met(result: dict[str, Any]) -> dict[str, bool]:
+    """Whether each entry's ratio meets its target (a skipped entry is left out)."""
     ratios = {"dispatch": result["dispatch"], "dispatch_free": result["dispatch_free"],
               "host_fault": result["host_fault"]["ratio"], "pages_alive": result["pages_alive"]["ratio"],
               "startup": result["startup"].get("ratio")}
-    result["targets_met"] = {k: _meets(k, r) for k, r in ratios.items() if r is not None}
-    # a plugin that did not run shows no violation, but it did not hold the guarantee either
-    result["guarantees_held"] = all(not sc["violations"] and "plugin" not in sc["missing"]
-                                    for sc in result["scenarios"].values())
-    result["machine"] = _machine()
-    return result
+    return {k: _meets(k, r) for k, r in ratios.items() if r is not None}
 
 
 # --------------------------------------------------------------------------- printing
@@ -413,9 +480,11 @@ def format_core(result: dict[str, Any]) -> list[str]:
     lines = [f"{'benchmark':<52} {'measured':>34} {'ratio':>7}  target"]
     for row in result["hot_path"]:
         lines.append(f"{row['bench']:<52} {row['session_ns']:>9.0f} ns vs {row['direct_ns']:>6.0f} ns direct"
-                     f"      {row['ratio']:>7.2f}  {row['target']}  (pluggy dispatch: {row['pluggy_generic_ratio']:.1f}x)")
+                     f"      {row['ratio']:>7.2f}  {row['target']}"
+                     f"  (pluggy dispatch: {row['pluggy_generic_ratio']:.1f}x)")
     lines.append(f"{thr['bench']:<52} {thr['gbps']:>7.2f} GB/s vs {thr['memset_gbps']:>6.2f} GB/s memset"
-                 f" {thr['ratio']:>7.2f}  {thr['target']}  ({thr['populate']}, THP {'on' if thr['hugepages'] else 'off'})")
+                 f" {thr['ratio']:>7.2f}  {thr['target']}"
+                 f"  ({thr['populate']}, THP {'on' if thr['hugepages'] else 'off'})")
     lines.append(f"{alive['bench']:<52} {alive['ns_100k'] / 1e3:>8.1f} us vs {alive['ns_1k'] / 1e3:>6.1f} us"
                  f"            {alive['ratio']:>7.2f}  {alive['target']}")
     return lines
@@ -423,12 +492,9 @@ def format_core(result: dict[str, Any]) -> list[str]:
 
 def _headline(name: str, sc: dict[str, Any]) -> list[str]:
     """A scenario's rows the report gave a figure for, its own rows, and whether the plugin held."""
-    from .compare import FIGURES, format_cells
-    from .engine import SIDES  # ("stock", "plugin")
-
     units = {k: u for k, _, _, u in FIGURES}
     rows = [(k, f) for k, f in sc["figures"].items() if k not in units or f.get("reported")]
-    stock, plugin = (f"{side} ({sc['backends'][side]})" if side in sc["backends"] else side for side in SIDES)
+    stock, plugin = _side_names(sc)
     width = max([len(f["label"]) for _, f in rows] + [len("figure")])
     lines = [f"{name} ({sc['report']}), profile {sc['profile']}, {sc['seeds']} seed{'s' if sc['seeds'] != 1 else ''}",
              f"  {'figure':<{width}}  {stock:>22}  {plugin:>24}  reported"]
@@ -436,6 +502,17 @@ def _headline(name: str, sc: dict[str, Any]) -> list[str]:
         s, p = format_cells([f["stock"], f["plugin"]], units.get(key, 1.0 if key.endswith("seconds") else None),
                             [side in sc["backends"] for side in SIDES])
         lines.append(f"  {f['label']:<{width}}  {s:>22}  {p:>24}  {f['reported'] or ''}")
+    return lines + _verdict(sc)
+
+
+def _side_names(sc: dict[str, Any]) -> list[str]:
+    """Each side's column heading: the side and the backend it ran."""
+    return [f"{side} ({sc['backends'][side]})" if side in sc["backends"] else side for side in SIDES]
+
+
+def _verdict(sc: dict[str, Any]) -> list[str]:
+    """Whether stock reproduced the report, the sides that did not run, whether the plugin held."""
+    lines = []
     if sc["stock_reproduces"] is not None:
         lines.append(f"  stock reproduces the reported failure: {'yes' if sc['stock_reproduces'] else 'no'}")
     for side, why in sc["missing"].items():
