@@ -45,13 +45,21 @@ from . import hookspec
 from ._backends.host import HostBackend
 from ._drivers.open import check_sim_profile, machine_for
 from ._ledger import Ledger
-from .platform import Platform, PlatformSetting
 from ._session import Session
 from ._settings import NAME_PATTERN, load_settings
 from ._settings.rules import FIELD_NAMES
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
-from .types import (BackendDisabled, BackendNotFound, Candidate, Capabilities, Machine, MembackendError, PluginError,
-                    Score)
+from .platform import Platform, PlatformSetting
+from .types import (
+    BackendDisabled,
+    BackendNotFound,
+    Candidate,
+    Capabilities,
+    Machine,
+    MembackendError,
+    PluginError,
+    Score,
+)
 
 if TYPE_CHECKING:  # naming the pydantic model at import would build it: start-up stays free of pydantic
     from ._settings import Settings

@@ -15,8 +15,8 @@ answer in the backend's place, so it is refused.
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -39,8 +39,8 @@ from .types import (
     Device,
     DriverError,
     DriverState,
-    FenceToken,
     Fault,
+    FenceToken,
     ForeignReservation,
     InvalidSize,
     InvalidToken,

@@ -100,8 +100,10 @@ MiB, GiB = 1 << 20, 1 << 30
 
 #: entry -> (comparison, bound) that its ratio must meet
 TARGETS: dict[str, tuple[str, float]] = {
-    "dispatch": ("<=", 2.5),
-    "dispatch_free": ("<=", 2.5),
+    # Session.fault of a resident page and Session.free with nothing resident against the backend's own method
+    # (issue 26: the session's checks, its permit and G2's fence cost at most a quarter, and half, more)
+    "dispatch": ("<=", 1.25),
+    "dispatch_free": ("<=", 1.5),
     "host_fault": (">=", 0.35),
     "pages_alive": ("<=", 1.5),
     "startup": ("<=", 0.15),

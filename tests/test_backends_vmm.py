@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 
 from membackend._backends.vmm import AddressSpaceExhausted, VmmBackend
-
-from membackend.platform import GENERIC
-from membackend._drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
 from membackend._drivers.open import machine_for
+from membackend._drivers.sim import FaultPlan, SimulatedBugcheck, get_profile, sim_driver
 from membackend._ledger import Ledger
 from membackend._machine import gather_machine
 from membackend._session import Session
 from membackend._settings import load_settings
+from membackend.platform import GENERIC
 from membackend.types import Capabilities, Device, DriverError
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -14,8 +14,17 @@ from pathlib import Path
 import pytest
 
 from membackend._cli import main
-from membackend._comfyui.install import (FILES, INIT, MARKER, CannotWrite, ForeignFolder, Outcome, UnsafeLayout,
-                                        install, uninstall)
+from membackend._comfyui.install import (
+    FILES,
+    INIT,
+    MARKER,
+    CannotWrite,
+    ForeignFolder,
+    Outcome,
+    UnsafeLayout,
+    install,
+    uninstall,
+)
 from membackend.types import MembackendError
 
 

@@ -18,7 +18,6 @@ import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 from membackend._comfyui import startup, vbar  # noqa: E402
 from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
 
-
 FLAGS = dict(cpu=False, highvram=False, gpu_only=False, novram=False, lowvram=False, disable_dynamic_vram=False,
              enable_dynamic_vram=False, disable_cuda_graphs=False, disable_smart_memory=False, reserve_vram=None,
              vram_headroom=0)
@@ -322,8 +321,7 @@ def test_without_torch_it_raises_torch_missing(monkeypatch):
     with pytest.raises(startup_cost.TorchMissing, match="torch is not installed"):
         startup_cost.measure_startup(1)
     # one class per meaning: the same TorchMissing a tensor view raises, importable from membackend.types
-    from membackend import types
-    from membackend import _tensors
+    from membackend import _tensors, types
     assert startup_cost.TorchMissing is types.TorchMissing is _tensors.TorchMissing
 
 

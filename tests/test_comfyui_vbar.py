@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 import comfy_aimdo.torch as aimdo_torch  # noqa: E402
 
-from membackend._comfyui import vbar as facade  # noqa: E402
 from membackend._comfyui import runtime as adapter  # noqa: E402
+from membackend._comfyui import vbar as facade  # noqa: E402
 from membackend._comfyui.runtime import Runtime  # noqa: E402
 from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
 from membackend._drivers.open import machine_for  # noqa: E402

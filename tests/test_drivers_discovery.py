@@ -22,8 +22,8 @@ from membackend._drivers.hip import HipDriver
 from membackend._drivers.open import bindings_missing, machine_for
 from membackend._drivers.sim import FaultPlan, SimCudaDriver, SimHipDriver, SimHost, get_profile, sim_driver
 from membackend._manager import BackendManager
-from membackend.platform import GENERIC
 from membackend._settings import load_settings
+from membackend.platform import GENERIC
 from membackend.types import Device, DriverError
 
 MiB, GiB = 1 << 20, 1 << 30

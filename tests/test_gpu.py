@@ -26,10 +26,10 @@ requires_cuda = pytest.mark.skipif(_cuda_devices() == 0, reason="no CUDA device"
 @requires_cuda
 def test_real_round_trip_with_an_event_fence():
     from membackend._backends.vmm import VmmBackend
-    from membackend.platform import GENERIC
     from membackend._drivers.cuda import CudaDriver
     from membackend._machine import gather_machine
     from membackend._session import Session
+    from membackend.platform import GENERIC
 
     driver = CudaDriver()
     s = Session(VmmBackend(GENERIC, driver), machine=gather_machine())

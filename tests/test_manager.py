@@ -10,7 +10,7 @@ import pytest
 from membackend._machine import gather_machine
 from membackend._manager import BackendManager
 from membackend._settings import load_settings
-from membackend.types import BackendDisabled, BackendNotFound, ConfigError, PluginError
+from membackend.types import BackendDisabled, BackendNotFound, ConfigError
 
 GROUP = "membackend.backends"
 
@@ -170,8 +170,9 @@ def test_real_entry_points_are_read_when_none_are_given():
 
 def test_selection_uses_machine_overrides():
     from fakeplugins.backends import _Scored
-    from membackend.types import Candidate
+
     from membackend import hookimpl
+    from membackend.types import Candidate
 
     class NeedsWddm(_Scored):
         name = "wddmonly"
@@ -232,6 +233,7 @@ def test_a_hanging_probe_is_bounded_by_the_probe_timeout():
 
 def test_each_probe_runs_once_per_machine_even_for_the_doctor(monkeypatch, capsys):
     from fakeplugins import backends as fake
+
     from membackend import _cli as cli
 
     fake.PROBES["count"] = 0

@@ -9,8 +9,8 @@ import pytest
 from membackend._backends.vmm import VmmBackend
 from membackend._drivers import dxgi
 from membackend._drivers.open import LazyDriver, check_sim_profile, machine_for, open_gpu_driver, resolve_vendor
-from membackend.platform import GENERIC, Platform
 from membackend._settings import load_settings
+from membackend.platform import GENERIC, Platform
 from membackend.types import Candidate, ConfigError, Device, DriverError, Score
 
 MiB, GiB = 1 << 20, 1 << 30

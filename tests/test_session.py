@@ -424,7 +424,7 @@ def test_the_tracer_is_exposed_and_wraps_the_verbs(tmp_path):
     tracer = TraceObserver(tmp_path / "t.jsonl")
     s = Session(HostBackend(), machine=gather_machine(), tracer=tracer)
     assert s.tracer is tracer and s.observers == [tracer]
-    r = s.reserve("cpu", 2 * MiB)
+    s.reserve("cpu", 2 * MiB)
     s.close()
     events = [json.loads(x)["event"] for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert events[:2] == ["trace", "reserve"] and "release_reservation" in events

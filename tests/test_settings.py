@@ -31,8 +31,8 @@ from membackend._settings import (
     format_bytes,
     load_settings,
     parse_bytes,
+    rules,
 )
-from membackend._settings import rules
 from membackend._settings.rules import RuleError
 from membackend.platform import Platform, PlatformSetting, flag, size
 from membackend.types import Candidate, Capabilities, ConfigError, Device

@@ -22,8 +22,14 @@ from membackend._drivers.sim import SimulatedBugcheck, SimulatedCrash, get_profi
 from membackend._replay import stock
 from membackend.platform import GENERIC
 from membackend.testing import clean_environment, real, simulated, simulated_session
-from membackend.testing.simulated import (AimdoStockVmm, StockPolicy, simulated_driver, simulated_failures,
-                                          simulated_machine, simulated_profiles)
+from membackend.testing.simulated import (
+    AimdoStockVmm,
+    StockPolicy,
+    simulated_driver,
+    simulated_failures,
+    simulated_machine,
+    simulated_profiles,
+)
 from membackend.types import Capabilities, ConfigError, Device, Machine
 
 MiB = 1 << 20

@@ -22,7 +22,6 @@ from membackend import hookimpl
 from membackend._backends.host import HostBackend
 from membackend._drivers.host import is_mapped, resident_bytes
 from membackend._fences import FutureToken
-from membackend._ledger import Ledger
 from membackend._machine import gather_machine
 from membackend._manager import BackendManager
 from membackend._session import Session

@@ -24,9 +24,9 @@ from array import array
 
 from .._version import __version__
 from .._drivers.host import FailingHostDriver, HostDriver, host_driver, resident_bytes
-from ..hookspec import hookimpl
 from .._hostmem import host_memory, os_page_size
 from .._settings.rules import HOST_PAGE_SIZE
+from ..hookspec import hookimpl
 from ..types import (
     Budget,
     Candidate,

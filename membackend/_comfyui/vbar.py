@@ -56,8 +56,8 @@ from array import array
 from typing import Any
 
 from .._residency import ModelKind
-from ..types import DriverError, ReservationReleased
 from .._tensors import NotResident, check_resident, tensor_at
+from ..types import DriverError, ReservationReleased
 from .buffers import VRAMBuffer
 from .buffers import tensor_of as buffer_tensor
 from .runtime import current

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from .model import load_settings
 from .quick import QuickSettings, quick_settings
+from .rules import DEVICE_FIELDS as _DEVICE_TABLE
+from .rules import FIELDS as _TABLE
 from .rules import (
     FLAG_ACCEPTED,
     HOST_PAGE_SIZE,
@@ -42,9 +44,8 @@ from .rules import (
     parse_bytes,
     quoted,
 )
-from .rules import DEVICE_FIELDS as _DEVICE_TABLE
-from .rules import FIELDS as _TABLE
 from .rules import MACHINE_FIELDS as _MACHINE_TABLE
+from .save import save_setting
 from .sources import (
     CONFIG_ACCEPTED,
     CONFIG_ENV,
@@ -57,7 +58,6 @@ from .sources import (
     platform_env_name,
     resolve_platform,
 )
-from .save import save_setting
 
 if TYPE_CHECKING:  # built by model.models() on first use; the names resolve through __getattr__ below
     from pydantic import BaseModel as _BaseModel

@@ -31,15 +31,21 @@ import errno
 import gc
 import re
 import threading
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from .._drivers.open import machine_for, profile_names
 from .._session import Session
@@ -58,8 +64,18 @@ from ..types import (
     SanitizerError,
     WrongDevice,
 )
-from .harness import (Checker, Target, async_work, build_session, checker_for, inject_failures, kit_device, mappings,
-                      note, resident_pages)
+from .harness import (
+    Checker,
+    Target,
+    async_work,
+    build_session,
+    checker_for,
+    inject_failures,
+    kit_device,
+    mappings,
+    note,
+    resident_pages,
+)
 from .holdings import process_resident
 from .measure import budget_problems, simulated_truth, tolerance_for
 from .plugin import RERUNS_KEY, rerun_command

@@ -41,10 +41,10 @@ from .. import hookspec
 from .._drivers.host import os_page_size, resident_bytes
 from .._drivers.open import profile_names
 from .._fences import FutureToken
-from ..hookspec import hookimpl
 from .._manager import ENTRY_POINT_GROUP, BackendManager
 from .._session import Session
 from .._settings import load_settings
+from ..hookspec import hookimpl
 from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
 from .holdings import FDS, MAPS, Held, Holdings, TempWatch, device_number
 from .measure import Truth, budget_problems, host_truth, simulated_truth, tolerance_for

@@ -43,8 +43,8 @@ import sys
 
 import pytest
 
-from .fixtures import membackend_clean_env, membackend_simulated  # noqa: F401 (registered by this plugin)
 from ..types import MembackendError
+from .fixtures import membackend_clean_env, membackend_simulated  # noqa: F401 (registered by this plugin)
 from .harness import CHECKED, NOT_CHECKED, UNRUN, Target, build_session, checker_for, resolve_targets
 
 #: the seed of this run's property-based sequences (``--membackend-seed``, else drawn at start-up)

@@ -36,8 +36,14 @@ from typing import TYPE_CHECKING, Any
 
 from .._backends.host import HostBackend
 from .._backends.vmm import VmmBackend
-from .._drivers.open import (check_sim_profile, machine_for, open_gpu_driver, open_sim_variant, profile_names,
-                             resolve_vendor)
+from .._drivers.open import (
+    check_sim_profile,
+    machine_for,
+    open_gpu_driver,
+    open_sim_variant,
+    profile_names,
+    resolve_vendor,
+)
 from .._drivers.open import simulated_failures as _simulated_failures
 from .._ledger import Ledger
 from .._machine import gather_machine

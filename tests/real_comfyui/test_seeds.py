@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import pytest
 
-from . import weights
-
 
 def _run(seed_runs, name):
     got = seed_runs[name]

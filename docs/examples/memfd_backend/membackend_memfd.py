@@ -33,8 +33,18 @@ import threading
 
 import psutil
 
-from membackend import Budget, Candidate, Capabilities, Device, DriverError, Fault, Reservation, Score, WrongDevice
-from membackend import hookimpl
+from membackend import (
+    Budget,
+    Candidate,
+    Capabilities,
+    Device,
+    DriverError,
+    Fault,
+    Reservation,
+    Score,
+    WrongDevice,
+    hookimpl,
+)
 
 CPU = Device("cpu", 0)
 PAGE = 16 * mmap.PAGESIZE

@@ -16,8 +16,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from .api import SimApi
-from .api import host_address
+from .api import SimApi, host_address
 from .platform import SimError, SimPlatform
 
 __all__ = ["SimHipModule"]

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 
 from membackend.platform import Platform, PlatformSetting, PlatformValues, size, vmm_unsupported
-from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
+from membackend.types import Candidate, Capabilities, Machine, Score
 
 __all__ = ["PLATFORM", "NAME", "HEADROOM_ENV", "DEFAULT_HEADROOM", "SETTINGS", "headroom", "probe", "score_for"]
 

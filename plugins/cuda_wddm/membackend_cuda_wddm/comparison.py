@@ -39,8 +39,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from membackend import ResidencyManager, Session
-from membackend.testing.simulated import (AimdoLoadPolicy, AimdoStockVmm, simulated_driver, simulated_failures,
-                                          simulated_session)
+from membackend.testing.simulated import (
+    AimdoLoadPolicy,
+    AimdoStockVmm,
+    simulated_driver,
+    simulated_failures,
+    simulated_session,
+)
 from membackend.types import Device, MembackendError
 
 from . import PLATFORM

@@ -89,9 +89,17 @@ import os
 import re
 from typing import Any, Mapping
 
-from membackend.platform import CHURN_MARGIN
-from membackend.platform import (SIZE_ACCEPTED, Platform, PlatformSetting, PlatformValues, Rule, RuleError, size,
-                                 vmm_unsupported)
+from membackend.platform import (
+    CHURN_MARGIN,
+    SIZE_ACCEPTED,
+    Platform,
+    PlatformSetting,
+    PlatformValues,
+    Rule,
+    RuleError,
+    size,
+    vmm_unsupported,
+)
 from membackend.types import Candidate, Capabilities, Machine, Score
 
 __all__ = ["PLATFORM", "SETTINGS", "address_quota", "kept_windows", "capabilities", "policy", "probe", "NAME",

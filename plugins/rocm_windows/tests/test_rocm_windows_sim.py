@@ -14,10 +14,9 @@ import pytest
 
 from membackend._backends.vmm import AddressSpaceExhausted
 from membackend._manager import BackendManager
-from membackend._residency import ResidencyManager
 from membackend._replay.stock import StockPolicy
+from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
-from membackend.types import Device
 from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
 MiB, GiB = 1 << 20, 1 << 30

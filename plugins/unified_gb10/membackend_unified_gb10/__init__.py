@@ -51,7 +51,7 @@ mechanism stays that backend's, ``vmm``):
 from __future__ import annotations
 
 from membackend.platform import Platform, PlatformSetting, PlatformValues, size, vmm_unsupported
-from membackend.types import Candidate, Capabilities, ConfigError, Machine, Score
+from membackend.types import Candidate, Capabilities, Machine, Score
 
 __all__ = ["PLATFORM", "probe", "headroom", "HEADROOM_ENV", "HEADROOM_FRACTION", "HEADROOM_MIN", "HEADROOM_MAX",
            "SCORE", "PAGE_SIZE", "SETTINGS"]

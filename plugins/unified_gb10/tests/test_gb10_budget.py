@@ -8,7 +8,6 @@ from collections import namedtuple
 
 import pytest
 
-from membackend_unified_gb10.workload import CUDA0, GB, GIB, gb10_session, stock_session
 from membackend import _hostmem as hostmem
 from membackend._backends.vmm import VmmBackend
 from membackend._drivers.gpu import GpuDriver
@@ -19,6 +18,7 @@ from membackend._session import Session
 from membackend._settings import load_settings
 from membackend.types import ConfigError
 from membackend_unified_gb10 import HEADROOM_ENV, PLATFORM
+from membackend_unified_gb10.workload import CUDA0, GB, GIB, gb10_session, stock_session
 
 
 @pytest.fixture
