@@ -65,28 +65,6 @@ from .types import (
     Reservation,
 )
 
-__all__ = [
-    "PROJECT",
-    "hookspec",
-    "hookimpl",
-    "VERBS",
-    "HOOKS",
-    "OPTIONAL_HOOKS",
-    "Backend",
-    "OptionalHooks",
-    "membackend_probe",
-    "membackend_reserve",
-    "membackend_fault",
-    "membackend_free",
-    "membackend_release_reservation",
-    "membackend_fence",
-    "membackend_budget_query",
-    "membackend_trim",
-    "membackend_close",
-    "membackend_inspect",
-    "membackend_inject_failures",
-]
-
 PROJECT = "membackend"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -105,6 +83,9 @@ VERBS = (
 HOOKS = ("membackend_probe",) + VERBS
 #: hooks a backend may implement; the session and the conformance kit use them when present
 OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_failures", "membackend_close")
+
+__all__ = ["PROJECT", "hookspec", "hookimpl", "VERBS", "HOOKS", "OPTIONAL_HOOKS", "Backend", "OptionalHooks",
+           *HOOKS, *OPTIONAL_HOOKS]
 
 
 @hookspec
