@@ -154,6 +154,9 @@ def test_a_selected_backend_arms_the_hook_and_stop_undoes_every_patch(
     # a ComfyUI whose model_management has none of the wired names: each is skipped and reported
     monkeypatch.setitem(sys.modules, "comfy.model_management", types.ModuleType("comfy.model_management"))
     monkeypatch.setenv("MEMBACKEND_BACKEND", "host")
+    # aimdo's library not loaded, as in a process that never ran aimdo's init (a test of the drivers run
+    # earlier in this process may have loaded it: the module keeps it)
+    monkeypatch.setattr(control, "lib", None)
     rt = startup.prestartup()
     assert rt is startup.current() and control.init_devices == rt.init_devices
     assert not comfy_args.disable_cuda_graphs and not comfy_args.enable_dynamic_vram  # ComfyUI's own flag decides
