@@ -3,7 +3,7 @@
     pytest --pyargs membackend.testing.conformance --membackend-backend NAME
     pytest --pyargs membackend.testing.conformance --membackend-plugin package.module:MyBackend
 
-Needs the ``kit`` extra (``pip install membackend[kit]``: pytest and hypothesis).
+Needs the ``kit`` extra (``pip install "/path/to/membackend[kit]"`` from a clone: pytest and hypothesis).
 
 The property-based sequences (marker ``kit_long``) run from one seed per run:
 ``--membackend-seed N`` repeats a run, and a failed sequence prints the one
