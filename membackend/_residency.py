@@ -571,13 +571,13 @@ class ResidencyManager:
                 self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
                             result="oom", reason="budget")
                 return Fault(False, (), first, 0)
-        f = self._session_fault(slot, offset, size, first, last)
+        f = self._session_fault(slot, r, offset, size, first, last)
         while not f.ok:
             if not self._evict(slot.device, missing or ps, (slot, first, last), "out of memory"):
                 self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
                             result="oom", reason="driver")
                 return f
-            f = self._session_fault(slot, offset, size, first, last)
+            f = self._session_fault(slot, r, offset, size, first, last)
         slot.faulted(first, last, f.mapped)
         if f.mapped and model.id in self._loads:
             self._loads[model.id]["loaded"] += f.mapped
@@ -589,9 +589,9 @@ class ResidencyManager:
                         result="mapped" if f.mapped else "resident")
         return f
 
-    def _session_fault(self, slot: _Slot, offset: int, size: int, first: int, last: int) -> Fault:
+    def _session_fault(self, slot: _Slot, r: Reservation, offset: int, size: int, first: int, last: int) -> Fault:
         try:
-            return self.session.fault(slot.bound, offset, size)
+            return self.session.fault(r, offset, size)
         except Exception as exc:
             slot.fault_failed(first, last, exc)
             raise
