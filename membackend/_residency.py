@@ -525,7 +525,7 @@ class ResidencyManager:
                 break
             if slot.model.id in self._running or slot is protect:
                 continue
-            dropped = self._shed(slot, math.inf, None)
+            dropped = self._evict_whole(slot)
             if dropped:
                 freed += dropped
                 slot.watermark = 0
@@ -654,7 +654,10 @@ class ResidencyManager:
         for slot in self._by_priority(device):
             if freed >= amount:
                 break
-            dropped = self._shed(slot, amount - freed, protect)
+            if self._frees_by_release() and slot is not protect[0]:  # its pages would stay the driver's
+                dropped = self._evict_whole(slot, amount - freed, protect)
+            else:
+                dropped = self._shed(slot, amount - freed, protect)
             if dropped:
                 freed += dropped
                 self._trace("evict", slot.model, device=str(device), bytes=dropped, reason=reason,
@@ -662,6 +665,23 @@ class ResidencyManager:
                 if slot is not protect[0]:
                     self._note_loss(slot.model, dropped, reason, [protect[0].model])
         return freed
+
+    def _frees_by_release(self) -> bool:
+        """Whether only releasing a reservation returns memory to the driver (``memory_returns_on_unmap``
+        false: ROCm 7.2); freeing pages then helps only their own reservation, which maps them again."""
+        return not self.session.capabilities.memory_returns_on_unmap
+
+    def _evict_whole(self, slot: _Slot, amount: float = math.inf,
+                     protect: tuple[_Slot, int, int] | None = None) -> int:
+        """Free ``slot``'s model for another: where only a release returns memory (:meth:`_frees_by_release`)
+        and nothing of it is pinned or viewed, by releasing its reservation (the model reserves again on its
+        next fault); otherwise up to ``amount`` bytes of its unpinned pages."""
+        if self._frees_by_release() and not any(slot.pins) and not self._viewed(slot):
+            try:
+                return self._unload_slot(slot, True)
+            except TensorAlive:  # a tensor appeared meanwhile: nothing changed, evict page by page
+                pass
+        return self._shed(slot, amount, protect)
 
     def _shed(self, slot: _Slot, amount: float, protect: tuple[_Slot, int, int] | None) -> int:
         """Free unpinned resident (or UNKNOWN) pages of ``slot`` from the top down, up to ``amount``
@@ -734,7 +754,8 @@ class ResidencyManager:
         for slot in self._by_priority(device):
             if freed >= amount:
                 break
-            dropped = self._shed(slot, amount - freed, None)
+            dropped = (self._evict_whole(slot, amount - freed) if self._frees_by_release()
+                       else self._shed(slot, amount - freed, None))
             freed += dropped
             self._note_loss(slot.model, dropped, reason)
         if freed < amount:

@@ -669,6 +669,23 @@ class Capabilities:
       device strictly: a fresh large window is refused when the frees left
       could not bring every device back within it, so a device runs at most
       this many large reservations at once once the frees are spent.
+    * ``memory_returns_on_unmap``: false where the driver gives a released
+      handle's physical memory back only when the address range it was mapped
+      in is freed, not on unmap and release alone (ROCm 7.2; vLLM frees and
+      re-reserves the range to release it). The mechanism then keeps a page's
+      handle with its own reservation for that reservation's next fault (a
+      release would return nothing while the range lives) and gives it back
+      with the range; the policy evicts a whole model by releasing its
+      reservation, the one free that really returns memory.
+    * ``map_granularity``: the smallest mapping, and its alignment, the
+      platform's kernels work with when it is larger than the granularity the
+      driver reports (RDNA4 reports 4 KiB, and kernels fault on mappings
+      aligned to less than 2 MiB); pages are never smaller. None: the driver's.
+    * ``vmm_self_test``: on each device's first use the mechanism reserves,
+      creates, maps, sets access to, unmaps, releases and frees one page, and
+      refuses the device (a ``DriverError`` naming the failed step) when any
+      step fails: for drivers whose virtual-memory attribute alone was seen to
+      be wrong (VMM on Strix Halo under WSL failed until a ROCm fix).
     """
 
     release_on_full_unload: bool = True
@@ -681,6 +698,9 @@ class Capabilities:
     reserve_churn_limit: int | None = None
     reserve_churn_window: int = 1 << 30
     reserve_churn_keep: int | None = None
+    memory_returns_on_unmap: bool = True
+    map_granularity: int | None = None
+    vmm_self_test: bool = False
 
     def __post_init__(self) -> None:
         if self.fence_granularity not in ("reservation", "device"):
@@ -693,6 +713,10 @@ class Capabilities:
         keep = self.reserve_churn_keep
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"reserve_churn_keep {keep!r}; accepted: None or an int >= 1")
+        grain = self.map_granularity
+        if grain is not None and (isinstance(grain, bool) or not isinstance(grain, int) or grain < 1
+                                  or grain & (grain - 1)):
+            raise ValueError(f"map_granularity {grain!r}; accepted: None or a power of two >= 1 (bytes)")
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ class _Range:
     rolled back: it counts as resident, and the next fault finishes it.
     """
 
-    __slots__ = ("index", "window", "handles", "ready", "generations")
+    __slots__ = ("index", "window", "handles", "ready", "generations", "spare")
 
     def __init__(self, index: int, pages: int, window: int):
         self.index = index
@@ -170,6 +170,9 @@ class _Range:
         self.handles: list[Any] = [None] * pages
         self.ready = bytearray(pages)
         self.generations = array("Q", bytes(8 * pages))
+        # handles unmapped from this range and kept with it where memory returns only when the range is freed
+        # (``memory_returns_on_unmap`` false): its own next faults map them, its release gives them back
+        self.spare: list[Any] = []
 
 
 class _DeviceState:
@@ -261,7 +264,9 @@ class VmmBackend:
         settings. The lowest level of ``Session.headroom_in_force``."""
         if self._headroom is not None:
             return self._headroom, f"backend {self.name}'s override ({self._headroom} bytes)"
-        return (self.platform.headroom_for(total, self.platform_values),
+        state = self._devices.get(device.index)
+        integrated = state.integrated if state is not None else self._integrated(device.index)
+        return (self.platform.headroom_for(total, self.platform_values, integrated=integrated),
                 self.platform.headroom_source(self.platform_values))
 
     def follow_headroom(self, decide: Callable[[Device, int], int] | None,
@@ -322,13 +327,47 @@ class VmmBackend:
                 raise WrongDevice(f"{self.device_kinds[0]}:{index} does not exist; "
                                   f"this machine has {d.device_count()} device(s)")
             d.set_device(index)
-            g = d.granularity(index)
+            g = max(d.granularity(index), self.capabilities.map_granularity or 1)  # RDNA4: 4 KiB told, 2 MiB
             page = max(g, -(-self.requested_page_size // g) * g)
+            if self.capabilities.vmm_self_test:
+                self._self_test(index, page)
             state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index), self._integrated(index),
                                                         keep=self.capabilities.reserve_churn_keep)
         else:
             d.set_device(index)
         return state
+
+    def _self_test(self, index: int, page: int) -> None:
+        """Reserve, create, map, set access, unmap, release and free one page of device ``index``; a failed
+        step raises ``DriverError`` saying the device is not served (whatever was made is undone)."""
+        d = self.driver
+        base = handle = None
+        mapped = False
+        try:
+            base = d.address_reserve(page, page)
+            handle = d.create(page, index)
+            d.map(base, page, handle)
+            mapped = True
+            d.set_access(base, page, index)
+            d.unmap(base, page)
+            mapped = False
+            d.release(handle)
+            handle = None
+            d.address_free(base, page)
+            base = None
+        except DriverError as exc:
+            raise DriverError(exc.code, exc.call, f"the start-up self-test of virtual memory management on "
+                                                  f"{self.device_kinds[0]}:{index} failed, so {self.name} does "
+                                                  "not serve the device") from exc
+        finally:
+            for undo, args in ((d.unmap, (base, page)) if mapped else (None, ()),
+                               (d.release, (handle,)) if handle is not None else (None, ()),
+                               (d.address_free, (base, page)) if base is not None else (None, ())):
+                if undo is not None:
+                    try:
+                        undo(*args)
+                    except DriverError:
+                        log.warning("membackend: %s: undoing the self-test's %s failed", self.name, undo.__name__)
 
     def _integrated(self, index: int) -> bool:
         """Whether device ``index`` shares one pool with the host; a driver that cannot say: not known to."""
@@ -545,7 +584,9 @@ class VmmBackend:
             va, h, is_mapped = reservation.base + p * ps, handles[p], handles[p] is not None
             try:
                 if not is_mapped:
-                    h = state.spare.pop() if state.spare else d.create(ps, rng.index)
+                    h = self._spare_for(state, rng)
+                    if h is None:
+                        h = d.create(ps, rng.index)
                     self._not_ready_retried(state, d.map, va, ps, h)
                     is_mapped = True
                     mapped.append((p, h))
@@ -553,7 +594,8 @@ class VmmBackend:
             except DriverError as exc:
                 state.dirty = True
                 if not is_mapped and h is not None:
-                    state.spare.append(h)  # created but never mapped: reuse it later
+                    # not mapped now: reuse it later (with its range where it was mapped there before)
+                    (rng.spare if not self.capabilities.memory_returns_on_unmap else state.spare).append(h)
                 kept = self._unwind(state, reservation, mapped)
                 if d.is_oom(exc) and not kept:
                     return Fault(False, (), first, 0)
@@ -574,16 +616,19 @@ class VmmBackend:
         """Whether the device shares one pool with the host: the capability says so, the platform measures
         it as the pool, or the ``auto`` source finds it integrated."""
         source = self.platform.budget_source
-        return self.capabilities.unified_pool or source == "unified" or (source == "auto" and state.integrated)
+        return (self.capabilities.unified_pool or source in ("unified", "apu")
+                or (source == "auto" and state.integrated))
 
     def _pool_budget(self, index: int, state: _DeviceState) -> tuple[int, int, str]:
         """``(total, free, source)`` of device ``index`` from the platform's budget source (``auto``: the pool
         on a device that shares one with the host, whose mem-get-info reports ``MemFree`` without the
-        reclaimable page cache, G3 and ComfyUI #15285; the device's own figures elsewhere). A pool is capped by
-        the machine facts a user set (``machine.ram_total``) and by the memory cgroup's limit the facts carry."""
+        reclaimable page cache, G3 and ComfyUI #15285 -- on an AMD APU the smallest of three figures, ``apu``;
+        the device's own figures elsewhere). A ``unified`` pool is capped by the machine facts a user set
+        (``machine.ram_total``) and by the memory cgroup's limit the facts carry; an APU's is not by the cgroup:
+        its GTT allocations are not charged to it (hipMalloc on Strix Halo is not limited by a cgroup)."""
         source = self.platform.budget_source
-        if source == "auto":
-            source = "unified" if state.integrated else "device"
+        if source == "auto":  # an AMD APU's pool has three figures, none to trust alone (``apu``)
+            source = ("apu" if self.driver.vendor == "hip" else "unified") if state.integrated else "device"
         total, free, label = self.driver.budget(source, index)
         if source != "unified":
             return total, free, label
@@ -602,7 +647,7 @@ class VmmBackend:
     def _pool_has_room(self, rng: _Range, first: int, last: int, state: _DeviceState) -> bool:
         """One pool shared with the host: a fault that would cross it is out of memory before the
         driver is asked (a GB10 driver refusing late ends in NV_ERR_NO_MEMORY and aborts, ComfyUI #15285)."""
-        need = sum(1 for p in range(first, last) if rng.handles[p] is None) - len(state.spare)
+        need = sum(1 for p in range(first, last) if rng.handles[p] is None) - len(state.spare) - len(rng.spare)
         if need <= 0:
             return True
         total, free, _source = self._pool_budget(rng.index, state)
@@ -656,6 +701,13 @@ class VmmBackend:
         state.resident += len(pages) * r.page_size
         return len(pages) * r.page_size
 
+    @staticmethod
+    def _spare_for(state: _DeviceState, rng: _Range) -> Any:
+        """A kept handle for a page of ``rng``: its own first (mapped there before), then the device's."""
+        if rng.spare:
+            return rng.spare.pop()
+        return state.spare.pop() if state.spare else None
+
     def _release_or_keep(self, state: _DeviceState, handle: Any) -> None:
         """Release an unmapped handle, or keep it for reuse (recycling, or when release fails)."""
         limit = self.capabilities.recycle_limit
@@ -679,9 +731,14 @@ class VmmBackend:
     def _unmap(self, ptr: int, size: int) -> None:
         self.driver.unmap(ptr, size)
 
-    def _drop(self, r: Reservation, first: int, last: int) -> int:
-        """Unmap every resident page in ``[first, last)`` and release (or keep) its memory; returns bytes dropped."""
+    def _drop(self, r: Reservation, first: int, last: int, releasing: bool = False) -> int:
+        """Unmap every resident page in ``[first, last)`` and release (or keep) its memory; returns bytes dropped.
+
+        Where memory returns only when the range is freed (``memory_returns_on_unmap`` false) a page's handle
+        stays with its range for the range's next fault, unless the range is being released (``releasing``):
+        then it is released before the range is freed, which returns it."""
         rng: _Range = r.handle
+        keep_with_range = not (releasing or self.capabilities.memory_returns_on_unmap)
         pages = [p for p in range(first, last) if rng.handles[p] is not None]
         if not pages:
             return 0
@@ -694,7 +751,10 @@ class VmmBackend:
             except DriverError as exc:
                 exc.dropped = dropped  # the session accounts what did go
                 raise
-            self._release_or_keep(state, rng.handles[p])
+            if keep_with_range:
+                rng.spare.append(rng.handles[p])
+            else:
+                self._release_or_keep(state, rng.handles[p])
             rng.handles[p] = None
             rng.ready[p] = 0
             dropped += ps
@@ -711,8 +771,9 @@ class VmmBackend:
     def membackend_release_reservation(self, reservation: Reservation) -> int:
         rng: _Range = reservation.handle
         with self._lock:
-            dropped = self._drop(reservation, 0, reservation.pages)
+            dropped = self._drop(reservation, 0, reservation.pages, releasing=True)
             state = self._use(rng.index)
+            self._release_range_spares(state, rng)
             window = (reservation.base, rng.window)
             if self._is_large(rng.window):
                 # kept for the next large reserve it holds: a free would spend one of the platform's large
@@ -728,6 +789,16 @@ class VmmBackend:
                     raise
             state.reserved -= rng.window
         return dropped
+
+    def _release_range_spares(self, state: _DeviceState, rng: _Range) -> None:
+        """Release the handles kept with a range that is being released: freeing the range then returns their
+        memory (ROCm 7.2). One whose release fails is kept by the device, as any other."""
+        while rng.spare:
+            handle = rng.spare.pop()
+            try:
+                self.driver.release(handle)
+            except DriverError:
+                state.spare.append(handle)
 
     def _keep_within_bound(self, device: Device, state: _DeviceState) -> None:
         """More windows kept than the device's bound: free the smallest (the larger hold more models) while
