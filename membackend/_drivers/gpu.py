@@ -32,7 +32,7 @@ from ..types import DriverError
 __all__ = ["GpuDriver", "EventToken", "BUDGET_SOURCES", "host_address"]
 
 #: where a platform's budget can come from (see :meth:`GpuDriver.budget`)
-BUDGET_SOURCES = ("device", "wddm", "unified")
+BUDGET_SOURCES = ("device", "wddm", "unified", "apu")
 
 
 def host_address(x: Any) -> int:
@@ -212,6 +212,10 @@ class GpuDriver:
           free never spills into shared system memory;
         * ``unified``: one pool shared with the host: ``MemAvailable`` capped by the
           memory cgroup (reclaimable page cache counts; ``MemFree`` would not).
+        * ``apu``: an AMD APU's one pool: the smallest of mem-get-info's free (never
+          above its own total), what sysfs's carve-out and GTT leave, and the host's
+          ``MemAvailable`` less a reserve for the system (:mod:`.apu`); the label
+          names all three and the one that bound.
         """
         if source == "device":
             with self.on_device(index):
@@ -228,7 +232,35 @@ class GpuDriver:
 
             pool = host_memory()
             return pool.total, pool.available, f"unified pool: {pool.source}"
+        if source == "apu":
+            from .apu import apu_pool
+
+            with self.on_device(index):
+                free, total = self.mem_get_info()
+            ram_total, ram_available = self.host_ram()
+            apu = apu_pool(free, total, "hipMemGetInfo" if self.vendor == "hip" else "cuMemGetInfo",
+                           self.amdgpu_memory(index), ram_total, ram_available)
+            return apu.total, apu.free, apu.label
         raise DriverError("invalid", "budget", f"unknown budget source {source!r}; accepted: {', '.join(BUDGET_SOURCES)}")
+
+    def host_ram(self) -> tuple[int, int]:
+        """The host's own ``MemTotal`` and ``MemAvailable`` (no cgroup cap), for the ``apu`` source."""
+        from .._hostmem import host_memory
+
+        host = host_memory()
+        return host.ram_total, host.ram_available
+
+    def pci_location(self, index: int) -> tuple[int, int, int] | None:
+        """(domain, bus, device) of device ``index``'s PCI function; None where the driver cannot say."""
+        return None
+
+    def amdgpu_memory(self, index: int) -> Any:
+        """The amdgpu driver's sysfs memory files of device ``index`` (an :class:`.apu.AmdgpuMemory`), or None
+        where there are none (another driver, no PCI location, no sysfs)."""
+        from .apu import read_amdgpu_memory
+
+        where = self.pci_location(index)
+        return None if where is None else read_amdgpu_memory(*where)
 
     # ------------------------------------------------------------------ checking seams (simulated drivers only)
 

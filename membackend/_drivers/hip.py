@@ -20,6 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from ..types import DriverError
 from .gpu import GpuDriver
 
 __all__ = ["HipDriver"]
@@ -118,6 +119,15 @@ class HipDriver(GpuDriver):
 
     def driver_model(self, index: int, os_name: str | None = None) -> str | None:
         return None  # WDDM/TCC is an NVIDIA notion
+
+    def pci_location(self, index: int) -> tuple[int, int, int] | None:
+        """(domain, bus, device) from ``hipDeviceGetAttribute`` (PciDomainId, PciBusId, PciDeviceId): where the
+        amdgpu driver's sysfs files of the device are; None when the runtime does not answer them."""
+        try:
+            return (self.attribute(index, "PciDomainId"), self.attribute(index, "PciBusId"),
+                    self.attribute(index, "PciDeviceId"))
+        except DriverError:
+            return None
 
     def luid(self, index: int) -> tuple[int, int]:
         """The adapter LUID from ``hipDeviceProp_t.luid`` (Windows; hip-python has no ``hipDeviceGetLuid``)."""

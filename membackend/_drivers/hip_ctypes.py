@@ -60,6 +60,9 @@ class hipError_t(enum.IntEnum):  # noqa: N801 - HIP's names
 
 class hipDeviceAttribute_t(enum.IntEnum):  # noqa: N801 - only the ones membackend asks
     hipDeviceAttributeIntegrated = 16
+    hipDeviceAttributePciBusId = 67
+    hipDeviceAttributePciDeviceId = 68
+    hipDeviceAttributePciDomainId = 69
     hipDeviceAttributeVirtualMemoryManagementSupported = 89
 
 

@@ -1,0 +1,148 @@
+"""One pool on an AMD APU: three figures of what is left, none to trust alone, and the smallest of them.
+
+On an AMD APU (Strix Halo, gfx1151) the GPU has no memory of its own: a small
+BIOS carve-out shows as VRAM, the rest it uses is GTT, system memory the
+amdgpu driver maps for it (sysfs ``mem_info_gtt_total`` is ``ttm.pages_limit``
+x 4096); device pages, host copies and everything else the system runs draw
+from one pool. The figures that describe it disagree (public reports,
+membackend issue 27):
+
+* ``hipMemGetInfo`` reported free 120.00 GiB above its own total of
+  62.47 GiB on one HIP version, and a total of the carve-out alone on
+  another: its free is never taken above its total (a free above it is no
+  free at all: the total less what sysfs says is in use is taken instead);
+* sysfs says what the carve-out and the GTT leave
+  (``mem_info_{vram,gtt}_{total,used}``, Linux amdgpu documentation), but
+  knows nothing of the host's own use of the same memory;
+* ``MemAvailable`` knows the host's use, but replacing ``hipMemGetInfo`` by it
+  lost about 6 GiB; and GTT allocations are not charged to a memory cgroup
+  (hipMalloc is not limited by one), so the machine's own ``MemAvailable`` is
+  read, not the cgroup's view. A reserve is kept from it for the system.
+
+The budget is the smallest of the three (:func:`apu_pool`), and its source
+line names all three and the one that bound, for ``membackend doctor`` and
+the memory panel. This module reads files and does arithmetic only; the driver
+wrappers call it (:meth:`membackend._drivers.gpu.GpuDriver.budget`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["AmdgpuMemory", "ApuFigure", "ApuPool", "SYSFS_ENV", "apu_pool", "read_amdgpu_memory", "sysfs_root",
+           "system_reserve"]
+
+GiB = 1 << 30
+#: the variable that moves the sysfs root (default ``/sys``): a container that mounts the host's sysfs elsewhere,
+#: or a simulated machine whose stand-in driver writes the amdgpu files
+SYSFS_ENV = "MEMBACKEND_SYSFS_ROOT"
+_FILES = ("mem_info_vram_total", "mem_info_vram_used", "mem_info_gtt_total", "mem_info_gtt_used")
+
+
+def sysfs_root() -> Path:
+    return Path(os.environ.get(SYSFS_ENV) or "/sys")
+
+
+@dataclass(frozen=True)
+class AmdgpuMemory:
+    """The amdgpu driver's four memory files of one device (bytes) and the folder they came from."""
+
+    vram_total: int
+    vram_used: int
+    gtt_total: int
+    gtt_used: int
+    path: str
+
+    @property
+    def total(self) -> int:
+        return self.vram_total + self.gtt_total
+
+    @property
+    def left(self) -> int:
+        """What the carve-out and the GTT leave."""
+        return max(0, self.vram_total - self.vram_used) + max(0, self.gtt_total - self.gtt_used)
+
+
+def read_amdgpu_memory(domain: int, bus: int, device: int, function: int = 0,
+                       root: Path | None = None) -> AmdgpuMemory | None:
+    """The amdgpu memory files of the PCI function ``domain:bus:device.function`` under ``root``
+    (:func:`sysfs_root` by default: ``/sys/bus/pci/devices/0000:c5:00.0/mem_info_*``); None when any of
+    them is missing or unreadable (no amdgpu driver, another vendor, a sandbox without sysfs)."""
+    folder = (root or sysfs_root()) / "bus" / "pci" / "devices" / f"{domain:04x}:{bus:02x}:{device:02x}.{function:x}"
+    values = []
+    for name in _FILES:
+        try:
+            values.append(int((folder / name).read_text().strip()))
+        except (OSError, ValueError):
+            return None
+    vram_total, vram_used, gtt_total, gtt_used = values
+    return AmdgpuMemory(vram_total, vram_used, gtt_total, gtt_used, path=str(folder))
+
+
+def system_reserve(ram_total: int) -> int:
+    """Bytes of the host's ``MemAvailable`` kept for the system on an APU: a 32nd of its RAM within
+    1-4 GiB (4 GiB on a 128 GB Strix Halo), since the desktop and the kernel run from the same pool."""
+    return min(max(ram_total // 32, 1 * GiB), 4 * GiB)
+
+
+@dataclass(frozen=True)
+class ApuFigure:
+    """One of the three figures: what it says is free (``free``) of ``total``, and how it was read."""
+
+    name: str
+    total: int
+    free: int
+    how: str
+
+
+@dataclass(frozen=True)
+class ApuPool:
+    """The budget of an APU's pool: the smallest of its figures, which one bound, and all of them."""
+
+    total: int
+    free: int
+    bound: str
+    figures: tuple[ApuFigure, ...]
+    note: str = ""  # a figure that could not be read
+
+    @property
+    def label(self) -> str:
+        """The source line: ``APU pool, bound by <figure>: <each figure with how it was read>``."""
+        shown = "; ".join([f"{f.name} {_gib(f.free)} ({f.how})" for f in self.figures] + [self.note] * bool(self.note))
+        return f"APU pool, bound by {self.bound}: {shown}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | None, ram_total: int,
+             ram_available: int) -> ApuPool:
+    """The smallest of the three figures (see the module docstring).
+
+    ``hip_free``/``hip_total``: the runtime's mem-get-info (``call`` names it);
+    ``sysfs``: the device's amdgpu files (None: not readable, that figure is
+    left out and the line says so); ``ram_total``/``ram_available``: the
+    host's ``MemTotal``/``MemAvailable``. The pool's total is the smallest of
+    the totals, so a free never exceeds it.
+    """
+    trusted, how = hip_free, f"{call} free of {_gib(hip_total)}"
+    if hip_free > hip_total:  # not a free at all: at most the total, less what sysfs says is in use
+        in_use = sysfs.vram_used + sysfs.gtt_used if sysfs is not None else 0
+        trusted = max(0, hip_total - in_use)
+        how = (f"{call} free, reported {_gib(hip_free)} above its own total {_gib(hip_total)}: taken as the "
+               f"total less {_gib(in_use)} in use")
+    figures = [ApuFigure(call, hip_total, trusted, how)]
+    if sysfs is not None:
+        figures.append(ApuFigure("sysfs", sysfs.total, sysfs.left,
+                                 f"carve-out {_gib(sysfs.vram_total)} + GTT {_gib(sysfs.gtt_total)} less "
+                                 f"{_gib(sysfs.vram_used + sysfs.gtt_used)} used, {sysfs.path}"))
+    reserve = system_reserve(ram_total)
+    figures.append(ApuFigure("MemAvailable", max(0, ram_total - reserve), max(0, ram_available - reserve),
+                             f"{_gib(ram_available)} less {_gib(reserve)} kept for the system"))
+    bound = min(figures, key=lambda f: f.free)
+    total = min(f.total for f in figures)
+    note = "" if sysfs is not None else "sysfs amdgpu memory files not readable"
+    return ApuPool(total=total, free=min(bound.free, total), bound=bound.name, figures=tuple(figures), note=note)
