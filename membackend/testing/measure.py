@@ -99,6 +99,8 @@ def simulated_truth(session: Any, device: Device) -> Truth | None:
     if sim is None or device.kind == "cpu":
         return None
     profile = sim.profile
+    if profile.unified and profile.gtt:  # an AMD APU: the pool and its GTT both bound what the device gets
+        return _apu_truth(sim, device)
     if profile.unified:
         info = sim.meminfo()
         total, free = info["MemTotal"], info["MemAvailable"]
@@ -113,6 +115,23 @@ def simulated_truth(session: Any, device: Device) -> Truth | None:
     state = sim.state(device.index)
     vram = profile.devices[device.index].vram
     return Truth(vram, 0, max(0, vram - state["physical"]), f"the simulated {profile.name} device memory")
+
+
+#: the most an APU budget may keep back from the host's MemAvailable for the system (membackend's own reserve is
+#: a 32nd of the RAM within 1-4 GiB)
+APU_SYSTEM_RESERVE_MAX = 4 << 30
+
+
+def _apu_truth(sim: Any, device: Device) -> Truth:
+    """An AMD APU's pool (simulated): at most what both the GTT (with the carve-out) and the host's
+    ``MemAvailable`` leave; at least what both the GTT and ``MemFree`` leave, less the system's reserve."""
+    profile, info = sim.profile, sim.meminfo()
+    room = profile.carveout + profile.gtt - sum(d.used for d in sim.devices)
+    high = max(0, min(room, info["MemAvailable"]))
+    low = max(0, min(room, info["MemFree"]) - APU_SYSTEM_RESERVE_MAX)
+    return Truth(min(info["MemTotal"], profile.carveout + profile.gtt), low, high,
+                 f"the simulated {profile.name} APU pool (carve-out + GTT {(profile.carveout + profile.gtt) >> 20} "
+                 "MiB, MemFree and MemAvailable of one pool with the host)")
 
 
 def budget_problems(truth: Truth, budget: Budget, held: int = 0, tolerance: int = 0) -> list[str]:

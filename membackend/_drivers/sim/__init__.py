@@ -92,12 +92,39 @@ class _Simulated(GpuDriver):
             return info["MemTotal"], info["MemAvailable"], f"unified pool: MemAvailable ({self.label})"
         return super().budget(source, index)
 
+    def host_ram(self) -> tuple[int, int]:
+        """The simulated host's MemTotal and MemAvailable (the ``apu`` source's third figure)."""
+        info = self.sim.meminfo()
+        return info["MemTotal"], info["MemAvailable"]
+
+    def amdgpu_memory(self, index: int) -> Any:
+        """The simulated amdgpu driver's sysfs memory files (HIP profiles only: no other driver writes them)."""
+        from ..apu import AmdgpuMemory
+
+        if self.vendor != "hip":
+            return None
+        f = self.sim.amdgpu_sysfs(index)
+        domain, bus, dev = self.sim.pci_location(index)
+        return AmdgpuMemory(f["vram_total"], f["vram_used"], f["gtt_total"], f["gtt_used"],
+                            path=f"simulated /sys/bus/pci/devices/{domain:04x}:{bus:02x}:{dev:02x}.0 ({self.label})")
+
     def inspect(self, index: int) -> dict[str, Any]:
         st = self.sim.state(index)
         return {"reserved": st["reserved"], "mapped": st["mapped"], "physical": st["physical"],
-                "committed": self.sim.private_commit if self.sim.profile.private_commit_reservations else None,
+                "committed": self._committed(),
                 "hazards": self.sim.use_after_free + self.sim.bugchecks + self.sim.crashes + self.sim.illegal_addresses,
                 "calls": dict(self.sim.faults.calls)}
+
+    def _committed(self) -> int | None:
+        """What the platform charges the process, where it charges more than the resident pages: Windows
+        ROCm's private commit (reservations count), or ROCm 7.2's device memory, where released pages stay
+        charged until their range is freed; None elsewhere."""
+        p = self.sim.profile
+        if p.private_commit_reservations:
+            return self.sim.private_commit
+        if p.memory_held_until_address_free:
+            return sum(d.used for d in self.sim.devices)
+        return None
 
     def inject_failures(self, probability: float, seed: int) -> SimInjection:
         return SimInjection(self.sim, probability, seed)

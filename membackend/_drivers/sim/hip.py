@@ -86,8 +86,11 @@ class SimHipModule(SimApi):
 
         def get():
             d = self.platform._device(deviceId)
+            domain, bus, dev = self.platform.pci_location(deviceId)
             return {a.hipDeviceAttributeIntegrated: int(d.integrated),
-                    a.hipDeviceAttributeVirtualMemoryManagementSupported: int(d.vmm)}.get(attr, 0)
+                    a.hipDeviceAttributeVirtualMemoryManagementSupported: int(d.vmm),
+                    a.hipDeviceAttributePciDomainId: domain, a.hipDeviceAttributePciBusId: bus,
+                    a.hipDeviceAttributePciDeviceId: dev}.get(attr, 0)
         return self._run("hipDeviceGetAttribute", 1, get)
 
     def hipGetDeviceProperties(self, deviceId):

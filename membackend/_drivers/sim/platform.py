@@ -35,6 +35,17 @@ Where a behaviour comes from:
 * Unified memory: MemFree excludes the page cache that MemAvailable counts
   (proc(5), /proc/meminfo); device pages and host copies share the pool
   (ComfyUI #15285, unsloth PR #11208).
+* AMD APUs and AMD GPUs on Linux (public reports, membackend issue 27): on
+  Strix Halo a BIOS carve-out shows as sysfs VRAM and the rest is GTT
+  (``mem_info_gtt_total`` = ``ttm.pages_limit`` x 4096, Linux amdgpu
+  documentation); ``hipMemGetInfo`` reported free 120.00 GiB above its total
+  of 62.47 GiB (``hip_free_is_host_free``: free is the host's MemFree, total
+  the GTT). ROCm 7.2 returns a released handle's memory only when the
+  address range it was mapped in is freed, not on unmap alone (vLLM frees and
+  re-reserves the range): ``memory_held_until_address_free``. RDNA4 reports
+  4 KiB VMM granularity but kernels fault on mappings aligned to less than
+  2 MiB (``map_fault_below``): such a mapping succeeds, and work that touches
+  it is a GPU memory access fault, counted as an illegal address.
 * The current device is per host thread: CUDA driver API reference,
   ``cuCtxSetCurrent`` ("binds the specified CUDA context to the calling CPU
   thread") and ``cuCtxGetCurrent`` (NULL and CUDA_SUCCESS when none is bound);
@@ -159,6 +170,7 @@ class _Handle:
     device: int
     size: int
     mapped_at: set = field(default_factory=set)
+    ranges: set = field(default_factory=set)  # bases of the reservations it was ever mapped in (ROCm 7.2)
     released: bool = False
     offset: int = -1  # where its bytes live in the simulated process's memory (-1: books only)
 
@@ -170,6 +182,7 @@ class _Mapping:
     handle: int
     device: int
     access: bool = False
+    trapped: bool = False  # aligned to less than the profile's map_fault_below: kernels fault on it (RDNA4)
 
 
 @dataclass
@@ -238,6 +251,7 @@ class SimPlatform:
         self.crashes = 0
         self.use_after_free = 0
         self.illegal_addresses = 0  # copies whose destination was unmapped before they ran: landed nowhere
+        self.held_released: dict[int, _Handle] = {}  # ROCm 7.2: released, memory held until its ranges are freed
         self._current = threading.local()  # per thread: .device (HIP's, or the CUDA context's) and .ctx
         #: one lock for the whole simulated driver: every API call and sim-only helper holds it, so
         #: threads see each call as one step (real drivers serialise their own tables the same way);
@@ -380,6 +394,11 @@ class SimPlatform:
                 break
             if need_access and not m.access:
                 raise SimError(kind, f"range at {m.va:#x} has no access set (cuMemSetAccess)")
+            if need_access and m.trapped:  # RDNA4: kernels fault on mappings aligned to less than 2 MiB
+                self.illegal_addresses += 1
+                raise SimError("illegal_address", f"memory access fault by GPU: the mapping at {m.va:#x} "
+                                                  f"({m.size} bytes) is aligned to less than "
+                                                  f"{self.profile.map_fault_below} bytes")
             found.add(m.handle)
             pos = m.va + m.size
         if pos < va + size:
@@ -427,6 +446,8 @@ class SimPlatform:
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) as the driver reports them for the current device."""
         d = self._device(self.current)
+        if self.profile.hip_free_is_host_free:  # Strix Halo: free above total (issue 27's reports)
+            return self.meminfo()["MemFree"], d.vram
         if self.profile.unified:
             info = self.meminfo()
             return info["MemFree"], info["MemTotal"]  # MemFree, not MemAvailable (#15285)
@@ -442,6 +463,15 @@ class SimPlatform:
             used = self.host_used + sum(d.spilled for d in self.devices)
         free = max(0, total - used - self.page_cache)
         return {"MemTotal": total, "MemFree": free, "MemAvailable": max(0, total - used)}
+
+    @_locked
+    def amdgpu_sysfs(self, device: int) -> dict[str, int]:
+        """The amdgpu driver's ``mem_info_*`` files of the device: on an APU the carve-out as VRAM and
+        device memory as GTT; on a discrete card its VRAM, and a GTT of half the host's RAM, unused."""
+        d, p = self._device(device), self.profile
+        if d.integrated:
+            return {"vram_total": p.carveout, "vram_used": 0, "gtt_total": p.gtt or d.vram, "gtt_used": d.used}
+        return {"vram_total": d.vram, "vram_used": d.used, "gtt_total": p.host_ram // 2, "gtt_used": 0}
 
     @_locked
     def wddm_budget(self, device: int) -> int:
@@ -534,6 +564,9 @@ class SimPlatform:
             raise SimError("invalid", f"reservation at {base:#x} still has mappings")
         del self.reservations[base]
         self._reserved_total -= size
+        for h in [h for h in self.held_released.values() if not h.ranges & self.reservations.keys()]:
+            del self.held_released[h.id]  # its last range is freed: now the memory goes back (ROCm 7.2)
+            self._give_back(h)
         if self.memory.backed:
             self.memory.unreserve(base, size)
         if self.profile.private_commit_reservations:
@@ -554,6 +587,8 @@ class SimPlatform:
         if p.unified:
             if self.meminfo()["MemAvailable"] < size:
                 raise SimError("oom", f"{size} bytes past the unified pool")
+            if p.gtt and d.used + size > p.gtt:  # an AMD APU's device memory is GTT, ttm.pages_limit bounds it
+                raise SimError("oom", f"{size} bytes past the {p.gtt} byte GTT")
             take_cache = min(self.page_cache, max(0, size - self.meminfo()["MemFree"]))
             self.page_cache -= take_cache
         elif d.used + size > d.vram:
@@ -587,8 +622,14 @@ class SimPlatform:
             self._drop(h)
 
     def _drop(self, h: _Handle) -> None:
-        self.devices[h.device].used -= h.size
         del self.handles[h.id]
+        if self.profile.memory_held_until_address_free and h.ranges & self.reservations.keys():
+            self.held_released[h.id] = h  # ROCm 7.2: returned when its ranges are freed, not now
+            return
+        self._give_back(h)
+
+    def _give_back(self, h: _Handle) -> None:
+        self.devices[h.device].used -= h.size
         if h.offset >= 0:  # the memory is freed: released and no address maps it (cuMemRelease)
             self.memory.free(h.offset, h.size)
 
@@ -614,7 +655,9 @@ class SimPlatform:
                 self.memory.map(va, size, h.offset)
             except MemoryCallFailed as exc:
                 raise SimError("oom", f"mapping {size} bytes at {va:#x}: {exc}") from None
-        self.mappings[va] = _Mapping(va, size, handle, h.device)
+        below = p.map_fault_below
+        self.mappings[va] = _Mapping(va, size, handle, h.device, trapped=bool(below and (va % below or size % below)))
+        h.ranges.add(r.base)
         bisect.insort(self._starts, va)
         self._mapped_total += size
         h.mapped_at.add(va)

@@ -13,7 +13,7 @@ from ...types import Capabilities, ConfigError
 
 __all__ = ["SimDeviceSpec", "Profile", "PROFILES", "get_profile"]
 
-MiB, GiB = 1 << 20, 1 << 30
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,15 @@ class Profile:
     # Linux CUDA: cuMemUnmap "exhibits synchronous behavior for most use cases" (CUDA driver
     # API docs, cuMemUnmap), so pending work on the range finishes first instead of racing.
     unmap_synchronizes: bool = False
+    # AMD on Linux (membackend issue 27's public reports): an APU's BIOS carve-out (sysfs VRAM) and GTT; HIP's
+    # free answered from the host's MemFree, above its own total (Strix Halo); ROCm 7.2 returning a released
+    # handle's memory only when its address range is freed; RDNA4 kernels faulting on mappings aligned below
+    # this many bytes although the runtime reports 4 KiB granularity
+    carveout: int = 0
+    gtt: int = 0
+    hip_free_is_host_free: bool = False
+    memory_held_until_address_free: bool = False
+    map_fault_below: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def capabilities(self) -> Capabilities:
@@ -81,6 +90,8 @@ class Profile:
             fence_granularity="device" if self.wddm else "reservation",
             # the profile's own OS, not this process's: its Windows platforms synchronize after fresh mappings
             page_in_sync="always" if self.os == "windows" else "never",
+            memory_returns_on_unmap=not self.memory_held_until_address_free,
+            map_granularity=self.map_fault_below or None,
         )
 
 
@@ -138,6 +149,51 @@ PROFILES: dict[str, Profile] = {
             description="discrete CUDA on Linux, 141 GB (the control)",
             torch="2.13.0+cu130", driver_version=13000,
             unmap_synchronizes=True,
+        ),
+        Profile(
+            name="strix-halo-128gb", vendor="hip", os="linux",
+            devices=(SimDeviceSpec("AMD Radeon 8060S Graphics", 96 * GiB, "gfx1151", integrated=True),),
+            host_ram=128 * GiB - 512 * MiB,  # MemTotal: the BIOS carve-out is not the kernel's
+            description="Strix Halo APU (gfx1151), 128 GB in one pool: 512 MiB carve-out, 96 GiB GTT; "
+                        "hipMemGetInfo's free above its total",
+            torch="2.13.0+rocm7.2", driver_version=70200000,  # HIP_VERSION encoding: 7.2.0
+            granularity=4 * KiB, unified=True, page_cache=6 * GiB, copy_bandwidth=120e9,
+            carveout=512 * MiB, gtt=96 * GiB, hip_free_is_host_free=True, memory_held_until_address_free=True,
+            notes=("one pool, 'mapped, not physically partitioned': the carve-out is sysfs mem_info_vram_total, "
+                   "the rest GTT (mem_info_gtt_total = ttm.pages_limit x 4096)",
+                   "hipMemGetInfo reported free 120.00 GiB above total 62.47 GiB on one HIP version",
+                   "ROCm 7.2: physical memory returns only when the address range is freed (vLLM)"),
+        ),
+        Profile(
+            name="rx7900xtx-linux", vendor="hip", os="linux",
+            devices=(SimDeviceSpec("AMD Radeon RX 7900 XTX", 24 * GiB, "gfx1100"),),
+            host_ram=64 * GiB,
+            description="discrete RDNA3 on Linux ROCm 7.2, 24 GB (the second-run-slower reports)",
+            torch="2.13.0+rocm7.2", driver_version=70200000,
+            granularity=4 * KiB, memory_held_until_address_free=True,
+            notes=("an RX 7900 XT report: a second run 234 s with dynamic VRAM against 22 s without",
+                   "ROCm on Linux answers 4 KiB minimum granularity (ROCm/rocm-systems PR #1176)",
+                   "ROCm 7.2: physical memory returns only when the address range is freed (vLLM)"),
+        ),
+        Profile(
+            name="rx9070xt-linux", vendor="hip", os="linux",
+            devices=(SimDeviceSpec("AMD Radeon RX 9070 XT", 16 * GiB, "gfx1201"),),
+            host_ram=64 * GiB,
+            description="discrete RDNA4 on Linux ROCm 7.2, 16 GB: 4 KiB granularity reported, 2 MiB needed",
+            torch="2.13.0+rocm7.2", driver_version=70200000,
+            granularity=4 * KiB, map_fault_below=2 * MiB, memory_held_until_address_free=True,
+            notes=("RDNA4 (gfx1201): the runtime reports 4 KiB VMM granularity, kernels fault on 4 KiB-aligned "
+                   "mappings: map in 2 MiB or more",
+                   "ROCm 7.2: physical memory returns only when the address range is freed (vLLM)"),
+        ),
+        Profile(
+            name="gfx1150-apu", vendor="hip", os="linux",
+            devices=(SimDeviceSpec("AMD Radeon 890M Graphics", 2 * GiB, "gfx1150", integrated=True, vmm=False),),
+            host_ram=32 * GiB - 2 * GiB,
+            description="Strix Point APU (gfx1150): no VMM, hipMalloc limited to the 2 GiB carve-out",
+            torch="2.13.0+rocm7.2", driver_version=70200000,
+            granularity=4 * KiB, unified=True, page_cache=2 * GiB, carveout=2 * GiB, gtt=15 * GiB,
+            notes=("Strix Point (gfx1150): hipMemCreate is not supported; hipMalloc is limited to the carve-out",),
         ),
         Profile(
             name="mi100-novmm", vendor="hip", os="linux",
