@@ -49,7 +49,7 @@ from ._session import Session
 from ._settings import NAME_PATTERN, load_settings
 from ._settings.rules import FIELD_NAMES
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
-from .platform import Platform, PlatformSetting
+from .platform import Platform, PlatformSetting, takes_parameter
 from .types import (
     BackendDisabled,
     BackendNotFound,
@@ -140,15 +140,6 @@ def declared_settings(obj: Any) -> tuple[PlatformSetting, ...]:
     return tuple(declared)
 
 
-def _takes(fn: Any, parameter: str) -> bool:
-    """Whether ``fn`` accepts the keyword ``parameter`` (by name, or through ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == parameter or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 def _instantiate(obj: Any, settings: Settings) -> Any:
     """Entry points may name a Platform, a class (built with ``from_settings`` or no arguments), an
     instance or a module. A class that declares ``settings`` gets their values, read under its ``name``
@@ -162,7 +153,7 @@ def _instantiate(obj: Any, settings: Settings) -> Any:
         factory = getattr(obj, "from_settings", None)
         if not callable(factory):
             return obj()
-        if declared_settings(obj) and _takes(factory, "values"):
+        if declared_settings(obj) and takes_parameter(factory, "values"):
             return factory(settings, values=backend_values(obj, settings))
         return factory(settings)
     return obj

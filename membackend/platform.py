@@ -55,9 +55,11 @@ from ._settings.sources import PlatformValues, Sources, platform_env_name, resol
 from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
 
 __all__ = ["Platform", "PlatformSetting", "PlatformValues", "GENERIC", "vmm_unsupported", "KEPT_WINDOWS_PER_DEVICE",
-           "CHURN_MARGIN", "size", "flag", "seconds", "Rule", "RuleError", "SIZE_ACCEPTED", "format_bytes"]
+           "CHURN_MARGIN", "size", "flag", "seconds", "Rule", "RuleError", "SIZE_ACCEPTED", "format_bytes",
+           "ONE_POOL", "one_pool_headroom", "ONE_POOL_HEADROOM_FRACTION", "ONE_POOL_HEADROOM_MIN",
+           "ONE_POOL_HEADROOM_MAX"]
 
-MiB = 1 << 20
+MiB, GiB = 1 << 20, 1 << 30
 #: what ``Platform.budget_source`` accepts: the driver's sources, and ``auto`` (one pool on an integrated
 #: device, the device's own figures elsewhere: the generic platform's choice)
 BUDGET_SOURCES = (*DRIVER_BUDGET_SOURCES, "auto")
@@ -128,6 +130,42 @@ class PlatformSetting:
 
     def __repr__(self) -> str:
         return f"PlatformSetting({self.name!r}, parse={self.parse!r}, default={self.default!r})"
+
+
+# ---------------------------------------------------------------------- the one-pool rules
+
+#: what a platform whose devices share one memory pool with the host tells the mechanism and the policy
+#: (``unified_gb10``; ``rocm_linux`` on an APU through the ``auto`` budget source, which makes an integrated
+#: device one pool): a fault past the pool is refused before the driver is asked (a GB10 driver refusing late
+#: aborts the loader, ComfyUI #15285); a full unload returns the range and its pages to the pool (G1); freed
+#: physical memory is released, never kept for reuse (a kept handle is pool memory the host cannot have); no
+#: video memory manager pages mappings in (Linux), so the fence tokens cover every free. The rest of the rules
+#: follow from a budget that says ``unified``: models kept warm across workflow switches while the pool allows
+#: (G4, the residency manager), and no pinned host copies of weights (the ComfyUI adapter: a pinned copy on the
+#: same memory is the model twice)
+ONE_POOL = Capabilities(unified_pool=True, release_on_full_unload=True, recycle_handles=False,
+                        fence_granularity="reservation", page_in_sync="never")
+#: the headroom of a pool: this fraction of it, within [MIN, MAX] (and never more than half of it)
+ONE_POOL_HEADROOM_FRACTION = 1 / 8
+ONE_POOL_HEADROOM_MIN = 1 * GiB  # what the OS and the process's own activations need on a small Jetson
+ONE_POOL_HEADROOM_MAX = 16 * GiB  # ComfyUI #15285: a GB10 (121 GiB) user ran stably with --reserve-vram 16
+
+
+def one_pool_headroom(total: int) -> int:
+    """Bytes kept free of a pool of ``total`` bytes shared with the host: ``total`` x
+    :data:`ONE_POOL_HEADROOM_FRACTION` within [:data:`ONE_POOL_HEADROOM_MIN`, :data:`ONE_POOL_HEADROOM_MAX`],
+    never more than half the pool (16 GiB on a 128 GB GB10, 4 GiB on a 32 GB Jetson)."""
+    return min(max(int(total * ONE_POOL_HEADROOM_FRACTION), ONE_POOL_HEADROOM_MIN), ONE_POOL_HEADROOM_MAX,
+               total // 2)
+
+
+def takes_parameter(fn: Any, parameter: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``parameter`` (by name, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return parameter in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _takes_settings(fn: Any) -> bool:
@@ -263,12 +301,16 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: capabilities() gave {caps!r}; accepted: a Capabilities")
         return caps
 
-    def headroom_for(self, total: int, values: PlatformValues | None = None) -> int:
+    def headroom_for(self, total: int, values: PlatformValues | None = None, integrated: bool = False) -> int:
         """The platform's own headroom in bytes on a device of ``total`` bytes (``values``: its settings;
-        None: the defaults)."""
+        None: the defaults). A rule that takes a parameter named ``integrated`` is told whether the device
+        shares one pool with the host (a platform that serves discrete cards and APUs alike)."""
         rule = self.headroom
         if callable(rule):
-            value = rule(total, settings=self._values(values)) if _takes_settings(rule) else rule(total)
+            extra: dict[str, Any] = {"settings": self._values(values)} if _takes_settings(rule) else {}
+            if takes_parameter(rule, "integrated"):
+                extra["integrated"] = integrated
+            value = rule(total, **extra)
         else:
             value = rule
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

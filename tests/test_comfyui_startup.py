@@ -126,7 +126,8 @@ def test_comfy_dynamic_vram_answers_comfyuis_rule(comfy_args, flags, on, why):
 
 
 @pytest.mark.parametrize("profile, backend", [("h200", "vmm"), ("wddm-6gb", "cuda_wddm"),
-                                              ("gb10-128gb", "unified_gb10"), ("rocm-win-2gpu", "rocm_windows")])
+                                              ("gb10-128gb", "unified_gb10"), ("rocm-win-2gpu", "rocm_windows"),
+                                              ("strix-halo-128gb", "rocm_linux"), ("rx7900xtx-linux", "rocm_linux")])
 def test_a_simulated_gpu_counts_as_served_even_under_cpu_with_forced_dynamic_vram(
         monkeypatch, comfy_args, lines, originals, profile, backend):
     monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", profile)
@@ -175,6 +176,24 @@ def test_a_selected_backend_arms_the_hook_and_stop_undoes_every_patch(
     rt.stop()
     _untouched(originals, comfy_args)
     assert aimdo_vbar.ModelVBAR.__module__ == "comfy_aimdo.model_vbar" and startup.current() is None
+
+
+@pytest.mark.parametrize("profile, pinning", [("strix-halo-128gb", 0), ("gb10-128gb", 0),
+                                              ("rx7900xtx-linux", 8 << 30), ("h200", 8 << 30)])
+def test_one_pool_turns_comfyuis_pinned_host_copies_off_and_stop_gives_them_back(
+        monkeypatch, comfy_args, lines, originals, profile, pinning):
+    mm = types.ModuleType("comfy.model_management")
+    mm.MAX_PINNED_MEMORY = 8 << 30  # what ComfyUI sets on an NVIDIA or AMD machine (a share of the RAM)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", profile)
+    comfy_args.cpu = comfy_args.enable_dynamic_vram = True
+    rt = startup.prestartup()
+    assert rt.init_devices([(0, 0)]) is True
+    assert mm.MAX_PINNED_MEMORY == pinning
+    assert ("one memory pool with the host: ComfyUI's pinned host copies of weights are off" in " ".join(lines())) \
+        == (pinning == 0)
+    rt.stop()
+    assert mm.MAX_PINNED_MEMORY == 8 << 30
 
 
 def test_comfyuis_headroom_flags_reach_the_budget(monkeypatch, comfy_args, originals, serve_cpu):

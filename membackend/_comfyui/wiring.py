@@ -61,7 +61,7 @@ from typing import Any
 
 from . import buffers
 from . import vbar as facade
-from .runtime import AIMDO_LOG_LEVELS, Runtime, aimdo_log_noop
+from .runtime import AIMDO_LOG_LEVELS, Runtime, aimdo_log_noop, say
 
 __all__ = ["wire", "served", "FACADE_NAMES", "BUFFER_NAMES", "LEFT_TO_AIMDO"]
 
@@ -231,6 +231,12 @@ def wire(rt: Runtime) -> None:
         p.skipped.append("comfy.model_management.get_total_memory")
     if ours(None):
         p.replace(mm, "total_vram", budget(None).total / (1024 * 1024), required=False)
+        # one pool (GB10, an AMD APU): a pinned host copy of a weight is the weight twice in the same memory,
+        # so ComfyUI pins nothing there (its pin_memory and pinned_hostbuf_size read MAX_PINNED_MEMORY)
+        gpu = rt.device_for(None).kind != "cpu"  # the host backend's pages are host memory already
+        if gpu and budget(None).unified and (getattr(mm, "MAX_PINNED_MEMORY", 0) or 0) > 0:
+            p.replace(mm, "MAX_PINNED_MEMORY", 0, required=False)
+            say("one memory pool with the host: ComfyUI's pinned host copies of weights are off")
 
     # ---- G1, G4, G5: free_memory
     if hasattr(mm, "free_memory") and hasattr(mm, "current_loaded_models"):

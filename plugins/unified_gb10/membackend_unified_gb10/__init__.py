@@ -50,8 +50,19 @@ mechanism stays that backend's, ``vmm``):
 
 from __future__ import annotations
 
-from membackend.platform import Platform, PlatformSetting, PlatformValues, size, vmm_unsupported
-from membackend.types import Candidate, Capabilities, Machine, Score
+from membackend.platform import (
+    ONE_POOL,
+    ONE_POOL_HEADROOM_FRACTION,
+    ONE_POOL_HEADROOM_MAX,
+    ONE_POOL_HEADROOM_MIN,
+    Platform,
+    PlatformSetting,
+    PlatformValues,
+    one_pool_headroom,
+    size,
+    vmm_unsupported,
+)
+from membackend.types import Candidate, Machine, Score
 
 __all__ = ["PLATFORM", "probe", "headroom", "HEADROOM_ENV", "HEADROOM_FRACTION", "HEADROOM_MIN", "HEADROOM_MAX",
            "SCORE", "PAGE_SIZE", "SETTINGS"]
@@ -64,10 +75,11 @@ MiB, GiB = 1 << 20, 1 << 30
 SCORE = 70
 #: the environment variable of the ``headroom`` setting, which replaces the default rule
 HEADROOM_ENV = "MEMBACKEND_UNIFIED_GB10_HEADROOM"
-#: default headroom: this fraction of the pool, clamped to [HEADROOM_MIN, HEADROOM_MAX]
-HEADROOM_FRACTION = 1 / 8
-HEADROOM_MIN = 1 * GiB  # what the OS and the process's own activations need on a small Jetson
-HEADROOM_MAX = 16 * GiB  # ComfyUI #15285: a GB10 (121 GiB) user ran stably with --reserve-vram 16
+#: default headroom: this fraction of the pool, clamped to [HEADROOM_MIN, HEADROOM_MAX] (membackend's one-pool
+#: rule, shared with every platform of one pool: ``membackend.platform.one_pool_headroom``)
+HEADROOM_FRACTION = ONE_POOL_HEADROOM_FRACTION
+HEADROOM_MIN = ONE_POOL_HEADROOM_MIN  # what the OS and the process's own activations need on a small Jetson
+HEADROOM_MAX = ONE_POOL_HEADROOM_MAX  # ComfyUI #15285: a GB10 (121 GiB) user ran stably with --reserve-vram 16
 PAGE_SIZE = 32 * MiB  # comfy-aimdo's VBAR page: fewer map calls per multi-GB model
 
 
@@ -87,7 +99,7 @@ def headroom(total: int, settings: PlatformValues | None = None) -> int:
     wanted = None if settings is None else settings["headroom"]
     if wanted is not None:
         return wanted
-    return min(max(int(total * HEADROOM_FRACTION), HEADROOM_MIN), HEADROOM_MAX, total // 2)
+    return one_pool_headroom(total)
 
 
 #: the settings this platform declares (membackend reads them under its name and hands them to headroom)
@@ -155,13 +167,9 @@ PLATFORM = Platform(
     vendor="cuda",
     probe=probe,
     budget_source="unified",
-    capabilities=Capabilities(
-        unified_pool=True,  # refuse a fault past the pool before the driver is asked
-        release_on_full_unload=True,  # a full unload gives the range and its pages back to the one pool (G1)
-        recycle_handles=False,  # a kept physical handle is pool memory the host cannot use
-        fence_granularity="reservation",  # Linux cuMemUnmap synchronizes; no device-wide sync needed
-        page_in_sync="never",  # Linux: no video memory manager pages mappings in; fence tokens cover the work
-    ),
+    # membackend's one-pool rules (refused up front, released on full unload, no kept handles, no device-wide
+    # sync: Linux cuMemUnmap synchronizes), shared with rocm_linux's APUs
+    capabilities=ONE_POOL,
     page_size=PAGE_SIZE,
     headroom=headroom,
     settings=SETTINGS,
