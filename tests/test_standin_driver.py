@@ -61,7 +61,18 @@ HIP_PROFILES = {
                    integrated=0, cc=(9, 4)),
     "strixhalo": dict(name="AMD Radeon 8060S Graphics", arch_name="gfx1151", arch="gfx1151", total=64 * GiB,
                       integrated=1, cc=(11, 5)),
+    # AMD on Linux under ROCm 7.2 (membackend issue 27): free (hipMemGetInfo), sysfs pools, PCI bus
+    "strix-halo-128gb": dict(name="AMD Radeon 8060S Graphics", arch_name="gfx1151", arch="gfx1151", total=96 * GiB,
+                             integrated=1, cc=(11, 5), free=127 * GiB + 512 * MiB, vram=512 * MiB, gtt=96 * GiB,
+                             pci=198),
+    "rx7900xtx-linux": dict(name="AMD Radeon RX 7900 XTX", arch_name="gfx1100", arch="gfx1100", total=24 * GiB,
+                            integrated=0, cc=(11, 0), vram=24 * GiB, gtt=16 * GiB, pci=8),
+    "rx9070xt-linux": dict(name="AMD Radeon RX 9070 XT", arch_name="gfx1201", arch="gfx1201", total=16 * GiB,
+                           integrated=0, cc=(12, 0), vram=16 * GiB, gtt=16 * GiB, pci=5),
+    "gfx1150-apu": dict(name="AMD Radeon 890M Graphics", arch_name="gfx1150", arch="gfx1150", total=2 * GiB,
+                        integrated=1, cc=(11, 5), vmm=0, free=30 * GiB, vram=2 * GiB, gtt=16 * GiB, pci=193),
 }
+AMD_LINUX = ["strix-halo-128gb", "rx7900xtx-linux", "rx9070xt-linux", "gfx1150-apu"]
 CUDA_SUCCESS, INVALID_VALUE, OUT_OF_MEMORY = 0, 1, 2
 NO_DEVICE, INVALID_DEVICE, INVALID_CONTEXT, INVALID_HANDLE = 100, 101, 201, 400
 NOT_READY, ILLEGAL_ADDRESS, CONTEXT_IS_DESTROYED, NOT_SUPPORTED = 600, 700, 709, 801
@@ -371,7 +382,8 @@ def hip_binding(request, standin):
     return {"PROBE_HIP": request.param}
 
 
-@pytest.mark.parametrize("profile", ["strixhalo,rx9070xt", "mi300x"])
+@pytest.mark.parametrize("profile", ["strixhalo,rx9070xt", "mi300x", "strix-halo-128gb,rx7900xtx-linux",
+                                     "rx9070xt-linux,gfx1150-apu"])
 def test_hip_discovery_per_profile(standin, hip_binding, profile):
     names = profile.split(",")
     r = run_probe(standin, "hip_discovery", profile, **hip_binding)
@@ -385,10 +397,11 @@ def test_hip_discovery_per_profile(standin, hip_binding, profile):
             (want["integrated"], want["total"], *want["cc"])
         assert (dev["name"], dev["total_mem"], dev["integrated"], dev["arch"], dev["driver_model"]) == \
             (want["name"], want["total"], bool(want["integrated"]), want["arch"], None)
-        assert dev["mem_get_info"] == [want["total"], want["total"]]
-        assert dev["granularity"] == 4096 and dev["create_code"] == 0
+        assert dev["mem_get_info"] == [want.get("free", want["total"]), want["total"]]
+        assert dev["granularity"] == 4096
+        assert dev["create_code"] == (0 if want.get("vmm", 1) else NOT_SUPPORTED)
         assert dev["thread_device_after"] == 0  # the wrapper put the caller's device back
-    assert r["vmm_attr"] == [1] * len(names) and r["get_device_default"] == 0
+    assert r["vmm_attr"] == [HIP_PROFILES[k].get("vmm", 1) for k in names] and r["get_device_default"] == 0
     assert r["device_out_of_range"] == INVALID_DEVICE
 
 
@@ -447,6 +460,153 @@ def test_plain_ctypes_loads_libamdhip64(standin):
     assert r["error_name_801"] == "hipErrorNotSupported"
 
 
+# --------------------------------------------------------------------------- HIP: AMD on Linux (issue 27)
+
+
+def test_child_env_points_the_stand_in_and_membackend_at_one_fresh_sysfs(standin, tmp_path):
+    a, b = standin_build.child_env(standin, "rx9070xt"), standin_build.child_env(standin, "rx9070xt")
+    assert a["MEMBACKEND_STANDIN_SYSFS"] == a["MEMBACKEND_SYSFS_ROOT"]
+    assert Path(a["MEMBACKEND_STANDIN_SYSFS"]).is_dir() and not any(Path(a["MEMBACKEND_SYSFS_ROOT"]).iterdir())
+    assert Path(a["MEMBACKEND_STANDIN_SYSFS"]).parent == standin / "sysfs"
+    assert b["MEMBACKEND_STANDIN_SYSFS"] != a["MEMBACKEND_STANDIN_SYSFS"]  # one per call
+    mine = str(tmp_path / "sys")
+    c = standin_build.child_env(standin, "rx9070xt", MEMBACKEND_STANDIN_SYSFS=mine)
+    assert c["MEMBACKEND_STANDIN_SYSFS"] == c["MEMBACKEND_SYSFS_ROOT"] == mine
+    d = standin_build.child_env(standin, "rx9070xt", base={"MEMBACKEND_SYSFS_ROOT": mine})
+    assert d["MEMBACKEND_STANDIN_SYSFS"] == d["MEMBACKEND_SYSFS_ROOT"] == mine
+
+
+def _used(sysfs: dict, integrated: int) -> int:
+    """What the device holds as amdgpu shows it: GTT on an APU, VRAM on a discrete card."""
+    assert sysfs[("vram_used", "gtt_used")[not integrated]] == 0
+    return sysfs["gtt_used" if integrated else "vram_used"]
+
+
+@pytest.mark.parametrize("profile", AMD_LINUX)
+def test_hip_amd_linux_memory_and_sysfs(standin, hip_binding, profile):
+    want = HIP_PROFILES[profile]
+    total, free, integrated = want["total"], want.get("free", want["total"]), want["integrated"]
+    r = run_probe(standin, "hip_memory", profile, **hip_binding)
+    address = f"0000:{want['pci']:02x}:00.0"
+    assert r["listing"] == [address]
+    fs = r["sysfs_all"][0]
+    assert fs["address"] == address and fs["exists"] and fs["format_ok"]  # decimal bytes and "\n", as amdgpu
+    assert (fs["vram_total"], fs["gtt_total"], fs["vram_used"], fs["gtt_used"]) == (want["vram"], want["gtt"], 0, 0)
+    assert r["total_mem"] == r["props_total"] == total
+    assert r["meminfo0"] == [free, total]
+    if profile == "strix-halo-128gb":  # free is the host's RAM, the total the GTT: free above total
+        assert r["meminfo0"] == [127 * GiB + 512 * MiB, 96 * GiB] and r["meminfo0"][0] > r["meminfo0"][1]
+    if want.get("vmm", 1):
+        assert r["vmm_supported"] is True and r["create_code"] == 0
+        after = r["after_create"]
+        assert after["meminfo"] == [free - GiB, total] and after["physical"] == GiB
+        assert _used(after["sysfs"], integrated) == GiB
+        assert (after["sysfs"]["vram_total"], after["sysfs"]["gtt_total"]) == (want["vram"], want["gtt"])
+    else:
+        assert r["vmm_supported"] is False and r["create_code"] == NOT_SUPPORTED
+    back = r["after_release"]
+    assert back["meminfo"] == [free, total] and back["physical"] == 0 and _used(back["sysfs"], integrated) == 0
+    # plain allocations are counted the same way, and are limited to the total (the carve-out on gfx1150)
+    assert r["malloc"] == 0 and r["after_malloc"]["meminfo"] == [free - 64 * MiB, total]
+    assert _used(r["after_malloc"]["sysfs"], integrated) == 64 * MiB
+    assert r["free"] == 0 and _used(r["after_free"]["sysfs"], integrated) == 0
+    assert r["after_free"]["meminfo"] == [free, total]
+    assert r["malloc_over_total"] == OUT_OF_MEMORY
+
+
+def test_gfx1150_apu_has_no_vmm(standin, hip_binding):
+    r = run_probe(standin, "hip_discovery", "gfx1150-apu", **hip_binding)
+    assert r["vmm_attr"] == [0]  # hipDeviceAttributeVirtualMemoryManagementSupported
+    dev = r["wrapper"]["devices"][0]
+    assert dev["create_code"] == NOT_SUPPORTED and dev.get("vmm_supported", False) is False
+    assert dev["total_mem"] == r["props"][0]["totalGlobalMem"] == 2 * GiB and dev["integrated"] is True
+    assert dev["mem_get_info"] == [30 * GiB, 2 * GiB]
+
+
+def test_sysfs_is_written_for_the_visible_hip_devices_only(standin, tmp_path):
+    pytest.importorskip("membackend._drivers.hip_ctypes")
+
+    def listing(name, profile, **env):
+        root = tmp_path / name
+        run_probe(standin, "hip_none", profile, PROBE_HIP="ctypes", MEMBACKEND_STANDIN_SYSFS=str(root), **env)
+        devices = root / "bus" / "pci" / "devices"
+        return sorted(p.name for p in devices.iterdir()) if devices.is_dir() else []
+
+    both = "strix-halo-128gb,rx7900xtx-linux"
+    assert listing("both", both) == ["0000:08:00.0", "0000:c6:00.0"]
+    assert listing("one", both, HIP_VISIBLE_DEVICES="1") == ["0000:08:00.0"]
+    assert listing("copies", "2*rx7900xtx-linux") == ["0000:08:00.0", "0000:09:00.0"]  # boards on their own buses
+    assert listing("cuda", "h200") == []  # amdgpu files are for AMD devices
+    files = sorted(p.name for p in (tmp_path / "one" / "bus" / "pci" / "devices" / "0000:08:00.0").iterdir())
+    assert files == ["mem_info_gtt_total", "mem_info_gtt_used", "mem_info_vram_total", "mem_info_vram_used"]
+
+
+@pytest.mark.parametrize("profile", ["strix-halo-128gb", "rx7900xtx-linux"])
+def test_hip_rel72_release_holds_until_the_range_is_freed(standin, hip_binding, profile):
+    r = run_probe(standin, "hip_rel72", profile, **hip_binding)
+    page = 2 * MiB
+
+    def held(key, n):
+        # stats' physical bytes, hipMemGetInfo's free, sysfs *_used and the memfd's pages agree
+        h = r[key]
+        assert (h["physical"], h["free_drop"], h["sysfs_used"]) == (n, n, n), (key, h)
+        return h
+
+    assert held("mapped", 2 * page)["memfd"] == 2 * page
+    # ROCm 7.2: unmap + release succeed, but the memory comes back only with hipMemAddressFree
+    assert held("after_release", 2 * page)["handles"] == 1
+    assert r["after_release"]["memfd"] == 2 * page  # not punched yet
+    assert r["release_twice"] == INVALID_VALUE
+    assert held("after_address_free", 0)["handles"] == 0 and r["after_address_free"]["memfd"] == 0
+    held("never_mapped_created", page)
+    held("never_mapped_released", 0)  # never mapped: returned at release
+    held("range_freed_first", page)
+    held("range_freed_first_released", 0)  # its ranges were freed already: returned at release
+    held("released_mapped_then_unmapped", page)
+    held("released_mapped_range_freed", 0)
+    held("two_ranges_one_freed", page)  # every range it was mapped into must be freed
+    held("two_ranges_both_freed", 0)
+    assert r["malloc"] == 0 and held("after_malloc", page) and r["free"] == 0
+    held("end", 0)
+    end = r["end_stats"]
+    assert (end["reserved"], end["mapped"], end["physical"], end["handles"], end["linear"]) == (0, 0, 0, 0, 0)
+
+
+def test_hip_without_rel72_release_after_unmap_returns_at_once(standin, hip_binding):
+    r = run_probe(standin, "hip_rel72", "strix-halo-128gb;rel72=0", **hip_binding)
+    assert r["mapped"]["physical"] == 4 * MiB
+    for key in ("after_release", "never_mapped_released", "released_mapped_then_unmapped", "two_ranges_one_freed",
+                "end"):
+        assert (r[key]["physical"], r[key]["free_drop"], r[key]["sysfs_used"], r[key]["memfd"]) == (0, 0, 0, 0), key
+
+
+@pytest.mark.parametrize("case", ["offset", "size"])
+def test_hip_map2m_a_mapping_not_aligned_to_2mib_faults_on_first_copy(standin, hip_binding, case):
+    r = run_probe(standin, "hip_map2m", "rx9070xt-linux", MEMBACKEND_STANDIN_FAULT="sticky", PROBE_MAP2M=case,
+                  **hip_binding)
+    assert r["granularity"] == 4096 and r["base_aligned"]  # the runtime still reports 4 KiB
+    # 2 MiB-aligned address and size: copies work
+    assert (r["aligned_queue"], r["aligned_sync"], r["aligned_reads"]) == (0, 0, "rdna4-2m" * 2)
+    # 4 KiB-aligned only: the map (and the copy's queueing) succeed, the copy itself is a GPU page fault
+    assert (r["map"], r["set_access"], r["queue"]) == (0, 0, 0)
+    assert r["sync"] == ILLEGAL_ADDRESS and r["stats"]["sticky"] == ILLEGAL_ADDRESS
+    assert r["mem_get_info_after"] == ILLEGAL_ADDRESS and r["reads"] == "\0" * 16
+
+
+@pytest.mark.parametrize("profile", ["rx9070xt", "rx9070xt-linux;map2m=0"])
+def test_hip_without_map2m_a_4kib_aligned_mapping_copies(standin, hip_binding, profile):
+    r = run_probe(standin, "hip_map2m", profile, MEMBACKEND_STANDIN_FAULT="sticky", **hip_binding)
+    assert (r["map"], r["queue"], r["sync"], r["reads"]) == (0, 0, 0, "rdna4-2m" * 2)
+    assert r["stats"]["sticky"] == 0
+
+
+def test_hip_map2m_fault_ends_the_process(standin):
+    pytest.importorskip("hip")
+    r = run_probe(standin, "hip_map2m", "rx9070xt-linux", PROBE_HIP="hip-python", expect_rc=-6)  # SIGABRT
+    assert r["aligned_sync"] == 0 and r["map"] == 0 and r["queue"] == 0 and "sync" not in r
+    assert "Memory access fault by GPU node-1" in r["_stderr"]
+
+
 # --------------------------------------------------------------------------- selection and the kit
 
 
@@ -478,8 +638,41 @@ def test_doctor_shows_the_stand_in_facts_and_self_tests_through_it(standin, prof
     assert "self-test: passed" in proc.stdout, proc.stdout
 
 
-KIT = [("h200", "vmm", {}), ("gb10", "unified_gb10", {}),
-       ("rx9070xt", "vmm", {"MEMBACKEND_MACHINE__TORCH_VENDOR": "rocm"})]
+# AMD on Linux (issue 27): what is selected on each machine through hip-python and the stand-in HIP runtime. The
+# torch here is a CPU build, which uses no AMD GPU: the machine fact a ROCm build would give is set as a user sets it
+ROCM = {"MEMBACKEND_MACHINE__TORCH_VENDOR": "rocm"}
+AMD_LINUX = [("strix-halo-128gb", "rocm_linux"), ("rx7900xtx-linux", "rocm_linux"), ("rx9070xt-linux", "rocm_linux"),
+             ("gfx1150-apu", "host")]
+
+
+@pytest.mark.parametrize("profile,selected", AMD_LINUX)
+def test_amd_linux_selection_through_hip_python(standin, profile, selected):
+    pytest.importorskip("hip")
+    proc = _membackend(standin, profile, "backends", **ROCM)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    line = next((x for x in out.splitlines() if x.startswith("selected:")), "")
+    assert line.startswith(f"selected: {selected} "), out
+    windows = next(x for x in out.splitlines() if x.lstrip(" *").startswith("rocm_windows "))
+    assert "score 0" in windows and "not Windows" in windows, windows
+    assert "[simulated driver]" not in out  # the real bindings over the stand-in, no simulation
+    if selected == "host":
+        ours = next(x for x in out.splitlines() if x.lstrip(" *").startswith("rocm_linux "))
+        assert "score 0" in ours and "APU without virtual memory management" in ours, ours
+
+
+def test_amd_apu_doctor_shows_the_three_budget_figures_through_the_stand_in(standin):
+    pytest.importorskip("hip")
+    proc = _membackend(standin, "strix-halo-128gb", "doctor", **ROCM)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("hip:0: total"))
+    assert "APU pool, bound by " in line and "reported 127.50 GiB above its own total 96.00 GiB" in line, line
+    assert "sysfs 96.50 GiB (carve-out 0.50 GiB + GTT 96.00 GiB" in line and "MemAvailable" in line, line
+    assert "self-test: passed" in proc.stdout, proc.stdout
+
+
+KIT = [("h200", "vmm", {}), ("gb10", "unified_gb10", {}), ("rx9070xt", "vmm", ROCM),
+       *[(p, "rocm_linux", ROCM) for p, selected in AMD_LINUX if selected == "rocm_linux"]]
 
 
 @pytest.mark.parametrize("profile,backend,env", KIT, ids=[f"{b}:{p}" for p, b, _ in KIT])
