@@ -28,7 +28,9 @@ def test_bench_residency_compares_both_policies(capsys):
     data = json.loads(capsys.readouterr().out)
     for target, pair in data.items():
         assert pair["membackend"]["alive_after_unload"] == 0 and pair["stock"]["alive_after_unload"] == 3
-        assert pair["membackend"]["copied"] < pair["stock"]["copied"]
+        # fewer copies, or stock could not even load (ROCm 7.2: the pages stock frees stay the driver's)
+        assert pair["membackend"]["out_of_memory"] == 0, target
+        assert pair["membackend"]["copied"] < pair["stock"]["copied"] or pair["stock"]["out_of_memory"], target
 
 
 def test_bench_trace_stream_replays_both_lengths_side_by_side(capsys):
