@@ -57,7 +57,7 @@ from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
 __all__ = ["Platform", "PlatformSetting", "PlatformValues", "GENERIC", "vmm_unsupported", "KEPT_WINDOWS_PER_DEVICE",
            "CHURN_MARGIN", "size", "flag", "seconds", "Rule", "RuleError", "SIZE_ACCEPTED", "format_bytes",
            "ONE_POOL", "one_pool_headroom", "ONE_POOL_HEADROOM_FRACTION", "ONE_POOL_HEADROOM_MIN",
-           "ONE_POOL_HEADROOM_MAX"]
+           "ONE_POOL_HEADROOM_MAX", "amd_unfit"]
 
 MiB, GiB = 1 << 20, 1 << 30
 #: what ``Platform.budget_source`` accepts: the driver's sources, and ``auto`` (one pool on an integrated
@@ -350,6 +350,25 @@ def vmm_unsupported(gpus: tuple[DeviceInfo, ...] | list[DeviceInfo]) -> str | No
                     f"{d.source_of('vmm_supported') or d.source}); the host backend serves it")
         return (f"{named}: virtual memory management support is unknown ({attr} was not answered; the device "
                 f"was listed by {d.source or 'nothing'}), and a VMM backend needs the driver API that answers it")
+    return None
+
+
+def amd_unfit(machine: Machine, name: str, check: str) -> Candidate | None:
+    """What an AMD platform's probe answers (score 0, its reason) when the machine's torch build does not
+    use AMD GPUs, no HIP device is listed (``check``: what the user should check, in words), or a HIP
+    device is not an AMD ``gfx`` GPU; None when every listed HIP device is one (``machine.gpus("hip")``)."""
+    if machine.torch_vendor in ("cuda", "cpu"):
+        return Candidate(name, Score.NONE, f"torch is a {machine.torch_vendor} build, which does not use AMD GPUs; "
+                                           "install a ROCm build of torch")
+    gpus = machine.gpus("hip")
+    if not gpus:
+        return Candidate(name, Score.NONE, "no HIP device listed (discovery through hip-python or the HIP "
+                                           "runtime found none: see the discovery lines of `membackend doctor`; "
+                                           f"check {check})")
+    foreign = [d for d in gpus if d.arch and not d.arch.startswith("gfx")]
+    if foreign:
+        listed = ", ".join(f"{d.device} {d.name} ({d.arch})" for d in foreign)
+        return Candidate(name, Score.NONE, f"HIP device(s) that are not AMD GPUs: {listed}")
     return None
 
 

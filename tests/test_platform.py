@@ -10,7 +10,7 @@ from membackend._backends.vmm import VmmBackend
 from membackend._drivers import dxgi
 from membackend._drivers.open import LazyDriver, check_sim_profile, machine_for, open_gpu_driver, resolve_vendor
 from membackend._settings import load_settings
-from membackend.platform import GENERIC, Platform
+from membackend.platform import GENERIC, Platform, amd_unfit
 from membackend.types import Candidate, ConfigError, Device, DriverError, Score
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -206,3 +206,21 @@ def test_the_dxgi_vtable_slots_follow_the_interfaces_method_lists():
     assert dxgi._RELEASE == _slot(_FACTORY4, "Release")
     assert dxgi._FACTORY4_ENUM_ADAPTER_BY_LUID == _slot(_FACTORY4, "EnumAdapterByLuid")
     assert dxgi._ADAPTER3_QUERY_VIDEO_MEMORY_INFO == _slot(_ADAPTER3, "QueryVideoMemoryInfo")
+
+
+def test_amd_unfit_answers_for_every_amd_platform_why_the_machine_is_not_theirs():
+    import dataclasses
+
+    from membackend.testing.simulated import simulated_machine
+
+    m = simulated_machine("rx7900xtx-linux")
+    assert amd_unfit(m, "mine", "the driver") is None
+    c = amd_unfit(dataclasses.replace(m, torch_vendor="cuda"), "mine", "the driver")
+    assert c.name == "mine" and c.score == Score.NONE and "torch is a cuda build" in c.reason
+    c = amd_unfit(simulated_machine("h200"), "mine", "the amdgpu driver")
+    assert "torch is a cuda build" in c.reason
+    c = amd_unfit(dataclasses.replace(simulated_machine("h200"), torch_vendor=None), "mine", "the amdgpu driver")
+    assert "no HIP device listed" in c.reason and c.reason.endswith("check the amdgpu driver)")
+    nvidia = dataclasses.replace(m.devices[0], arch="sm_90")
+    c = amd_unfit(dataclasses.replace(m, devices=(nvidia,)), "mine", "the driver")
+    assert "not AMD GPUs" in c.reason and "sm_90" in c.reason

@@ -65,6 +65,7 @@ from membackend.platform import (
     Platform,
     PlatformSetting,
     PlatformValues,
+    amd_unfit,
     one_pool_headroom,
     size,
     vmm_unsupported,
@@ -123,18 +124,10 @@ def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate
     if machine.os != "linux":
         other = "; ROCm on Windows is served by rocm_windows" if machine.os == "windows" else ""
         return Candidate(NAME, Score.NONE, f"not Linux (this machine runs {machine.os}){other}")
-    if machine.torch_vendor in ("cuda", "cpu"):
-        return Candidate(NAME, Score.NONE, f"torch is a {machine.torch_vendor} build, which does not use AMD GPUs; "
-                                           "install a ROCm build of torch")
+    unfit = amd_unfit(machine, NAME, "the amdgpu driver, /dev/kfd access and HIP_VISIBLE_DEVICES")
+    if unfit is not None:
+        return unfit
     gpus = machine.gpus("hip")
-    if not gpus:
-        return Candidate(NAME, Score.NONE, "no HIP device listed (discovery through hip-python or the HIP "
-                                           "runtime found none: see the discovery lines of `membackend doctor`; "
-                                           "check the amdgpu driver, /dev/kfd access and HIP_VISIBLE_DEVICES)")
-    foreign = [d for d in gpus if d.arch and not d.arch.startswith("gfx")]
-    if foreign:
-        listed = ", ".join(f"{d.device} {d.name} ({d.arch})" for d in foreign)
-        return Candidate(NAME, Score.NONE, f"HIP device(s) that are not AMD GPUs: {listed}")
     lacking = vmm_unsupported(gpus)
     if lacking:
         apus = [d for d in gpus if d.integrated and d.vmm_supported is False]

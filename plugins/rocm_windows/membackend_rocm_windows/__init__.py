@@ -97,6 +97,7 @@ from membackend.platform import (
     PlatformValues,
     Rule,
     RuleError,
+    amd_unfit,
     size,
     vmm_unsupported,
 )
@@ -249,18 +250,10 @@ def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate
     if machine.os != "windows":
         return Candidate(NAME, Score.NONE, f"not Windows (this machine runs {machine.os}); "
                                            "ROCm elsewhere is served by the generic vmm backend")
-    if machine.torch_vendor in ("cuda", "cpu"):
-        return Candidate(NAME, Score.NONE, f"torch is a {machine.torch_vendor} build, which does not use AMD GPUs; "
-                                           "install a ROCm build of torch")
+    unfit = amd_unfit(machine, NAME, "the driver and HIP_VISIBLE_DEVICES")
+    if unfit is not None:
+        return unfit
     gpus = machine.gpus("hip")
-    if not gpus:
-        return Candidate(NAME, Score.NONE, "no HIP device listed (discovery through hip-python or the HIP "
-                                           "runtime found none: see the discovery lines of `membackend doctor`; "
-                                           "check the driver and HIP_VISIBLE_DEVICES)")
-    foreign = [d for d in gpus if d.arch and not d.arch.startswith("gfx")]
-    if foreign:
-        listed = ", ".join(f"{d.device} {d.name} ({d.arch})" for d in foreign)
-        return Candidate(NAME, Score.NONE, f"HIP device(s) that are not AMD GPUs: {listed}")
     lacking = vmm_unsupported(gpus)
     if lacking:
         return Candidate(NAME, Score.NONE, lacking)
