@@ -553,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "table of --seeds 1)")
     rp.add_argument("--run", type=_positive, help="which run of a trace file several processes appended to "
                                                   "(default: the last)")
-    bp = command("bench", "the benchmark suite: side-by-side ratios and the five replays")
+    bp = command("bench", "the benchmark suite: side-by-side ratios and the seven replays")
     bp.add_argument("--json", action="store_true", help="print the figures as JSON")
     bp.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (a smoke run)")
     bp.add_argument("--seeds", type=_positive, help="seeds per replay (each scenario's default otherwise)")
