@@ -176,6 +176,71 @@ def test_gb10_past_the_pool_is_out_of_memory():
     assert code_name(info.value) == "CUDA_ERROR_OUT_OF_MEMORY"
 
 
+# --------------------------------------------------------------------------- AMD on Linux (issue 27)
+
+
+def test_strix_halo_answers_free_above_its_total_and_sysfs_follows_the_device():
+    d = started("strix-halo-128gb")
+    free, total = d.mem_get_info()
+    assert total == 96 * GiB and free == d.sim.meminfo()["MemFree"] > total
+    assert d.sim.amdgpu_sysfs(0) == {"vram_total": 512 * MiB, "vram_used": 0, "gtt_total": 96 * GiB, "gtt_used": 0}
+    va, h = mapped_page(d, size=GiB)
+    assert d.sim.amdgpu_sysfs(0)["gtt_used"] == GiB and d.mem_get_info()[0] == free - GiB
+    assert d.amdgpu_memory(0).left == 96 * GiB + 512 * MiB - GiB
+
+
+def test_strix_halo_device_memory_is_gtt_and_past_it_is_out_of_memory():
+    d = started("strix-halo-128gb")
+    d.create(90 * GiB, 0)
+    with pytest.raises(DriverError) as info:
+        d.create(8 * GiB, 0)
+    assert code_name(info.value) == "hipErrorOutOfMemory"
+
+
+def test_rocm_72_keeps_a_released_handles_memory_until_its_range_is_freed():
+    d = started("rx7900xtx-linux")
+    va, h = mapped_page(d)
+    never_mapped = d.create(PAGE, 0)
+    d.unmap(va, PAGE)
+    d.release(h)
+    d.release(never_mapped)  # never mapped: returned at once
+    assert d.sim.devices[0].used == PAGE and d.mem_get_info()[0] == 24 * GiB - PAGE
+    d.address_free(va, PAGE)
+    assert d.sim.devices[0].used == 0 and not d.sim.held_released
+
+
+def test_without_rocm_72_a_release_after_the_unmap_returns_the_memory():
+    d = started("h200")
+    va, h = mapped_page(d)
+    d.unmap(va, PAGE)
+    d.release(h)
+    assert d.sim.devices[0].used == 0
+
+
+def test_rdna4_work_on_a_mapping_aligned_below_2_mib_is_a_memory_access_fault():
+    d = started("rx9070xt-linux")
+    assert d.granularity(0) == 4096  # what the runtime reports
+    va = d.address_reserve(2 * MiB, 2 * MiB)
+    d.map(va, 2 * MiB, d.create(2 * MiB, 0))
+    d.set_access(va, 2 * MiB, 0)
+    d.memcpy_htod(va, SOURCE, 4096)  # 2 MiB-aligned, 2 MiB: fine
+    small = d.address_reserve(64 * 1024, 0)
+    h = d.create(4096, 0)
+    d.map(small + 4096, 4096, h)
+    d.set_access(small + 4096, 4096, 0)
+    with pytest.raises(DriverError) as info:
+        d.memcpy_htod(small + 4096, SOURCE, 4096)
+    assert code_name(info.value) == "hipErrorIllegalAddress" and d.sim.illegal_addresses == 1
+
+
+def test_strix_point_has_no_vmm():
+    d = started("gfx1150-apu")
+    assert not d.vmm_supported(0) and d.integrated(0) and d.total_mem(0) == 2 * GiB
+    with pytest.raises(DriverError) as info:
+        d.create(PAGE, 0)
+    assert code_name(info.value) == "hipErrorNotSupported"
+
+
 # --------------------------------------------------------------------------- h200
 
 

@@ -48,6 +48,9 @@ BACKENDS: dict[str, tuple[dict[str, str], str]] = {
     "cuda_wddm/wddm-6gb": ({"MEMBACKEND_SIM_PROFILE": "wddm-6gb"}, "cuda_wddm"),
     "unified_gb10/gb10-128gb": ({"MEMBACKEND_SIM_PROFILE": "gb10-128gb"}, "unified_gb10"),
     "rocm_windows/rocm-win-2gpu": ({"MEMBACKEND_SIM_PROFILE": "rocm-win-2gpu"}, "rocm_windows"),
+    # AMD on Linux (ROCm 7.2: memory returns only when a range is freed), an APU's one pool and RDNA4's 2 MiB
+    **{f"rocm_linux/{p}": ({"MEMBACKEND_SIM_PROFILE": p}, "rocm_linux")
+       for p in ("strix-halo-128gb", "rx7900xtx-linux", "rx9070xt-linux")},
 }
 
 MODELS_CHILD = r"""if True:
