@@ -134,7 +134,7 @@ class _Slot:
     says how much went) and as missing for faults (they are backed again).
     """
 
-    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark")
+    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark", "kept")
 
     def __init__(self, model: "Model", device: Device):
         self.model = weakref.proxy(model)  # a stock finalizer holds slots; they must not keep the model alive
@@ -144,6 +144,9 @@ class _Slot:
         self.maybe = 0
         self.pins = array("H")
         self.watermark: int | None = None  # faults reaching above fail fast; None: no limit
+        # bytes of pages freed whose memory stays with the reservation, for its own next faults (where memory
+        # returns only when the range is freed: ``memory_returns_on_unmap`` false); 0 elsewhere
+        self.kept = 0
 
     def bind(self, r: Reservation) -> None:
         self.reservation = r
@@ -151,6 +154,7 @@ class _Slot:
         self.maybe = 0
         self.pins = array("H", bytes(2 * r.pages))
         self.watermark = None
+        self.kept = 0
 
     def clear_pins(self) -> None:
         self.pins = array("H", bytes(2 * len(self.pins)))
@@ -221,6 +225,7 @@ class _Slot:
     def released(self) -> None:
         self.resident = bytearray(len(self.resident))
         self.maybe = 0
+        self.kept = 0
 
 
 @dataclass(eq=False)
@@ -562,10 +567,11 @@ class ResidencyManager:
             return Fault(False, (), first, 0)
         ps = r.page_size
         missing = slot.missing(first, last)
-        if missing:
+        need = max(0, missing - slot.kept)  # what the reservation's own kept memory does not cover
+        if need:
             usable = self.session.budget_query(slot.device).usable
-            if missing > usable and self._evict(slot.device, missing - usable, (slot, first, last),
-                                                "headroom") < missing - usable:
+            if need > usable and self._evict(slot.device, need - usable, (slot, first, last),
+                                             "headroom") < need - usable:
                 # past the budget a WDDM driver would spill to shared memory and a unified pool
                 # would squeeze the host: out of memory is the caller's answer instead
                 self._trace("fault", model, device=str(slot.device), offset=offset, bytes=size, mapped=0,
@@ -579,6 +585,7 @@ class ResidencyManager:
                 return f
             f = self._session_fault(slot, r, offset, size, first, last)
         slot.faulted(first, last, f.mapped)
+        slot.kept = max(0, slot.kept - f.mapped)
         if f.mapped and model.id in self._loads:
             self._loads[model.id]["loaded"] += f.mapped
         pins = slot.pins
@@ -675,13 +682,17 @@ class ResidencyManager:
                      protect: tuple[_Slot, int, int] | None = None) -> int:
         """Free ``slot``'s model for another: where only a release returns memory (:meth:`_frees_by_release`)
         and nothing of it is pinned or viewed, by releasing its reservation (the model reserves again on its
-        next fault); otherwise up to ``amount`` bytes of its unpinned pages."""
-        if self._frees_by_release() and not any(slot.pins) and not self._viewed(slot):
-            try:
-                return self._unload_slot(slot, True)
-            except TensorAlive:  # a tensor appeared meanwhile: nothing changed, evict page by page
-                pass
-        return self._shed(slot, amount, protect)
+        next fault), and not at all while a page of it is pinned or viewed; elsewhere up to ``amount`` bytes of
+        its unpinned pages."""
+        if not self._frees_by_release():
+            return self._shed(slot, amount, protect)
+        if any(slot.pins) or self._viewed(slot):
+            return 0  # its pages would stay the driver's: nothing for anyone else
+        kept = slot.kept  # freed pages whose memory the range still holds: the release returns it too
+        try:
+            return self._unload_slot(slot, True) + kept
+        except TensorAlive:  # a tensor appeared meanwhile: nothing changed, nothing freed
+            return 0
 
     def _shed(self, slot: _Slot, amount: float, protect: tuple[_Slot, int, int] | None) -> int:
         """Free unpinned resident (or UNKNOWN) pages of ``slot`` from the top down, up to ``amount``
@@ -735,6 +746,8 @@ class ResidencyManager:
             slot.free_failed(start, end, exc)
             raise
         slot.freed(start, end, dropped)
+        if self._frees_by_release():
+            slot.kept += dropped  # the range keeps their memory for its own next faults
         return dropped
 
     def _fence_before_free(self, slot: _Slot) -> None:

@@ -27,7 +27,9 @@ def test_bench_residency_compares_both_policies(capsys):
     assert bench.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     for target, pair in data.items():
-        assert pair["membackend"]["alive_after_unload"] == 0 and pair["stock"]["alive_after_unload"] == 3
+        assert pair["membackend"]["alive_after_unload"] == 0
+        # stock keeps every model's reservation (3), unless its loads failed (ROCm 7.2: out of memory)
+        assert pair["stock"]["alive_after_unload"] == 3 or pair["stock"]["out_of_memory"], target
         # fewer copies, or stock could not even load (ROCm 7.2: the pages stock frees stay the driver's)
         assert pair["membackend"]["out_of_memory"] == 0, target
         assert pair["membackend"]["copied"] < pair["stock"]["copied"] or pair["stock"]["out_of_memory"], target

@@ -37,20 +37,21 @@ def test_the_sysfs_root_follows_the_variable(tmp_path, monkeypatch):
     assert read_amdgpu_memory(0, 1, 0).total == 3 * GiB
 
 
-@pytest.mark.parametrize("hip_free,hip_total,sysfs_left,available,bound", [
-    (120 * GiB, 62 * GiB, 90 * GiB, 110 * GiB, "hipMemGetInfo"),  # free above total: the total less use
-    (50 * GiB, 62 * GiB, 40 * GiB, 110 * GiB, "sysfs"),
-    (50 * GiB, 62 * GiB, 40 * GiB, 20 * GiB, "MemAvailable"),
-    (512 * MiB, 512 * MiB, 90 * GiB, 110 * GiB, "hipMemGetInfo"),  # a HIP that answers the carve-out alone
+@pytest.mark.parametrize("hip_free,hip_total,sysfs_left,available,bound,free", [
+    # free above its total: the total less what sysfs says is in use (96 - 90 = 6 GiB used)
+    (120 * GiB, 62 * GiB, 90 * GiB, 110 * GiB, "hipMemGetInfo", 56 * GiB),
+    (50 * GiB, 62 * GiB, 40 * GiB, 110 * GiB, "sysfs", 40 * GiB + 512 * MiB),  # the carve-out counts
+    (50 * GiB, 62 * GiB, 40 * GiB, 20 * GiB, "MemAvailable", 16 * GiB),  # 20 GiB less the 4 GiB reserve
+    # a HIP that answers the carve-out alone (512 MiB of it) describes the carve-out: left out
+    (512 * MiB, 512 * MiB, 90 * GiB, 110 * GiB, "sysfs", 90 * GiB + 512 * MiB),
 ])
-def test_the_smallest_figure_binds(hip_free, hip_total, sysfs_left, available, bound):
-    sysfs = AmdgpuMemory(0, 0, 96 * GiB, 96 * GiB - sysfs_left, path="/sys/x")
+def test_the_smallest_figure_binds(hip_free, hip_total, sysfs_left, available, bound, free):
+    sysfs = AmdgpuMemory(512 * MiB, 0, 96 * GiB, 96 * GiB - sysfs_left, path="/sys/x")
     pool = apu_pool(hip_free, hip_total, "hipMemGetInfo", sysfs, 128 * GiB, available)
-    assert pool.bound == bound
-    hip = hip_total - (96 * GiB - sysfs_left) if hip_free > hip_total else hip_free
-    assert pool.free == min(hip, sysfs_left, available - 4 * GiB)
+    assert (pool.bound, pool.free) == (bound, free)
     assert pool.free <= pool.total
     assert [f.name for f in pool.figures] == ["hipMemGetInfo", "sysfs", "MemAvailable"]
+    assert ("is the carve-out alone, not the pool: not counted" in pool.label) == (hip_total == 512 * MiB)
 
 
 def test_without_sysfs_two_figures_and_the_line_says_so():

@@ -246,6 +246,7 @@ class VmmBackend:
         self._driver = driver
         self._driver_factory = driver_factory
         self._devices: dict[int, _DeviceState] = {}
+        self._self_test_failed: dict[int, DriverError] = {}  # per device whose VMM self-test failed
         self._generation = itertools.count(1)
         self._initialised = False
         self._lock = threading.RLock()
@@ -330,7 +331,14 @@ class VmmBackend:
             g = max(d.granularity(index), self.capabilities.map_granularity or 1)  # RDNA4: 4 KiB told, 2 MiB
             page = max(g, -(-self.requested_page_size // g) * g)
             if self.capabilities.vmm_self_test:
-                self._self_test(index, page)
+                failed = self._self_test_failed.get(index)
+                if failed is not None:  # tested once per device: the answer stands
+                    raise failed
+                try:
+                    self._self_test(index, page)
+                except DriverError as exc:
+                    self._self_test_failed[index] = exc
+                    raise
             state = self._devices[index] = _DeviceState(g, page, self._syncs_page_ins(index), self._integrated(index),
                                                         keep=self.capabilities.reserve_churn_keep)
         else:
@@ -690,7 +698,10 @@ class VmmBackend:
                 d.unmap(r.base + p * r.page_size, r.page_size)
             except DriverError:
                 return self._keep(state, r, mapped[i:])
-            self._release_or_keep(state, h)
+            if self.capabilities.memory_returns_on_unmap:
+                self._release_or_keep(state, h)
+            else:  # a release would return nothing while the range lives: its next fault maps it again
+                r.handle.spare.append(h)
         return 0
 
     def _keep(self, state: _DeviceState, r: Reservation, pages: list[tuple[int, Any]]) -> int:

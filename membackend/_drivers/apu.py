@@ -10,7 +10,9 @@ membackend issue 27):
 * ``hipMemGetInfo`` reported free 120.00 GiB above its own total of
   62.47 GiB on one HIP version, and a total of the carve-out alone on
   another: its free is never taken above its total (a free above it is no
-  free at all: the total less what sysfs says is in use is taken instead);
+  free at all: the total less what sysfs says is in use is taken instead),
+  and a figure whose total is the carve-out alone describes the carve-out,
+  not the pool: it is shown and left out;
 * sysfs says what the carve-out and the GTT leave
   (``mem_info_{vram,gtt}_{total,used}``, Linux amdgpu documentation), but
   knows nothing of the host's own use of the same memory;
@@ -135,6 +137,13 @@ def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | Non
         how = (f"{call} free, reported {_gib(hip_free)} above its own total {_gib(hip_total)}: taken as the "
                f"total less {_gib(in_use)} in use")
     figures = [ApuFigure(call, hip_total, trusted, how)]
+    if sysfs is not None and sysfs.gtt_total and hip_total <= sysfs.vram_total:
+        # a HIP that answers the carve-out alone describes the carve-out, not the pool: shown, left out
+        figures = [ApuFigure(call, hip_total, trusted, f"{call} total {_gib(hip_total)} is the carve-out alone, "
+                                                       "not the pool: not counted")]
+        skipped = 1
+    else:
+        skipped = 0
     if sysfs is not None:
         figures.append(ApuFigure("sysfs", sysfs.total, sysfs.left,
                                  f"carve-out {_gib(sysfs.vram_total)} + GTT {_gib(sysfs.gtt_total)} less "
@@ -142,7 +151,8 @@ def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | Non
     reserve = system_reserve(ram_total)
     figures.append(ApuFigure("MemAvailable", max(0, ram_total - reserve), max(0, ram_available - reserve),
                              f"{_gib(ram_available)} less {_gib(reserve)} kept for the system"))
-    bound = min(figures, key=lambda f: f.free)
-    total = min(f.total for f in figures)
+    counted = figures[skipped:]
+    bound = min(counted, key=lambda f: f.free)
+    total = min(f.total for f in counted)
     note = "" if sysfs is not None else "sysfs amdgpu memory files not readable"
     return ApuPool(total=total, free=min(bound.free, total), bound=bound.name, figures=tuple(figures), note=note)

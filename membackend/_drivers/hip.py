@@ -122,11 +122,15 @@ class HipDriver(GpuDriver):
 
     def pci_location(self, index: int) -> tuple[int, int, int] | None:
         """(domain, bus, device) from ``hipDeviceGetAttribute`` (PciDomainId, PciBusId, PciDeviceId): where the
-        amdgpu driver's sysfs files of the device are; None when the runtime does not answer them."""
+        amdgpu driver's sysfs files of the device are; None when the runtime does not answer them. (Older HIP
+        headers spell the first ``PciDomainID``: either is asked for.)"""
         try:
-            return (self.attribute(index, "PciDomainId"), self.attribute(index, "PciBusId"),
-                    self.attribute(index, "PciDeviceId"))
-        except DriverError:
+            try:
+                domain = self.attribute(index, "PciDomainId")
+            except AttributeError:
+                domain = self.attribute(index, "PciDomainID")
+            return domain, self.attribute(index, "PciBusId"), self.attribute(index, "PciDeviceId")
+        except (DriverError, AttributeError):
             return None
 
     def luid(self, index: int) -> tuple[int, int]:

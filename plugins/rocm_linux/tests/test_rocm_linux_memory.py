@@ -142,3 +142,49 @@ def test_a_failed_self_test_refuses_the_device_and_undoes_what_it_made(step):
     with pytest.raises(DriverError, match="start-up self-test of virtual memory management on hip:0 failed"):
         backend.membackend_budget_query(Device("hip", 0))
     assert driver.sim.devices[0].used == 0 and not driver.sim.reservations and not driver.sim.mappings
+
+
+def test_a_failed_fault_keeps_what_it_rolled_back_with_its_range():
+    s = session("rx7900xtx-linux")
+    r = s.reserve(DEV, 30 * GiB)
+    assert not s.fault(r, 0, 30 * GiB).ok  # past the card: rolled back
+    creates = _creates(s)
+    assert s.fault(r, 0, 20 * GiB).ok  # the rolled-back handles, mapped again: nothing held for nothing
+    assert _creates(s) == creates and used(s) <= 24 * GiB
+    s.release_reservation(r)
+    assert used(s) == 0
+    s.close()
+
+
+def test_memory_asked_for_others_is_never_counted_freed_while_the_model_holds_it():
+    s = session("rx7900xtx-linux")
+    rm = ResidencyManager(s)
+    a = rm.register("a", 20 * GiB, [DEV])
+    rm.use([a])
+    assert rm.fault(a, 0, 20 * GiB).ok
+    rm.unpin(a, GiB, 19 * GiB)  # its first GiB stays pinned: a layer in use
+    assert rm.free_memory(8 * GiB, DEV) == 0  # freeing its pages would give nothing back on ROCm 7.2
+    assert used(s) == 20 * GiB and a.reservation(DEV) is not None
+    rm.unpin(a, 0, GiB)
+    assert rm.free_memory(8 * GiB, DEV) == 20 * GiB  # unpinned: its range released, every byte back
+    assert used(s) == 0
+    s.close()
+
+
+def test_a_model_faults_its_own_freed_pages_back_without_evicting_another():
+    s = session("rx7900xtx-linux")
+    rm = ResidencyManager(s)
+    a, c = rm.register("a", 20 * GiB, [DEV]), rm.register("c", 2 * GiB, [DEV])
+    for m in (c, a):
+        rm.use([m])
+        assert rm.fault(m, 0, m.size).ok
+        rm.unpin(m, 0, m.size)
+    assert rm.shed(a, 8 * GiB) == 8 * GiB  # a partial unload: the range keeps the memory
+    creates = _creates(s)
+    rm.use([a])
+    assert rm.fault(a, 12 * GiB, 8 * GiB).ok
+    assert _creates(s) == creates  # its own kept handles
+    assert c.reservation(DEV) is not None and c.slots[Device.parse(DEV)].resident_bytes() == 2 * GiB
+    rm.unload_all()
+    assert used(s) == 0
+    s.close()

@@ -249,7 +249,7 @@ def probe(machine: Machine, settings: PlatformValues | None = None) -> Candidate
     """
     if machine.os != "windows":
         return Candidate(NAME, Score.NONE, f"not Windows (this machine runs {machine.os}); "
-                                           "ROCm elsewhere is served by the generic vmm backend")
+                                           "ROCm on Linux is served by rocm_linux (or the generic vmm backend)")
     unfit = amd_unfit(machine, NAME, "the driver and HIP_VISIBLE_DEVICES")
     if unfit is not None:
         return unfit
