@@ -585,7 +585,8 @@ class ResidencyManager:
                 return f
             f = self._session_fault(slot, r, offset, size, first, last)
         slot.faulted(first, last, f.mapped)
-        slot.kept = max(0, slot.kept - f.mapped)
+        if slot.kept and f.mapped:  # ROCm 7.2: the range's kept memory, mapped again
+            slot.kept = max(0, slot.kept - f.mapped)
         if f.mapped and model.id in self._loads:
             self._loads[model.id]["loaded"] += f.mapped
         pins = slot.pins
