@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from membackend._drivers.sim.profiles import get_profile
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
 
 
@@ -27,12 +29,12 @@ def test_bench_residency_compares_both_policies(capsys):
     assert bench.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     for target, pair in data.items():
-        assert pair["membackend"]["alive_after_unload"] == 0
-        # stock keeps every model's reservation (3), unless its loads failed (ROCm 7.2: out of memory)
-        assert pair["stock"]["alive_after_unload"] == 3 or pair["stock"]["out_of_memory"], target
-        # fewer copies, or stock could not even load (ROCm 7.2: the pages stock frees stay the driver's)
-        assert pair["membackend"]["out_of_memory"] == 0, target
-        assert pair["membackend"]["copied"] < pair["stock"]["copied"] or pair["stock"]["out_of_memory"], target
+        assert pair["membackend"]["alive_after_unload"] == 0 and pair["membackend"]["out_of_memory"] == 0, target
+        # stock keeps every model's reservation after unload_all; on a ROCm 7.2 machine the mechanism both
+        # policies share frees memory for another model by releasing its reservation, so fewer stay
+        rocm72 = target != "host" and get_profile(target).memory_held_until_address_free
+        assert (pair["stock"]["alive_after_unload"] > 0) if rocm72 else (pair["stock"]["alive_after_unload"] == 3)
+        assert pair["membackend"]["copied"] < pair["stock"]["copied"], target
 
 
 def test_bench_trace_stream_replays_both_lengths_side_by_side(capsys):
