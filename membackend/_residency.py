@@ -530,7 +530,7 @@ class ResidencyManager:
                 break
             if slot.model.id in self._running or slot is protect:
                 continue
-            dropped = self._evict_whole(slot)
+            dropped = self._free_for_others(slot)
             if dropped:
                 freed += dropped
                 slot.watermark = 0
@@ -567,8 +567,8 @@ class ResidencyManager:
             return Fault(False, (), first, 0)
         ps = r.page_size
         missing = slot.missing(first, last)
-        need = max(0, missing - slot.kept)  # what the reservation's own kept memory does not cover
-        if need:
+        need = missing - slot.kept if missing and slot.kept else missing  # its own kept memory covers the rest
+        if need > 0:
             usable = self.session.budget_query(slot.device).usable
             if need > usable and self._evict(slot.device, need - usable, (slot, first, last),
                                              "headroom") < need - usable:
@@ -662,10 +662,10 @@ class ResidencyManager:
         for slot in self._by_priority(device):
             if freed >= amount:
                 break
-            if self._frees_by_release() and slot is not protect[0]:  # its pages would stay the driver's
-                dropped = self._evict_whole(slot, amount - freed, protect)
-            else:
+            if slot is protect[0]:  # its own pages: freed for it, whatever the platform
                 dropped = self._shed(slot, amount - freed, protect)
+            else:
+                dropped = self._free_for_others(slot, amount - freed, protect)
             if dropped:
                 freed += dropped
                 self._trace("evict", slot.model, device=str(device), bytes=dropped, reason=reason,
@@ -679,8 +679,8 @@ class ResidencyManager:
         false: ROCm 7.2); freeing pages then helps only their own reservation, which maps them again."""
         return not self.session.capabilities.memory_returns_on_unmap
 
-    def _evict_whole(self, slot: _Slot, amount: float = math.inf,
-                     protect: tuple[_Slot, int, int] | None = None) -> int:
+    def _free_for_others(self, slot: _Slot, amount: float = math.inf,
+                         protect: tuple[_Slot, int, int] | None = None) -> int:
         """Free ``slot``'s model for another: where only a release returns memory (:meth:`_frees_by_release`)
         and nothing of it is pinned or viewed, by releasing its reservation (the model reserves again on its
         next fault), and not at all while a page of it is pinned or viewed; elsewhere up to ``amount`` bytes of
@@ -768,8 +768,7 @@ class ResidencyManager:
         for slot in self._by_priority(device):
             if freed >= amount:
                 break
-            dropped = (self._evict_whole(slot, amount - freed) if self._frees_by_release()
-                       else self._shed(slot, amount - freed, None))
+            dropped = self._free_for_others(slot, amount - freed)
             freed += dropped
             self._note_loss(slot.model, dropped, reason)
         if freed < amount:

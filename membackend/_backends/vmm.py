@@ -367,15 +367,19 @@ class VmmBackend:
             raise DriverError(exc.code, exc.call, f"the start-up self-test of virtual memory management on "
                                                   f"{self.device_kinds[0]}:{index} failed, so {self.name} does "
                                                   "not serve the device") from exc
-        finally:
-            for undo, args in ((d.unmap, (base, page)) if mapped else (None, ()),
-                               (d.release, (handle,)) if handle is not None else (None, ()),
-                               (d.address_free, (base, page)) if base is not None else (None, ())):
-                if undo is not None:
-                    try:
-                        undo(*args)
-                    except DriverError:
-                        log.warning("membackend: %s: undoing the self-test's %s failed", self.name, undo.__name__)
+        finally:  # what a failed step left: undone, newest first
+            if mapped:
+                self._undo_quietly(d.unmap, base, page)
+            if handle is not None:
+                self._undo_quietly(d.release, handle)
+            if base is not None:
+                self._undo_quietly(d.address_free, base, page)
+
+    def _undo_quietly(self, call: Callable[..., None], *args: Any) -> None:
+        try:
+            call(*args)
+        except DriverError:
+            log.warning("membackend: %s: undoing the self-test's %s failed", self.name, call.__name__)
 
     def _integrated(self, index: int) -> bool:
         """Whether device ``index`` shares one pool with the host; a driver that cannot say: not known to."""

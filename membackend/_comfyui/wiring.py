@@ -230,11 +230,12 @@ def wire(rt: Runtime) -> None:
     else:
         p.skipped.append("comfy.model_management.get_total_memory")
     if ours(None):
-        p.replace(mm, "total_vram", budget(None).total / (1024 * 1024), required=False)
+        own = budget(None)
+        p.replace(mm, "total_vram", own.total / (1024 * 1024), required=False)
         # one pool (GB10, an AMD APU): a pinned host copy of a weight is the weight twice in the same memory,
         # so ComfyUI pins nothing there (its pin_memory and pinned_hostbuf_size read MAX_PINNED_MEMORY)
         gpu = rt.device_for(None).kind != "cpu"  # the host backend's pages are host memory already
-        if gpu and budget(None).unified and (getattr(mm, "MAX_PINNED_MEMORY", 0) or 0) > 0:
+        if gpu and own.unified and (getattr(mm, "MAX_PINNED_MEMORY", 0) or 0) > 0:
             p.replace(mm, "MAX_PINNED_MEMORY", 0, required=False)
             say("one memory pool with the host: ComfyUI's pinned host copies of weights are off")
 

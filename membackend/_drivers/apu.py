@@ -136,14 +136,11 @@ def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | Non
         trusted = max(0, hip_total - in_use)
         how = (f"{call} free, reported {_gib(hip_free)} above its own total {_gib(hip_total)}: taken as the "
                f"total less {_gib(in_use)} in use")
+    # a HIP that answers the carve-out alone describes the carve-out, not the pool: shown, not counted
+    carve_only = sysfs is not None and sysfs.gtt_total > 0 and hip_total <= sysfs.vram_total
+    if carve_only:
+        how = f"{call} total {_gib(hip_total)} is the carve-out alone, not the pool: not counted"
     figures = [ApuFigure(call, hip_total, trusted, how)]
-    if sysfs is not None and sysfs.gtt_total and hip_total <= sysfs.vram_total:
-        # a HIP that answers the carve-out alone describes the carve-out, not the pool: shown, left out
-        figures = [ApuFigure(call, hip_total, trusted, f"{call} total {_gib(hip_total)} is the carve-out alone, "
-                                                       "not the pool: not counted")]
-        skipped = 1
-    else:
-        skipped = 0
     if sysfs is not None:
         figures.append(ApuFigure("sysfs", sysfs.total, sysfs.left,
                                  f"carve-out {_gib(sysfs.vram_total)} + GTT {_gib(sysfs.gtt_total)} less "
@@ -151,7 +148,7 @@ def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | Non
     reserve = system_reserve(ram_total)
     figures.append(ApuFigure("MemAvailable", max(0, ram_total - reserve), max(0, ram_available - reserve),
                              f"{_gib(ram_available)} less {_gib(reserve)} kept for the system"))
-    counted = figures[skipped:]
+    counted = figures[1:] if carve_only else figures
     bound = min(counted, key=lambda f: f.free)
     total = min(f.total for f in counted)
     note = "" if sysfs is not None else "sysfs amdgpu memory files not readable"
