@@ -51,6 +51,7 @@ from .types import (
     PartialFailure,
     PluginError,
     Reservation,
+    ReservationReleased,
     TensorAlive,
     WrongDevice,
 )
@@ -836,16 +837,28 @@ class Session:
         it holds of the driver (``membackend_close``); returns how many reservations were released.
 
         Carries on past failures; if any, raises one ``PartialFailure`` naming
-        each (what could be released and trimmed was).
+        each (what could be released and trimmed was). A recorded copy that
+        failed and was never fenced is reported here (a ``fence(...)`` failure)
+        and its reservation is still released: the failed copy counts as
+        finished, so nothing keeps the range (G1).
         """
         failures: list[tuple[str, BaseException]] = []
         released = 0
         for r in list(self._live):
             if r.released or r not in self._live:
                 continue  # released by another thread meanwhile
+            if self._may_have_work(r):  # a copy that failed unreported is reported here, not a reason to keep r
+                try:
+                    self.fence(None, r)
+                except ReservationReleased:
+                    continue
+                except MembackendError as exc:
+                    failures.append((f"fence(#{r.id} on {r.device})", exc))
             try:
                 self.release_reservation(r)
                 released += 1
+            except ReservationReleased:
+                continue  # released by another thread between the check and the release
             except MembackendError as exc:
                 failures.append((f"release_reservation(#{r.id} on {r.device})", exc))
         try:

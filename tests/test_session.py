@@ -420,6 +420,21 @@ def test_close_carries_on_past_failures_then_trims_and_names_each():
     assert s.close() == 2 and s.ledger.account(Device("cpu")).reserved == 0
 
 
+def test_close_reports_a_failed_copy_never_fenced_and_still_releases_its_reservation():
+    """A copy that failed after the last fence is reported by close, and does not keep the range alive (G1)."""
+    s = Session(HostBackend(), machine=gather_machine())
+    failed, fine = s.reserve("cpu", 2 * MiB), s.reserve("cpu", 2 * MiB)
+    broken: Future = Future()
+    broken.set_exception(OSError("copy failed"))
+    s.record(failed, broken)
+    with pytest.raises(PartialFailure, match=rf"(?s)close: 1 failure.*fence\(#{failed.id} on cpu:0\).*copy failed"):
+        s.close()
+    assert failed.released and fine.released and s.reservations() == []
+    account = s.ledger.account(Device("cpu"))
+    assert (account.reserved, account.reservations_alive, account.pending_fences) == (0, 0, 0)
+    assert s.close() == 0  # reported once
+
+
 def test_the_tracer_is_exposed_and_wraps_the_verbs(tmp_path):
     tracer = TraceObserver(tmp_path / "t.jsonl")
     s = Session(HostBackend(), machine=gather_machine(), tracer=tracer)
