@@ -64,6 +64,39 @@ def _ledger_matches_driver(rt):
     assert sum(v["resident"] for v in stats.values()) == acct.resident, (stats, acct)
 
 
+def _failing_start(monkeypatch, where):
+    """A runtime on the simulated H200 whose start fails at ``where`` (a method of the runtime)."""
+    settings = load_settings(sim_profile="h200", headroom=0)
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"{where} failed")
+    monkeypatch.setattr(runtime, where, fail)
+    return runtime
+
+
+@pytest.mark.parametrize("where", ["_apply_headroom", "_wire"])
+def test_the_status_of_a_start_that_failed_part_way_says_why_and_never_raises(monkeypatch, where):
+    runtime = _failing_start(monkeypatch, where)
+    assert runtime.init_devices([(0, 0)]) is False  # ComfyUI runs stock
+    out = runtime.status()
+    assert out["state"] == "switched-off" and f"{where} failed" in out["reason"], out
+    assert "budgets" not in out and "models" not in out  # the session of a failed start is closed: no figures
+    runtime.stop()
+
+
+def test_the_status_while_start_is_under_way_answers_without_figures(monkeypatch):
+    runtime = _failing_start(monkeypatch, "_apply_headroom")
+    with pytest.raises(RuntimeError):  # start itself, as init_devices calls it: the session is open, no policy yet
+        runtime.start([(0, 0)])
+    out = runtime.status()
+    assert out["state"] == "armed" and "budgets" not in out, out
+    runtime._close_quietly()
+    runtime.stop()
+
+
 # ---------------------------------------------------------------------------------------------- the route
 
 

@@ -757,8 +757,8 @@ class Runtime:
                                "loaded_bytes": loaded_bytes, "keep_warm": self.keep.enabled,
                                "delegates": self.delegates_held(),
                                "delegates_alive": len(list(self.delegate_modules))}
-        if self.session is None:
-            return out
+        if self.session is None or self.residency is None or self.started is False:
+            return out  # not started, part-way through start, or a start that failed (its session closed)
         self.sample()
         budgets, held, headroom, windows = {}, {}, {}, {}
         for d in self.devices:
