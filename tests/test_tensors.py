@@ -195,12 +195,16 @@ def test_a_tensor_in_a_reference_cycle_holds_until_collected(session):
     import gc
 
     r = session.reserve("cpu", PS)
-    t, _ = reservation_tensor(session, r, 0, PS)
-    cycle = [t]
-    cycle.append(cycle)
-    del t, cycle
-    with pytest.raises(TensorAlive, match="gc.collect"):
-        session.free(r)
+    gc.disable()  # an automatic collection between the del and the free would end the view: the test is the cycle's
+    try:
+        t, _ = reservation_tensor(session, r, 0, PS)
+        cycle = [t]
+        cycle.append(cycle)
+        del t, cycle
+        with pytest.raises(TensorAlive, match="gc.collect"):
+            session.free(r)
+    finally:
+        gc.enable()
     gc.collect()
     session.free(r)
 
