@@ -132,11 +132,14 @@ SCORE_LISTED = 60  # Windows, AMD devices listed by discovery (hip-python or the
 def _parse_svm(raw: str) -> int | None:
     """``OCL_SET_SVM_SIZE`` in bytes, or None (logged) when the runtime could not use it either."""
     text = raw.strip()
-    if not re.fullmatch(r"[0-9]+", text) or not 0 < int(text) <= SVM_MAX:
+    # converted only when short: Python refuses int() of over 4300 digits (ValueError), leading zeros included
+    digits = text.lstrip("0") if re.fullmatch(r"[0-9]+", text) else None
+    mib = int(digits or "0") if digits is not None and len(digits) <= len(str(SVM_MAX)) else 0
+    if not 0 < mib <= SVM_MAX:
         log.warning("membackend rocm_windows: %s=%r is not a whole number of MiB from 1 to %d; "
                     "assuming the ROCm default quota of %d GiB", SVM_ENV, raw, SVM_MAX, ROCM_DEFAULT_QUOTA // GiB)
         return None
-    return int(text) * SVM_UNIT
+    return mib * SVM_UNIT
 
 
 def _quota(raw: Any) -> int:

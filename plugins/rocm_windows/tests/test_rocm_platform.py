@@ -69,7 +69,8 @@ def test_default_quota_is_the_rocm_default_with_a_margin_below_the_crash_point()
     assert caps.address_quota < 256 * GiB
 
 
-@pytest.mark.parametrize("value, quota", [("4194304", 4 * TiB), ("262144", 256 * GiB), (" 65536 ", 64 * GiB)])
+@pytest.mark.parametrize("value, quota", [("4194304", 4 * TiB), ("262144", 256 * GiB), (" 65536 ", 64 * GiB),
+                                          ("0" * 5000 + "1024", GiB)])
 def test_ocl_set_svm_size_counts_mib(monkeypatch, value, quota):
     """ComfyUI sets 4194304 for "4TB" (PR #16199) and earlier 262144 for 256 GB: the unit is MiB."""
     assert rw.address_quota(None, {"OCL_SET_SVM_SIZE": value})[0] == quota
@@ -77,7 +78,8 @@ def test_ocl_set_svm_size_counts_mib(monkeypatch, value, quota):
     assert rw.PLATFORM.capabilities_for(values()).address_quota == quota - quota // 16
 
 
-@pytest.mark.parametrize("value", ["4TB", "-1", "0", "", "1.5", "0x400000", str(2**32), "lots"])
+@pytest.mark.parametrize("value", ["4TB", "-1", "0", "", "1.5", "0x400000", str(2**32), "lots", "9" * 5000,
+                                   "0" * 5000, "٣"])
 def test_an_ocl_set_svm_size_the_runtime_cannot_use_is_logged_and_the_default_kept(value, caplog):
     with caplog.at_level(logging.WARNING, logger="membackend_rocm_windows"):
         assert rw.address_quota(None, {"OCL_SET_SVM_SIZE": value}) == (256 * GiB, "the ROCm default")
