@@ -206,14 +206,14 @@ class _DeviceState:
             return self.keep
         return max(KEPT_WINDOWS_PER_DEVICE, self.large_peak)
 
-    def over_bound(self, more_alive: int = 0) -> int:
-        """Large windows (alive and kept) past the bound, with ``more_alive`` more reservations alive: the
-        frees it takes to bring the device back within its bound once every reservation is released. Under
-        the platform's strict bound every large window counts; under the peak rule the ones alive never do
-        (the bound grows to them)."""
+    def over_bound(self, more_alive: int = 0, fewer_kept: int = 0) -> int:
+        """Large windows (alive and kept) past the bound, with ``more_alive`` more reservations alive and
+        ``fewer_kept`` fewer windows kept: the frees it takes to bring the device back within its bound once
+        every reservation is released. Under the platform's strict bound every large window counts; under
+        the peak rule the ones alive never do (the bound grows to them)."""
         alive = self.large_alive + more_alive
         ceiling = self.keep if self.keep is not None else max(KEPT_WINDOWS_PER_DEVICE, self.large_peak, alive)
-        return max(0, alive + len(self.windows) - ceiling)
+        return max(0, alive + len(self.windows) - fewer_kept - ceiling)
 
 
 class VmmBackend:
@@ -895,13 +895,12 @@ class VmmBackend:
                 self.driver.release(state.spare[-1])
                 state.spare.pop()
                 released += state.page_size
-            for window in sorted(state.windows, key=lambda w: w[1]):
-                if not self._may_free_kept(state, window[1]):
-                    self._report_kept(device, state)
-                    break
+            for window in self._trim_plan(state):
                 self._free_window(*window)
                 state.windows.remove(window)
                 released += window[1]
+            if state.windows:  # what the churn allowance does not permit freeing stays, and is said
+                self._report_kept(device, state)
         return released
 
     def _report_kept(self, device: Device, state: _DeviceState) -> None:
@@ -921,17 +920,21 @@ class VmmBackend:
     def _large_frees_left(self) -> int:
         return max(0, self._large_frees_allowed() - self._large_frees)
 
-    def _may_free_kept(self, state: _DeviceState, size: int) -> bool:
-        """A kept window may be freed (the churn allowance permits it) when it is small, or when a large free is
-        left and, after it, the frees left still cover the large windows past their bounds on every device (see
-        :meth:`_check_window_bound`)."""
-        if not self._is_large(size):
-            return True
+    def _trim_plan(self, state: _DeviceState) -> list[tuple[int, int]]:
+        """The kept windows of ``state`` (all large: only those are kept) a trim now frees, in the order it
+        frees them: smallest first, each while the churn allowance permits it -- a large free is left and,
+        after it, the frees left still cover the large windows past their bounds on every device (see
+        :meth:`_check_window_bound`). Asks no driver and changes nothing: :meth:`membackend_trim` frees this
+        plan, :meth:`kept_windows` counts it."""
         left = self._large_frees_left()
-        if left < 1:
-            return False
-        over = sum(s.over_bound() for s in self._devices.values())
-        return over - (1 if state.over_bound() else 0) <= left - 1
+        others = sum(s.over_bound() for s in self._devices.values() if s is not state)
+        plan: list[tuple[int, int]] = []
+        for window in sorted(state.windows, key=lambda w: w[1]):
+            if left < 1 or others + state.over_bound(fewer_kept=len(plan) + 1) > left - 1:
+                break
+            left -= 1
+            plan.append(window)
+        return plan
 
     def _free_window(self, base: int, size: int) -> None:
         self.driver.address_free(base, size)
@@ -948,25 +951,9 @@ class VmmBackend:
             state = self._devices.get(index)
             return self._kept(device, state)
 
-    def _would_give_back(self, state: _DeviceState) -> int:
-        """How many of ``state``'s kept windows a trim now would free: :meth:`membackend_trim`'s loop (smallest
-        first, each while :meth:`_may_free_kept`), counted without freeing anything."""
-        left = self._large_frees_left()
-        over = sum(s.over_bound() for s in self._devices.values())
-        here = state.over_bound()
-        n = 0
-        for size in sorted(size for _, size in state.windows):
-            if self._is_large(size):
-                after = over - (1 if here else 0)
-                if left < 1 or after > left - 1:
-                    break
-                left, over, here = left - 1, after, max(0, here - 1)
-            n += 1
-        return n
-
     def _kept(self, device: Device, state: _DeviceState | None) -> KeptWindows:
         windows = state.windows if state is not None else []
-        give_back = self._would_give_back(state) if state is not None else 0
+        give_back = len(self._trim_plan(state)) if state is not None else 0
         keep = self.capabilities.reserve_churn_keep
         if keep is not None:
             rule = f"the platform's bound: {keep} per device"
