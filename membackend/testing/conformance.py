@@ -30,6 +30,7 @@ import ctypes
 import errno
 import gc
 import re
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -662,8 +663,13 @@ def resident_bytes_of(r: Reservation) -> int:
     return sum(r.page_size for ok in resident_pages(r, range(r.pages)) or () if ok)
 
 
-#: faults at once in :func:`test_faults_at_once_stay_within_host_capacity`
+#: faults at once in :func:`test_faults_at_once_stay_within_host_capacity`, and rounds of them: a race between
+#: the capacity check and the count shows in a round only when the threads interleave inside it, so many short
+#: rounds, with the interpreter switching threads often (:data:`AT_ONCE_SWITCH_INTERVAL`), make a missed race
+#: unlikely on a busy machine too (10 rounds at the default interval missed one planted race in three runs)
 AT_ONCE = 4
+AT_ONCE_ROUNDS = 50
+AT_ONCE_SWITCH_INTERVAL = 1e-5  # seconds (CPython's default is 5 ms: sys.getswitchinterval)
 
 
 def test_faults_at_once_stay_within_host_capacity(membackend_target):
@@ -688,25 +694,30 @@ def test_faults_at_once_stay_within_host_capacity(membackend_target):
             note(membackend_target, check, f"pages of {ps} bytes: fewer than 4 fit in {capacity} bytes")
             pytest.skip(f"{membackend_target}: pages too large for the capacity")
         rs = [s.reserve(dev, pages * ps) for _ in range(AT_ONCE)]
-        for round_ in range(10):
-            start = threading.Barrier(AT_ONCE)
-
-            def fault(r: Reservation) -> Fault:
-                start.wait()
-                return s.fault(r, 0, r.size)
-
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, AT_ONCE_SWITCH_INTERVAL))
+        try:
             with ThreadPoolExecutor(AT_ONCE) as pool:
-                results = list(pool.map(fault, rs))
-            held = sum(resident_bytes_of(r) for r in rs) if checker_for(s).watch is not None else \
-                s.ledger.account(dev).resident
-            assert held <= capacity, \
-                f"round {round_}: {AT_ONCE} faults of {pages * ps} bytes at once returned " \
-                f"{[f.ok for f in results]} and left {held} bytes resident past host_capacity={capacity}: the " \
-                "capacity must be claimed atomically with the check"
-            _verify(s, dev, f"round {round_} of faults at once")
-            for r in rs:
-                s.free(r)
-        note(membackend_target, check, None, f"{AT_ONCE} threads, 10 rounds")
+                for round_ in range(AT_ONCE_ROUNDS):
+                    start = threading.Barrier(AT_ONCE)
+
+                    def fault(r: Reservation) -> Fault:
+                        start.wait()
+                        return s.fault(r, 0, r.size)
+
+                    results = list(pool.map(fault, rs))
+                    held = sum(resident_bytes_of(r) for r in rs) if checker_for(s).watch is not None else \
+                        s.ledger.account(dev).resident
+                    assert held <= capacity, \
+                        f"round {round_}: {AT_ONCE} faults of {pages * ps} bytes at once returned " \
+                        f"{[f.ok for f in results]} and left {held} bytes resident past host_capacity={capacity}: " \
+                        "the capacity must be claimed atomically with the check"
+                    _verify(s, dev, f"round {round_} of faults at once")
+                    for r in rs:
+                        s.free(r)
+        finally:
+            sys.setswitchinterval(switch_interval)
+        note(membackend_target, check, None, f"{AT_ONCE} threads, {AT_ONCE_ROUNDS} rounds")
     finally:
         s.close()
     checker_for(s).verify_nothing_left(dev)
