@@ -85,7 +85,7 @@ class _Simulated(GpuDriver):
                                   f"DXGI exists only on Windows; the simulated {sim.profile.name} runs "
                                   f"{sim.profile.os}")
             budget = sim.wddm_budget(index)
-            used = sim.state(index)["physical"]
+            used = sim.state(index)["physical"] + sim.process_bytes(index)  # the process's usage: all of it
             return budget, max(0, budget - used), f"DXGI QueryVideoMemoryInfo budget ({self.label})"
         if source == "unified":  # /proc/meminfo of the one pool
             info = sim.meminfo()
@@ -122,8 +122,8 @@ class _Simulated(GpuDriver):
         p = self.sim.profile
         if p.private_commit_reservations:
             return self.sim.private_commit
-        if p.memory_held_until_address_free:
-            return sum(d.used for d in self.sim.devices)
+        if p.memory_held_until_address_free:  # the VMM handles' memory; the process's own allocations apart
+            return sum(d.used - d.process for d in self.sim.devices)
         return None
 
     def inject_failures(self, probability: float, seed: int) -> SimInjection:

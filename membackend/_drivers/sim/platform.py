@@ -155,7 +155,8 @@ class _Device:
     arch: str
     integrated: bool
     vmm: bool = True
-    used: int = 0  # physical bytes in handles on this device
+    used: int = 0  # physical bytes on this device: VMM handles and the process's own allocations
+    process: int = 0  # of ``used``, the process's own allocations beside the VMM handles (process_alloc)
     primary_refs: int = 0  # cuDevicePrimaryCtxRetain minus cuDevicePrimaryCtxRelease
 
     @property
@@ -252,6 +253,9 @@ class SimPlatform:
         self.use_after_free = 0
         self.illegal_addresses = 0  # copies whose destination was unmapped before they ran: landed nowhere
         self.held_released: dict[int, _Handle] = {}  # ROCm 7.2: released, memory held until its ranges are freed
+        #: the process's own device allocations beside the VMM handles (its context, its runtime allocator's
+        #: blocks): id -> (device, bytes); see process_alloc
+        self.process_allocs: dict[int, tuple[int, int]] = {}
         self._current = threading.local()  # per thread: .device (HIP's, or the CUDA context's) and .ctx
         #: one lock for the whole simulated driver: every API call and sim-only helper holds it, so
         #: threads see each call as one step (real drivers serialise their own tables the same way);
@@ -583,6 +587,22 @@ class SimPlatform:
         if not d.vmm:
             raise SimError("not_supported", f"device {device} does not support virtual memory management")
         self._check_current(device, "the allocation")
+        self._charge(d, size)
+        offset = -1
+        if self.memory.backed:
+            try:
+                offset = self.memory.create(size)
+            except MemoryCallFailed as exc:
+                raise SimError("oom", f"{size} bytes of device memory: {exc}") from None
+        d.used += size
+        h = _Handle(next(self._ids), device, size, offset=offset)
+        self.handles[h.id] = h
+        return h.id
+
+    def _charge(self, d: _Device, size: int) -> None:
+        """Whether ``size`` more bytes fit on ``d`` (its VRAM; one pool: the host's available memory and the
+        GTT; WDDM: past VRAM into shared system memory, counted as spilled); ``SimError("oom")`` if not.
+        Takes what it needs of the page cache on one pool, as the kernel reclaims it before failing."""
         p = self.profile
         if p.unified:
             if self.meminfo()["MemAvailable"] < size:
@@ -599,16 +619,42 @@ class SimPlatform:
             if self.meminfo()["MemAvailable"] < over:
                 raise SimError("oom", "shared system memory exhausted too")
             self.spilled_bytes += over
-        offset = -1
-        if self.memory.backed:
-            try:
-                offset = self.memory.create(size)
-            except MemoryCallFailed as exc:
-                raise SimError("oom", f"{size} bytes of device memory: {exc}") from None
+
+    # ------------------------------------------------------------------ the process's own allocations (sim only)
+
+    @_locked
+    def process_alloc(self, device: int, size: int) -> int:
+        """The process allocates ``size`` bytes of device memory beside the VMM handles: what a real process
+        holds besides membackend's pages (its CUDA or HIP context, its runtime allocator's blocks: torch's
+        activations and cast buffers). Counted as the device's use wherever the driver reports it
+        (mem-get-info, the unified pool, DXGI's usage, amdgpu's sysfs), so a budget sees it as a real
+        driver would, and charged as ``cuMemCreate`` is (``SimError("oom")`` past the device's memory).
+        Returns an id for :meth:`process_free`. Any size > 0 (no granularity: ``cudaMalloc`` has none)."""
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise SimError("invalid", f"a process allocation takes a size > 0 in bytes, got {size!r}")
+        d = self._device(device)
+        self._charge(d, size)
         d.used += size
-        h = _Handle(next(self._ids), device, size, offset=offset)
-        self.handles[h.id] = h
-        return h.id
+        d.process += size
+        alloc = next(self._ids)
+        self.process_allocs[alloc] = (device, size)
+        return alloc
+
+    @_locked
+    def process_free(self, alloc: int) -> None:
+        """Free an allocation :meth:`process_alloc` made; ``SimError("invalid")`` for an unknown or freed id."""
+        entry = self.process_allocs.pop(alloc, None)
+        if entry is None:
+            raise SimError("invalid", f"no process allocation {alloc}")
+        device, size = entry
+        d = self.devices[device]
+        d.used -= size
+        d.process -= size
+
+    @_locked
+    def process_bytes(self, device: int | None = None) -> int:
+        """Bytes of the process's own allocations (:meth:`process_alloc`) on ``device``, or on every device."""
+        return sum(d.process for d in self.devices if device is None or d.index == device)
 
     @_locked
     def release(self, handle: int) -> None:
