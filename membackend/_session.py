@@ -688,6 +688,40 @@ class Session:
             b = Budget.of(b.total, b.free, room, b.source, b.unified)
         return b
 
+    def free_for_host(self, device: Any) -> int:
+        """The free bytes the host application is told about (ComfyUI's ``get_free_memory``): the budget's
+        free memory minus the headroom in force *apart from the host's own start-up flags* (``set_headroom``
+        with a source other than live), clamped at 0. One budget query.
+
+        The host accounts for its own flags itself: ComfyUI's ``--reserve-vram`` reaches its load sizing
+        through ``extra_reserved_memory()``, and neither it nor ``--vram-headroom`` changes what stock
+        ComfyUI's ``get_free_memory`` answers (they bound comfy-aimdo's weights only). Subtracting them here
+        as well counted them twice, and changed ComfyUI's choices that read the figure (cond batching in
+        ``samplers.calc_cond_batch``, attention slicing, VAE batches), so images under a flag differed from
+        stock's under the same flag. The flags still bound the weights: every fault's budget keeps them
+        (:meth:`budget_query`). A live change, the ``headroom`` setting and the backend's own rule are
+        membackend's own and stay subtracted."""
+        device = self._device(device)
+        b = self._checked_budget(self._budget_query, device)  # the backend's own headroom in b.headroom
+        with self._headroom_lock:
+            levels = {k: v for k, v in (self._headrooms.get(device) or {}).items() if k != _FLAGS}
+        if levels:
+            room = levels[min(levels)][0]
+        elif self.headroom is not None:
+            room = self.headroom
+        else:
+            own = getattr(self.backend, "own_headroom", None)
+            room = int(own(device, b.total)[0]) if callable(own) else b.headroom
+        return max(0, b.free - room)
+
+    def room_split(self, device: Any) -> Any:
+        """Where the device's memory goes, as the backend measures it (``VmmBackend.room_split``: the room
+        the headroom in force leaves, the process's other use, the weights' room, membackend's resident
+        bytes), or None where the backend cannot say (``host``, ``aimdo``). The status shows it."""
+        device = self._device(device)
+        split = getattr(self.backend, "room_split", None)
+        return split(device) if callable(split) else None
+
     def headroom_in_force(self, device: Any) -> tuple[int, str]:
         """``(bytes kept free on device, where that value comes from, in words)``, by the precedence of
         the class docstring: the ``source`` given to :meth:`set_headroom` (``live``, ComfyUI's flags),

@@ -103,11 +103,43 @@ from ..types import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VmmBackend", "AddressSpaceExhausted", "AddressWindowsExhausted", "KeptWindows",
+__all__ = ["VmmBackend", "AddressSpaceExhausted", "AddressWindowsExhausted", "KeptWindows", "RoomSplit",
            "KEPT_WINDOWS_PER_DEVICE", "CHURN_MARGIN"]
 
 MiB, GiB = 1 << 20, 1 << 30
 NOT_READY_RETRIES = 3  # a map or set-access answering "not ready" is retried after a fence this often
+
+
+@dataclass(frozen=True)
+class RoomSplit:
+    """Where one device's memory goes under the headroom in force (:meth:`VmmBackend.room_split`), in bytes.
+
+    * ``total``, ``free``: the platform's budget source (``source``), as every budget reads it;
+    * ``headroom``: the headroom in force (``--reserve-vram``, ``--vram-headroom``, a live cap, the setting or
+      the platform's rule); ``room = max(0, total - headroom)``: what the process may hold on the device;
+    * ``held``: what membackend's own handles hold (resident pages and kept handles);
+    * ``other = max(0, total - free - held)``: everything else the driver counts as used: the process's other
+      use (its context, its runtime allocator: activations, cast buffers) and, where the source cannot tell
+      processes apart (a device's mem-get-info), other processes' too;
+    * ``weights_room = max(0, room - other)``: what the weights may hold, never counting the process's own
+      use twice; ``resident``: the weights' pages resident now (``held`` less kept handles).
+
+    The budget's ``usable`` is ``weights_room - held`` clamped at 0 (kept handles count as free to it)."""
+
+    total: int
+    free: int
+    headroom: int
+    room: int
+    held: int
+    other: int
+    weights_room: int
+    resident: int
+    source: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "free": self.free, "headroom": self.headroom, "room": self.room,
+                "held": self.held, "other": self.other, "weights_room": self.weights_room,
+                "resident": self.resident, "source": self.source}
 
 
 @dataclass(frozen=True)
@@ -859,6 +891,22 @@ class VmmBackend:
                 free += len(state.spare) * state.page_size
             unified = self._one_pool(state) or state.integrated
         return Budget.of(total, free, room, source, unified=unified)
+
+    def room_split(self, device: Device) -> RoomSplit:
+        """The device's memory split (:class:`RoomSplit`): one read of the platform's budget source, the
+        headroom in force and this backend's own handles, under the backend's lock. Drops no kept handle
+        (unlike the budget query): it only reports."""
+        index = self._device_index(device)
+        with self._lock:
+            state = self._use(index)
+            total, free, source = self._pool_budget(index, state)
+            headroom = self._room(index, total)
+            kept = len(state.spare) * state.page_size
+            resident = state.resident
+        held = resident + kept
+        room = max(0, total - headroom)
+        other = max(0, total - free - held)
+        return RoomSplit(total, free, headroom, room, held, other, max(0, room - other), resident, source)
 
     @hookimpl
     def membackend_close(self) -> None:

@@ -765,6 +765,15 @@ class Runtime:
             b = self.session.budget_query(d)
             budgets[str(d)] = {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
                                "source": b.source}
+            try:  # the split under the headroom in force: the process's other use, the weights' room and resident
+                split = self.session.room_split(d)
+            except Exception as exc:  # noqa: BLE001 - the status never fails on it
+                log.debug("membackend: the room split of %s for the status: %s: %s", d, type(exc).__name__, exc)
+                split = None
+            if split is not None:
+                budgets[str(d)]["split"] = {"room": split.room, "other": split.other,
+                                            "weights_room": split.weights_room, "weights_resident": split.resident,
+                                            "kept": split.held - split.resident}
             value, source = self.headroom_in_force(d)
             lo, hi = self.headroom_range(d)
             headroom[str(d)] = {"bytes": value, "source": source, "live": source == LIVE_SOURCE,

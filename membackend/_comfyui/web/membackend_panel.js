@@ -258,6 +258,11 @@ class Panel {
         row("usable", b.usable, "usable", "free minus headroom: what models may use"),
         row("free", b.free, "free"),
         row("headroom", b.headroom, "headroom"),
+        ...(b.split ? [
+          row("other use", b.split.other, "split-other", "the process's context, activations, cast buffers"),
+          row("weights' room", b.split.weights_room, "split-weights-room", "room under the headroom, less other use"),
+          row("weights resident", b.split.weights_resident, "split-weights-resident"),
+        ] : []),
       ),
       el("div", { class: "mb-muted", "data-mb": "headroom-source",
                   text: `headroom in force: ${gb(hr.bytes)}, from ${hr.source}` }),
