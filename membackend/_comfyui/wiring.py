@@ -18,7 +18,11 @@ own function with the same arguments, G6), and undone by ``Runtime.abort`` /
   left to comfy-aimdo with the reason (:data:`LEFT_TO_AIMDO`), or kept out by a ComfyUI switch
   membackend sets (:mod:`.aimdo_names`, the one table of all three).
 * **Budgets (G3).** ``get_free_memory(dev=None, torch_free_too=False)`` answers the
-  backend's usable budget (free minus headroom, from the platform's source) and
+  backend's free memory (from the platform's source) minus membackend's own headroom
+  (``Session.free_for_host``): ComfyUI's ``--reserve-vram`` and ``--vram-headroom`` bound
+  the weights' budget but are not subtracted here, since ComfyUI accounts for them itself
+  and stock's figure does not change with them (so its choices, and the images, match
+  stock's under the same flag); and
   ``get_total_memory(dev=None, torch_total_too=False)`` its total, for the devices the
   backend serves (others -- the CPU -- stay ComfyUI's); the import-time ``total_vram``
   (MiB) is set from it when ComfyUI's device is served.
@@ -213,7 +217,9 @@ def wire(rt: Runtime) -> None:
         def get_free_memory(dev=None, torch_free_too=False):
             if not ours(dev):
                 return rt.comfy(original_get_free, dev, torch_free_too)
-            free = budget(dev).usable
+            # free minus membackend's own headroom, not minus ComfyUI's --reserve-vram/--vram-headroom: ComfyUI
+            # accounts for those itself, and stock's figure does not change with them (Session.free_for_host)
+            free = rt.session.free_for_host(rt.device_for(dev))
             return (free, free) if torch_free_too else free
         p.replace(mm, "get_free_memory", rt.guard("get_free_memory", original_get_free, get_free_memory))
     else:
