@@ -34,8 +34,11 @@ Mechanism only, per device:
   this backend (:meth:`VmmBackend.follow_headroom`), else the platform's own
   rule (:meth:`VmmBackend.own_headroom`); the up-front refusal on a unified
   pool uses the same value;
-* inspect / inject_failures: the driver's own tables and random driver
-  failures, where the driver offers them (the simulated drivers do).
+* inspect: the driver's own tables where it has them (the simulated drivers);
+  on a real driver, this backend's own handle ledger checked against the
+  driver's free figure (:class:`HandleLedger`);
+* inject_failures: random driver failures, where the driver offers them
+  (the simulated drivers do).
 
 **Under a reserve-churn limit** (Windows ROCm: large reserves fail once the
 process has freed enough large windows, rocm-systems #6191) a released window
@@ -185,6 +188,75 @@ class KeptWindows:
                 f"after {self.churn_limit}, rocm-systems #6191)")
 
 
+@dataclass(frozen=True)
+class HandleLedger:
+    """What one device holds for a :class:`VmmBackend`, from its own handle ledger, checked against the driver.
+
+    A real CUDA or HIP driver keeps no table a process can read (the simulated drivers do), so the backend
+    counts what it made: ``reserved``, the address space of its live reservations (whole windows);
+    ``resident``, the bytes of physical handles mapped into them; ``kept``, the bytes of handles it created,
+    unmapped and still holds for reuse (recycled with the device, or kept with a live range where memory
+    returns only when the range is freed); ``windows``, released address windows kept for reuse (address
+    space, no memory). ``committed`` (``resident + kept``) is device memory the driver must count as used;
+    ``held`` (``kept + windows``) is what a trim gives back.
+
+    **The check is one-sided.** ``total`` and ``free`` are the driver's own figures for the whole device
+    (``source`` names the call): every process's use, this one's context and its runtime allocator (torch's
+    cache) included. So the driver's ``total - free`` is at least ``committed`` when the ledger is true;
+    more is normal and says nothing. Less, by more than ``granularity`` (the driver's rounding), is
+    what the driver cannot account for: ``unaccounted`` bytes, and :meth:`state` says so instead of
+    vouching for the ledger. Causes: handles the driver never charged to the device (an APU whose free
+    figure is its host's, above its own total; WDDM demoting video memory to system memory), or a
+    ledger that counts handles already gone. Nothing is checked when the ledger holds no memory, or the
+    query failed (``note`` says why)."""
+
+    device: Device
+    reserved: int
+    resident: int
+    kept: int
+    windows: int
+    granularity: int
+    total: int | None
+    free: int | None
+    source: str
+    unaccounted: int
+    note: str = ""
+
+    @classmethod
+    def checked(cls, device: Device, reserved: int, resident: int, kept: int, windows: int, granularity: int,
+                total: int, free: int, source: str) -> "HandleLedger":
+        """The ledger's figures checked against the driver's ``total`` and ``free`` (see the class)."""
+        committed = resident + kept
+        in_use = max(0, total - free)  # an APU may report free above its own total: nothing in use then
+        short = committed - in_use
+        unaccounted = short if short > granularity else 0
+        if unaccounted:
+            note = (f"{source} cannot account for {_gib(unaccounted)} of the {_gib(committed)} committed: the "
+                    f"device has {_gib(in_use)} in use, every process included")
+        else:
+            note = f"{source}: {_gib(in_use)} in use on the device, every process included, holds it"
+        return cls(device, reserved, resident, kept, windows, granularity, total, free, source, unaccounted, note)
+
+    @property
+    def committed(self) -> int:
+        return self.resident + self.kept
+
+    @property
+    def held(self) -> int:
+        return self.kept + self.windows
+
+    def state(self) -> DriverState:
+        """The :class:`DriverState` ``membackend_inspect`` returns: the ledger's figures, the check in ``source``
+        (``committed`` None on Windows, where the platform charges the process's private commit)."""
+        return DriverState(reserved=self.reserved, resident=self.resident, held=self.held,
+                           source=f"membackend's handle ledger ({self.note})",
+                           committed=None if sys.platform == "win32" else self.committed)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
 class _Range:
     """Per-reservation page table.
 
@@ -209,7 +281,7 @@ class _Range:
 
 class _DeviceState:
     __slots__ = ("granularity", "page_size", "page_in_sync", "dirty", "reserved", "resident", "spare", "windows",
-                 "large_alive", "large_peak", "largest", "keep", "integrated")
+                 "large_alive", "large_peak", "largest", "keep", "integrated", "ranges")
 
     def __init__(self, granularity: int, page_size: int, page_in_sync: bool, integrated: bool = False,
                  keep: int | None = None):
@@ -226,6 +298,9 @@ class _DeviceState:
         self.large_peak = 0  # the most of those alive at once
         self.largest = 0  # the largest large window this device has served
         self.keep = keep  # the platform's strict bound (reserve_churn_keep); None: the peak rule
+        # the live reservations' page tables with their page size: the handles kept with a range (``_Range.spare``)
+        # belong to the handle ledger that ``membackend_inspect`` reports on a real driver
+        self.ranges: dict[_Range, int] = {}
 
     @property
     def pooled(self) -> int:
@@ -521,12 +596,13 @@ class VmmBackend:
                 window = (self._reserve_window(device, span, ps, large), span)
             base, span = window
             state.reserved += span
+            rng = _Range(index, rounded // ps, span)
+            state.ranges[rng] = ps
             if self._is_large(span):
                 state.large_alive += 1
                 state.large_peak = max(state.large_peak, state.large_alive)
                 state.largest = max(state.largest, span)
-        return Reservation(device, base, rounded, ps, self.name, handle=_Range(index, rounded // ps, span),
-                           requested=size)
+        return Reservation(device, base, rounded, ps, self.name, handle=rng, requested=size)
 
     def _reserve_window(self, device: Device, size: int, alignment: int, large: bool) -> int:
         """A fresh address window. Under a reserve-churn limit a large one the driver refuses for want of
@@ -835,6 +911,7 @@ class VmmBackend:
                     exc.dropped = dropped
                     raise
             state.reserved -= rng.window
+            state.ranges.pop(rng, None)
         return dropped
 
     def _release_range_spares(self, state: _DeviceState, rng: _Range) -> None:
@@ -1039,21 +1116,58 @@ class VmmBackend:
 
     @hookimpl
     def membackend_inspect(self, device: Device) -> DriverState | None:
-        """The driver's tables for ``device`` (the simulated drivers have them; real drivers: None).
+        """What ``device`` holds for this backend, as a :class:`~membackend.types.DriverState`; never None.
 
-        Kept windows are reserved in the driver but belong to no reservation:
-        they and the unmapped physical handles are reported as ``held``.
+        A simulated driver keeps its own tables: ``reserved``/``resident`` are its
+        figures, and kept windows (reserved in the driver, no reservation's) and
+        unmapped physical handles are ``held``. A real CUDA or HIP driver keeps
+        no table a process can read, so the figures come from this backend's
+        own handle ledger (:meth:`handle_ledger`), checked against the driver's
+        free figure: ``committed`` is the device memory of the handles it
+        created and has not released (mapped, and kept for reuse), ``held``
+        the kept handles and kept windows. ``source`` says which, and where
+        the driver's free figure cannot account for the committed bytes it
+        says so (how many) instead of vouching for them. On Windows
+        ``committed`` is None: there the platform charges the process's private
+        commit, which the ledger cannot split out (callers measure it
+        themselves). Raises only what the driver raises for a simulated table.
         """
         index = self._device_index(device)
         with self._lock:
             raw: dict[str, Any] | None = self.driver.inspect(index)  # "calls": a mapping of the simulation's
-            if raw is None:
-                return None
-            state = self._devices.get(index)
-            pooled = state.pooled if state is not None else 0
+            if raw is not None:
+                state = self._devices.get(index)
+                pooled = state.pooled if state is not None else 0
+        if raw is None:
+            return self.handle_ledger(device).state()
         return DriverState(reserved=raw["reserved"] - pooled, resident=raw["mapped"],
                            held=pooled + raw["physical"] - raw["mapped"], source=f"driver tables ({self.driver.label})",
                            committed=raw.get("committed"), hazards=raw.get("hazards", 0), calls=raw.get("calls"))
+
+    def handle_ledger(self, device: Device) -> HandleLedger:
+        """This backend's own account of ``device`` (:class:`HandleLedger`), checked against the driver's
+        mem-get-info where the device holds anything: the ledger's figures are taken under the backend's lock,
+        the driver is asked after (one call, outside the lock). A failed query leaves the check unmade, with
+        the driver's error as the reason: the ledger's own figures stand."""
+        index = self._device_index(device)
+        with self._lock:
+            state = self._devices.get(index)
+            if state is None:  # never used: nothing created, and no reason to wake the device
+                return HandleLedger(device, 0, 0, 0, 0, 0, None, None, "", 0, "nothing created on the device yet")
+            ps = state.page_size
+            kept = len(state.spare) * ps + sum(len(r.spare) * p for r, p in state.ranges.items())
+            ledger = (state.reserved, state.resident, kept, state.pooled, state.granularity)
+        reserved, resident, kept, windows, granularity = ledger
+        if resident + kept == 0:
+            return HandleLedger(device, reserved, resident, kept, windows, granularity, None, None, "", 0,
+                                "no physical memory held: nothing to check")
+        call = "cuMemGetInfo" if self.driver.vendor == "cuda" else "hipMemGetInfo"
+        try:
+            total, free, label = self.driver.budget("device", index)
+        except DriverError as exc:
+            return HandleLedger(device, reserved, resident, kept, windows, granularity, None, None, call, 0,
+                                f"not checked: {exc}")
+        return HandleLedger.checked(device, reserved, resident, kept, windows, granularity, total, free, label)
 
     @hookimpl
     def membackend_inject_failures(self, probability: float, seed: int) -> Any:
