@@ -12,7 +12,10 @@ hookimpls with the contract's parameter names; optional hooks checked the
 same way when present). A plugin that fails to import, to construct, to
 validate or to probe — by raising anything, ``sys.exit()`` included, except
 ``KeyboardInterrupt`` — is logged with the reason and skipped; it never stops
-the caller.
+the caller. A missing vendor runtime is no such failure: registering a
+plugin runs none of its attributes (a lazy driver stays unopened), and a
+probe that raises ``DriverError`` with code ``unavailable`` (the vendor's
+library cannot be found, loaded or called) scores 0 with that reason.
 
 Probes run once per machine through the plugin manager's hook machinery, one
 plugin at a time (one raising probe never hides the others), each bounded by
@@ -55,6 +58,7 @@ from .types import (
     BackendNotFound,
     Candidate,
     Capabilities,
+    DriverError,
     Machine,
     MembackendError,
     PluginError,
@@ -96,6 +100,35 @@ class Selection:
     broken: dict[str, str] = field(default_factory=dict)
     blocked: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)  # names that shared the top score (the first won)
+
+
+class _StaticPluginManager(pluggy.PluginManager):
+    """pluggy's manager, finding a plugin's hookimpls without running its attributes.
+
+    pluggy before 1.7 reads every attribute of a plugin it registers with ``getattr``, which runs properties:
+    a ``VmmBackend``'s ``driver`` opens the vendor's driver there (``cuInit``; for HIP, loading the runtime),
+    so on a machine without that vendor's runtime every platform of it failed to register and was shown as
+    breaking the contract. Looking attributes up statically (``inspect.getattr_static``, as pluggy 1.7
+    does) finds the same hookimpls on every pluggy this package accepts and runs nothing of the plugin's."""
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
+        try:
+            found = inspect.getattr_static(plugin, name)
+        except AttributeError:
+            return None
+        if isinstance(found, (staticmethod, classmethod)):
+            found = found.__func__
+        if not inspect.isroutine(found):
+            return None
+        opts = getattr(found, f"{self.project_name}_impl", None)
+        return opts if isinstance(opts, dict) else None
+
+
+def _runtime_missing(exc: BaseException) -> bool:
+    """Whether a probe's exception says the vendor's runtime is not there: a ``DriverError`` whose call never
+    ran (code ``unavailable``: the library cannot be found, loaded or called). That is a fact about the
+    machine (the backend does not fit it, score 0), not a backend breaking the contract."""
+    return isinstance(exc, DriverError) and exc.code == "unavailable"
 
 
 def _spec_params(name: str) -> list[str]:
@@ -190,7 +223,7 @@ class BackendManager:
         self.broken: dict[str, str] = {}
         self._probed: dict[Machine, tuple[dict[str, Candidate], dict[str, str]]] = {}
         self._warned_ties: set[tuple[str, ...]] = set()
-        self._pm = pluggy.PluginManager(hookspec.PROJECT)
+        self._pm = _StaticPluginManager(hookspec.PROJECT)
         self._pm.add_hookspecs(hookspec)
         for plugin in builtins if builtins is not None else self._builtins():
             self._add(plugin, "built-in", None)
@@ -276,7 +309,10 @@ class BackendManager:
             except KeyboardInterrupt:
                 answers[name] = ("error", "KeyboardInterrupt")
             except BaseException as exc:  # SystemExit too: one plugin never stops the others
-                answers[name] = ("error", f"probe raised {type(exc).__name__}: {exc}")
+                if _runtime_missing(exc):  # the vendor's runtime is not on this machine: does not fit
+                    answers[name] = ("ok", Candidate(name, Score.NONE, f"the vendor's runtime is missing: {exc}"))
+                else:
+                    answers[name] = ("error", f"probe raised {type(exc).__name__}: {exc}")
 
         threads = {name: threading.Thread(target=run, args=(name,), name=f"membackend-probe-{name}", daemon=True)
                    for name in self.records}
