@@ -1,7 +1,23 @@
 """Shared fixtures: isolated settings for every test (the kit's ``membackend_clean_env``: no stray
-MEMBACKEND_* variable or config file, an empty working directory) and host sessions."""
+MEMBACKEND_* variable or config file, an empty working directory) and host sessions.
+
+Runs in a bare Python too (membackend on ``PYTHONPATH``, pytest, nothing installed: ``scripts/gpu-check
+--with-tests`` on a GPU machine): where membackend's ``pytest11`` entry point did not load the conformance
+kit's pytest plugin, this file loads it; and where ``scripts/test`` did not install the third-party example
+backend that ``membackend_targets`` names, this file makes that fixture findable as the distribution it is,
+from its own ``pyproject.toml`` (:func:`_example_findable`), so the kit resolves its targets instead of ending
+the run with a usage error (exit 4).
+"""
 
 from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import shutil
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +25,37 @@ from membackend._backends.host import HostBackend
 from membackend._ledger import Ledger
 from membackend._machine import gather_machine
 from membackend._session import Session
+
+EXAMPLE = Path(__file__).resolve().parent / "fixtures" / "example_backend"
+
+if "membackend.testing.plugin" not in sys.modules:  # no pytest11 entry point loaded it: membackend not installed
+    pytest_plugins = ["membackend.testing.plugin"]
+
+
+def _example_findable() -> None:
+    """Make the example backend fixture a distribution on ``sys.path`` when none is installed: its package
+    folder goes on the path, and a temporary folder holds the ``.dist-info`` its ``pyproject.toml`` describes
+    (name, version, entry points), so ``importlib.metadata`` finds its entry point exactly as it finds an
+    installed one's. Nothing happens where it is installed (``scripts/test``: ``pip install -e``)."""
+    meta = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
+    try:
+        importlib.metadata.distribution(meta["name"])
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    site = Path(tempfile.mkdtemp(prefix="membackend-example-dist-"))
+    atexit.register(shutil.rmtree, site, True)
+    info = site / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
+    groups = meta.get("entry-points", {})
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in points.items()) + "\n"
+        for group, points in groups.items()))
+    sys.path[:0] = [str(EXAMPLE), str(site)]
+
+
+_example_findable()
 
 
 @pytest.fixture(autouse=True)
