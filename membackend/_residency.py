@@ -243,8 +243,10 @@ class Model:
     __weakref__: Any = field(default=None, init=False, repr=False, compare=False)
 
     def reservation(self, device: Device | str | None = None) -> Reservation | None:
-        slot = self.slots[Device.parse(device) if device is not None else self.devices[0]]
-        return slot.reservation if slot.alive else None
+        slot = self.slots[device if device.__class__ is Device else
+                          Device.parse(device) if device is not None else self.devices[0]]
+        r = slot.reservation
+        return r if r is not None and not r.released else None
 
 
 @dataclass(frozen=True)
@@ -549,6 +551,19 @@ class ResidencyManager:
         A ``DriverError`` from the session leaves the pages it may have mapped counted
         (UNKNOWN, unpinned), so eviction and unload free them.
         """
+        slot = model.slots.get(device) if device.__class__ is Device else None
+        if slot is not None and (r := slot.reservation) is not None and not r.released and offset.__class__ is int and size.__class__ is int \
+                and 0 <= offset and 0 < size and offset + size <= model.size \
+                and self._models.get(model.id) is model:
+            # the warm path (per weight per step): every page resident, below any watermark -- pin and go
+            ps = r.page_size
+            first, last = offset // ps, (offset + size - 1) // ps + 1
+            if slot.resident.count(RESIDENT, first, last) == last - first \
+                    and (slot.watermark is None or offset + size <= slot.watermark):
+                model.last_used = next(self._clock)
+                f = self._session_fault(slot, r, offset, size, first, last)
+                if f.ok:
+                    return self._faulted(slot, model, offset, size, first, last, f)
         slot = self._slot(model, device)
         offset, size, first, last = self._pages(slot, model, offset, size)
         if not slot.alive:  # used again after a full unload: reserve again, transparently
@@ -584,11 +599,18 @@ class ResidencyManager:
                             result="oom", reason="driver")
                 return f
             f = self._session_fault(slot, r, offset, size, first, last)
-        slot.faulted(first, last, f.mapped)
-        if slot.kept and f.mapped:  # ROCm 7.2: the range's kept memory, mapped again
-            slot.kept = max(0, slot.kept - f.mapped)
-        if f.mapped and model.id in self._loads:
-            self._loads[model.id]["loaded"] += f.mapped
+        return self._faulted(slot, model, offset, size, first, last, f)
+
+    def _faulted(self, slot: _Slot, model: Model, offset: int, size: int, first: int, last: int, f: Fault) -> Fault:
+        """A fault of pages ``[first, last)`` succeeded (``f.ok``): the page map follows it, the pages are pinned."""
+        if f.mapped:
+            slot.faulted(first, last, f.mapped)
+            if slot.kept:  # ROCm 7.2: the range's kept memory, mapped again
+                slot.kept = max(0, slot.kept - f.mapped)
+            if model.id in self._loads:
+                self._loads[model.id]["loaded"] += f.mapped
+        elif slot.resident.count(RESIDENT, first, last) != last - first:
+            slot.faulted(first, last, 0)  # UNKNOWN pages that turned out resident
         pins = slot.pins
         for p in range(first, last):
             pins[p] += 1
@@ -607,6 +629,16 @@ class ResidencyManager:
     @_locked
     def unpin(self, model: Model, offset: int, size: int, device: Any = None) -> None:
         """The op that faulted the range is done with it; its pages may be evicted again."""
+        slot = model.slots.get(device) if device.__class__ is Device else None
+        if slot is not None and (r := slot.reservation) is not None and not r.released and offset.__class__ is int and size.__class__ is int \
+                and 0 <= offset and 0 < size and offset + size <= model.size \
+                and self.tracer is None and self._models.get(model.id) is model:
+            ps = r.page_size  # the warm path, as in fault
+            pins = slot.pins
+            for p in range(offset // ps, (offset + size - 1) // ps + 1):
+                if pins[p]:
+                    pins[p] -= 1
+            return
         slot = self._slot(model, device)
         _, _, first, last = self._pages(slot, model, offset, size)
         if not slot.alive:
@@ -989,8 +1021,11 @@ class ResidencyManager:
         for slot in self._by_priority(device):
             ps = slot.bound.page_size
             held = self._viewed(slot)
-            total += sum(1 for i, (r, p) in enumerate(zip(slot.resident, slot.pins))
-                         if r and not p and i not in held) * ps
+            resident, pins = slot.resident, slot.pins
+            if not held and pins.count(0) == len(pins):  # ComfyUI asks per load: counted in C when nothing is pinned
+                total += (len(resident) - resident.count(GONE)) * ps
+                continue
+            total += sum(1 for i, (r, p) in enumerate(zip(resident, pins)) if r and not p and i not in held) * ps
         return total
 
     # ------------------------------------------------------------------ reporting

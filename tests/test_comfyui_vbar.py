@@ -4,6 +4,7 @@ each method's behaviour on the residency manager over the host backend."""
 from __future__ import annotations
 
 import inspect
+import threading
 
 import pytest
 
@@ -187,7 +188,7 @@ class _Stream:
         return ev
 
 
-def test_each_unpin_fences_the_range_by_an_event_on_comfyuis_current_stream(rt, monkeypatch):
+def test_each_unpin_fences_the_range_by_the_work_queued_on_comfyuis_current_stream(rt, monkeypatch):
     from membackend._comfyui.streams import CopyFences, StreamToken
 
     stream = _Stream()
@@ -198,18 +199,26 @@ def test_each_unpin_fences_the_range_by_an_event_on_comfyuis_current_stream(rt, 
     for _ in range(3):
         facade.vbar_fault(a)
         facade.vbar_unpin(a)
-    assert rt.fences.recorded == 1 and len(stream.events) == 3  # one token, moved to the newest event
+    # one token, and no event yet: an unpin records none (it runs per weight per step)
+    assert rt.fences.recorded == 1 and stream.events == []
     token = next(iter(rt.fences._tokens.values()))[1]
     assert isinstance(token, StreamToken) and not token.done()
+    assert len(stream.events) == 1  # the fence's question recorded one, after everything queued so far
+    assert not token.done() and len(stream.events) == 1  # nothing queued since: the same event answers
     stream.events[-1].set()
     assert token.done()
+    facade.vbar_fault(a)
+    facade.vbar_unpin(a)  # more work queued: the next question records a newer event, not yet finished
+    assert not token.done() and len(stream.events) == 2
+    stream.events[-1].set()
     v.free_memory(1e32)  # the free waits on the token (done): the token is taken
-    assert token.advance(stream.record_event()) is False  # taken: the next unpin records a new one
+    assert token.touch() is False  # taken: the next unpin records a new one
     facade.vbar_fault(a)
     facade.vbar_unpin(a)
     assert rt.fences.recorded == 2
-    for ev in stream.events:  # the session waits for the last one when it closes
-        ev.set()
+    threading.Timer(0.05, lambda: [ev.set() for ev in stream.events]).start()
+    v.free_memory(1e32)  # the free waits for an event recorded after the last unpin's work
+    assert len(stream.events) == 3 and all(ev.is_set() for ev in stream.events)
 
 
 def test_no_stream_means_nothing_is_recorded(rt):

@@ -127,10 +127,14 @@ class ModelVBAR:
         rt = self._rt
         if rt.aborted is not None:  # switched off: out of memory, as aimdo answers; ComfyUI casts its own copy
             return None
-        rt.cancel_put_off(self)  # used again: its put-off unload is cancelled
+        if rt.pending:
+            rt.cancel_put_off(self)  # used again: its put-off unload is cancelled
+        model, dev = self._model, self._dev
+        if size.__class__ is not int:
+            size = int(size)
         for attempt in range(FAULT_TRIES):
             try:
-                f = rt.residency.fault(self._model, alloc - self.base_addr, int(size), self._dev)
+                f = rt.residency.fault(model, alloc - self.base_addr, size, dev)
             except DriverError as exc:
                 # Recoverable, as in free_memory: making room fenced a copy recorded on another model's pages and
                 # that copy failed (a failed token then counts as finished, so the next try can evict), or the
@@ -140,7 +144,7 @@ class ModelVBAR:
                 continue
             if not f.ok:
                 return None
-            r = self._model.reservation(self._dev)
+            r = model.reservation(dev)
             if r is not None:
                 break
             # a full unload on another thread (one that does not wait for pins: unload_all, stop) took the
@@ -148,28 +152,32 @@ class ModelVBAR:
         else:
             return None  # unloaded (or failed copies fenced) under us: out of memory, ComfyUI casts its own copy
         if f.mapped and rt.residency.tracer is not None:  # new pages: the cast path copies the layer
-            self._copy_started[(alloc, int(size))] = time.perf_counter()
+            self._copy_started[(alloc, size)] = time.perf_counter()
         return array("Q", (r.id, *f.generations))
 
     def unpin(self, alloc, size):
-        holds = self._holds.get((alloc, int(size))) if self._holds else None
-        ended = bool(holds)
-        if holds:  # one tensor's hold on the range ends with one pin (before it: the unpin may run a release)
-            holds.pop()()
-            if not holds:
-                del self._holds[(alloc, int(size))]
-        if self._unpinned and (alloc, int(size)) in self._unpinned:
-            self._unpinned.discard((alloc, int(size)))  # unpinned when its tensor failed (see aimdo_to_tensor)
+        if size.__class__ is not int:
+            size = int(size)
+        ended = False
+        if self._holds:
+            holds = self._holds.get((alloc, size))
+            ended = bool(holds)
+            if holds:  # one tensor's hold on the range ends with one pin (before it: the unpin may run a release)
+                holds.pop()()
+                if not holds:
+                    del self._holds[(alloc, size)]
+        if self._unpinned and (alloc, size) in self._unpinned:
+            self._unpinned.discard((alloc, size))  # unpinned when its tensor failed (see aimdo_to_tensor)
             return
-        started = self._copy_started.pop((alloc, int(size)), None) if self._copy_started else None
+        rt = self._rt
+        started = self._copy_started.pop((alloc, size), None) if self._copy_started else None
         if started is not None:  # for replays: the host time from fault to unpin, the copy issued in between
-            self._rt.residency.copied(self._model, alloc - self.base_addr, int(size),
-                                      time.perf_counter() - started, self._dev)
-        self._rt.residency.unpin(self._model, alloc - self.base_addr, int(size), self._dev)
-        fences = getattr(self._rt, "fences", None)
+            rt.residency.copied(self._model, alloc - self.base_addr, size, time.perf_counter() - started, self._dev)
+        rt.residency.unpin(self._model, alloc - self.base_addr, size, self._dev)
+        fences = rt.fences
         if fences is not None:  # the copy and the compute reading these pages may still be queued (G2)
             fences.after_unpin(self._model, self._dev, self._where)
-        if ended and self._rt.stopping:  # a stop waited for this hold to end
+        if ended and rt.stopping:  # a stop waited for this hold to end
             try:
                 self._rt.finish_stop()
             except Exception as exc:  # noqa: BLE001 - the stop's close, not this unpin, failed
