@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from membackend._backends.vmm import AddressSpaceExhausted, VmmBackend
@@ -16,6 +18,8 @@ from membackend.types import Capabilities, Device, DriverError
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
+#: the generic platform with the pages these tests count in (its own default is 32 MiB, comfy-aimdo's)
+GENERIC_2MIB = dataclasses.replace(GENERIC, page_size=PAGE)
 SOURCE = bytearray(PAGE)  # host bytes the tests copy from (a real driver refuses a NULL source)
 
 
@@ -23,7 +27,7 @@ def session_on(profile: str, faults: FaultPlan | None = None, **caps) -> Session
     p = get_profile(profile)
     # knobs not given are the profile's (page_in_sync follows the profile's OS, not this process's)
     caps = {"page_in_sync": p.capabilities().page_in_sync, **caps} if caps else None
-    backend = VmmBackend(GENERIC, sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else p.capabilities())
+    backend = VmmBackend(GENERIC_2MIB, sim_driver(p, faults), capabilities=Capabilities(**caps) if caps else p.capabilities())
     machine = gather_machine(load_settings(sim_profile=profile).machine.model_copy(
         update={"devices": None}))  # devices come from the session's backend kind only
     return Session(backend, machine=machine, ledger=Ledger(sanitize=True))
@@ -119,7 +123,7 @@ def test_page_in_sync_wddm_synchronizes_only_devices_under_wddm(os_name, driver_
     facts = machine_for(load_settings(sim_profile="h200"))
     machine = dataclasses.replace(facts, os=os_name,
                                   devices=(dataclasses.replace(facts.devices[0], driver_model=driver_model),))
-    backend = VmmBackend(GENERIC, sim_driver("h200"), machine=lambda: machine)
+    backend = VmmBackend(GENERIC_2MIB, sim_driver("h200"), machine=lambda: machine)
     assert backend.capabilities.page_in_sync == "wddm"
     s = Session(backend, machine=machine, ledger=Ledger(sanitize=True))
     assert free_waited_for_another_ranges_kernel(s) is syncs

@@ -52,6 +52,15 @@ def rt():
         yield runtime
 
 
+def _paged(n, page):
+    """``n`` bytes rounded up to whole pages: what faulting them loads."""
+    return -(-n // page) * page
+
+
+def _mb(n):
+    return f"{n / 1e6:.1f} MB"
+
+
 def _model(rt, name, size):
     return rt.residency.register(name, size, rt.devices[0], "diffusion")
 
@@ -359,14 +368,16 @@ def test_one_line_per_load_says_kept_reloaded_or_cold(rt, caplog):
         run(unet)
     loads = rt.status()["loads"]
     texts = [(x["name"], x["kind"], x["text"]) for x in loads]
-    assert texts[0] == ("SDXL", "cold", "loaded 16.8 MB (cold)"), texts
+    page = rt.session.reservations()[0].page_size
+    assert texts[0] == ("SDXL", "cold", f"loaded {_mb(_paged(16 * MiB, page))} (cold)"), texts
     assert texts[1][:2] == ("SDXL", "kept") and texts[1][2].startswith("kept: 0 bytes loaded"), texts
     assert texts[2][:2] == ("AutoencoderKL", "cold"), texts
     name, kind, text = texts[3]
-    assert (name, kind) == ("SDXL", "reloaded") and text.startswith("reloaded 16.8 MB: ") and " at " in text, texts
+    assert (name, kind) == ("SDXL", "reloaded") and text.startswith(f"reloaded {_mb(_paged(16 * MiB, page))}: ") \
+        and " at " in text, texts
     assert "evicted at " in text and text.endswith("for AutoencoderKL (to keep the headroom free)"), text
     lines = [r.getMessage() for r in caplog.records if "load of " in r.getMessage()]
-    assert len(lines) == 4 and "load of SDXL (16.8 MB): reloaded 16.8 MB" in lines[3], lines
+    assert len(lines) == 4 and f"load of SDXL (16.8 MB): reloaded {_mb(_paged(16 * MiB, page))}" in lines[3], lines
     assert rt.status()["load_count"] == 4
 
 
@@ -393,7 +404,9 @@ def test_load_records_reach_the_trace(tmp_path):
     tracer.close()
     loads = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     loads = [e for e in loads if e["event"] == "load"]
-    assert [(e["model"], e["kind"], e["loaded"]) for e in loads] == [("m", "cold", 8 * MiB), ("m", "kept", 0)]
+    page = session.reservations()[0].page_size if session.reservations() else 32 * MiB
+    assert [(e["model"], e["kind"], e["loaded"]) for e in loads] == [("m", "cold", _paged(8 * MiB, page)),
+                                                                        ("m", "kept", 0)]
 
 
 def test_describe_load_words():
@@ -435,7 +448,7 @@ def test_a_models_size_is_its_weights_not_its_address_range(rt, caplog):
     assert row["size"] == 6 * MiB and row["address_range"] == 60 * MiB, row
     assert row["state"] == "warm", row  # every page of the weights resident: not "partly resident"
     line = next(r.getMessage() for r in caplog.records if "load of UNet" in r.getMessage())
-    assert "load of UNet (6.3 MB): loaded 6.3 MB (cold)" in line, line
+    assert f"load of UNet (6.3 MB): loaded {_mb(_paged(6 * MiB, v._model.reservation(d).page_size))} (cold)" in line, line
     v.close()
     assert d in rt.devices
 
