@@ -29,11 +29,13 @@ import collections
 import importlib
 import itertools
 import logging
+import queue
 import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
 from .._version import __version__
@@ -125,6 +127,7 @@ _LOSS_WORDS = {
     "unload_all": ("fully unloaded", "unload all models"),
     "unregister": ("fully unloaded", "its model was deleted"),
     "unloaded by ComfyUI": ("fully unloaded by ComfyUI", None),
+    "dropped by ComfyUI": ("fully unloaded", "ComfyUI dropped the model"),
     "put off until no page was pinned": ("fully unloaded by ComfyUI", None),
     "shed by its owner": ("partly unloaded by ComfyUI", None),
     "free_memory": ("freed", None),
@@ -172,6 +175,22 @@ def say(text: str, level: int = logging.INFO) -> str:
     return line
 
 
+def _in_finalizer(obj: Any, depth: int = 8) -> bool:
+    """Whether this call comes from ``obj``'s own ``__del__`` (within ``depth`` frames): the garbage collector
+    runs it inside whatever code it interrupted, so nothing that takes a lock may run there."""
+    finalizer = getattr(getattr(type(obj), "__del__", None), "__code__", None)
+    if finalizer is None:
+        return False
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is finalizer:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _ComfyRaised(Exception):
     """Carries an exception ComfyUI's own function raised through a guarded replacement."""
 
@@ -216,6 +235,16 @@ class Runtime:
         #: (a WeakSet must not change while another thread copies it)
         self.pending: weakref.WeakSet[Any] = weakref.WeakSet()
         self._pending_lock = threading.Lock()
+        #: closed VBARs whose model is still registered: (model, device), put by a finalizer's close
+        #: (:meth:`close_vbar`) and retired by the reaper thread (or the next quiescent point). A SimpleQueue:
+        #: its ``put`` is safe inside a finalizer, which may run inside any code, locks held
+        self._closing: queue.SimpleQueue[tuple[Any, Device] | None] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
+        self._reaper_lock = threading.Lock()
+        #: closed models whose retirement failed (a driver error, a fence that failed): retried between nodes
+        self._close_retry: list[tuple[Any, Device]] = []
+        self.dropped_count = 0  # models retired because their VBAR was closed (ComfyUI dropped them)
+        self.dropped_bytes = 0  # the bytes those models had resident when they went
         self.started: bool | None = None  # None: init_devices not called yet
         self.aborted: str | None = None
         self.unloads: collections.deque[dict[str, Any]] = collections.deque(maxlen=UNLOADS_KEPT)
@@ -305,6 +334,7 @@ class Runtime:
         for level in AIMDO_LOG_LEVELS:  # main.py calls one right after we answer True
             self.patches.replace(control, f"set_log_{level}", aimdo_log_noop, required=False)
         self._wire(self)
+        self._start_reaper()
         skipped = f"; not in this ComfyUI: {', '.join(self.patches.skipped)}" if self.patches.skipped else ""
         say(f"started {self.name} on {', '.join(map(str, self.devices))}; {len(self.patches.applied)} patch "
             f"point(s){skipped}")
@@ -627,13 +657,13 @@ class Runtime:
             f"reservation(s) of {entry['reserved_bytes']} bytes returned ({reason})")
 
     def quiescent(self) -> None:
-        """Between nodes: run the full unloads that waited for pins to go; give back held models under
-        RAM pressure (G4)."""
+        """Between nodes: retire the closed VBARs' models still waiting (:meth:`reap`), run the full unloads
+        that waited for pins to go, and close the run's load records."""
+        self.reap()  # what the reaper has not retired yet (none runs in a runtime made without start())
         with self._pending_lock:
-            waiting = list(self.pending)
+            waiting = [v for v in self.pending if not getattr(v, "_closed", False)]
         for vbar in waiting:
             self.unload_vbar(vbar, "put off until no page was pinned")
-        self.keep.relieve()
         self._close_loads()  # the node that loaded its models is done: one line per load
         self.sample()
 
@@ -715,15 +745,100 @@ class Runtime:
             self.pending.discard(vbar)
 
     def close_vbar(self, vbar: Any) -> None:
+        """``vbar`` was closed: ComfyUI dropped its model (the VBAR was collected with the model's nn.Module) or
+        closed it. Its model is fully unloaded and unregistered -- fenced first (G2), its reservation returned
+        (G1) -- and every record of it goes.
+
+        From an explicit ``close()`` this runs now, on the caller's thread. From the VBAR's finalizer (the
+        garbage collector may run it inside any code, on any thread, with any of membackend's or the driver's
+        locks held by that thread) it only puts the model on a queue, and the reaper thread retires it at once
+        on a thread of its own (:meth:`reap`; where no reaper runs, the next quiescent point does)."""
+        model = vbar._model
+        if _in_finalizer(vbar):
+            self._closing.put((model, vbar._dev))
+            return
         self.cancel_put_off(vbar)
-        self.names.pop(vbar._model.id, None)  # each ModelVBAR has an id of its own: nothing here outlives it
-        self.weights.pop(vbar._model.id, None)
-        self.last_used.pop(vbar._model.id, None)
         self.vbars.discard(vbar)
+        self._retire_closed(model, vbar._dev)
+
+    def reap(self) -> int:
+        """Retire every closed VBAR's model waiting on the queue, and the ones whose retirement failed before;
+        returns how many were retired. Safe from any thread outside a finalizer."""
+        retry, self._close_retry = self._close_retry, []
+        done = 0
+        for model, dev in retry:
+            done += self._retire_closed(model, dev)
+        while True:
+            try:
+                item = self._closing.get_nowait()
+            except queue.Empty:
+                return done
+            if item is not None:
+                done += self._retire_closed(*item)
+
+    def _start_reaper(self) -> None:
+        """Start the daemon thread that retires closed VBARs' models as their finalizers queue them."""
+        with self._reaper_lock:
+            if self._reaper is not None and self._reaper.is_alive():
+                return
+            self._reaper = threading.Thread(target=self._reap_forever, name="membackend-reaper", daemon=True)
+            self._reaper.start()
+
+    def _stop_reaper(self) -> None:
+        with self._reaper_lock:
+            reaper, self._reaper = self._reaper, None
+        if reaper is not None and reaper.is_alive():
+            self._closing.put(None)
+            if reaper is not threading.current_thread():
+                reaper.join(timeout=5.0)
+
+    def _reap_forever(self) -> None:
+        while True:
+            item = self._closing.get()
+            if item is None:
+                return
+            try:
+                self._retire_closed(*item)
+            except Exception as exc:  # noqa: BLE001 - never let the reaper die: the next item is retired too
+                log.warning("membackend: retiring a dropped model failed: %s: %s", type(exc).__name__, exc)
+
+    def _retire_closed(self, model: Any, dev: Device) -> int:
+        """Full unload and unregister a closed VBAR's model (1), or nothing to do (0). A failure (a fence whose
+        copy failed, a driver error) is told and retried at the next quiescent point; a model the adapter no
+        longer serves (stopped, or another retirement came first) is only forgotten."""
+        name = self.display_name(model.id)
+        self.names.pop(model.id, None)  # each ModelVBAR has an id of its own: nothing here outlives it
+        self.weights.pop(model.id, None)
+        self.last_used.pop(model.id, None)
+        residency = self.residency
+        if residency is None or self.session is None:
+            return 0
         if self.fences is not None:
-            self.fences.forget(vbar._model)
-        if self.residency is not None and vbar._model in self.residency.models():
-            self.residency.unregister(vbar._model)
+            self.fences.forget(model)
+        try:
+            if model not in residency.models():
+                return 0
+            unloaded = residency.full_unload_unless_pinned(model)
+            residency.unregister(model)  # what was pinned goes too: the VBAR is closed, no unpin will come
+        except Exception as exc:  # noqa: BLE001 - told, retried between nodes; ComfyUI is never stopped by it
+            with self._lock:
+                self._close_retry.append((model, dev))
+            say(f"retiring the dropped model {model.id} failed, retried at the next node ({type(exc).__name__}: "
+                f"{exc})", logging.WARNING)
+            return 0
+        if unloaded is None or not unloaded.alive:
+            return 1
+        entry = {"model": model.id, "device": str(dev), "bytes": unloaded.bytes, "reservations": unloaded.released,
+                 "reserved_bytes": unloaded.reserved_bytes, "reason": "dropped by ComfyUI", "time": time.time(),
+                 "name": name}
+        with self._lock:
+            self.unloads.append(entry)
+            self.unload_count += 1
+            self.dropped_count += 1
+            self.dropped_bytes += unloaded.bytes
+        say(f"{name} dropped by ComfyUI: {gb(unloaded.bytes)} freed, {unloaded.released} reservation(s) of "
+            f"{gb(unloaded.reserved_bytes)} returned on {dev}")
+        return 1
 
     # ------------------------------------------------------------------ status, stop
 
@@ -875,6 +990,8 @@ class Runtime:
         self.patches.restore()
         self.keep.clear()
         _forget(self)
+        self._stop_reaper()
+        self.reap()  # the models dropped before the stop go now, through the residency, before it closes
         if self.session is not None:
             self.stopping = True
             self.finish_stop()
