@@ -117,3 +117,41 @@ def test_a_missing_comfy_aimdo_or_a_failing_child_is_reported_not_raised(monkeyp
     assert check._aimdo(0, 64 * MiB, 1, bad)["error"].startswith("the aimdo run exited 3")
     good = [sys.executable, "-c", "import json; print(json.dumps({'fault_copy': {}, 'free_latency': {}}))"]
     assert check._aimdo(0, 64 * MiB, 1, good) == {"fault_copy": {}, "free_latency": {}}
+
+
+# ---------------------------------------------------------------------------------------------- the ComfyUI check
+
+COMFYUI_CHECK = ROOT / "benchmarks" / "bench_comfyui_gpu.py"
+
+
+def test_the_comfyui_check_without_a_device_prints_one_skipped_line_and_exits_0(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    p = subprocess.run([sys.executable, str(COMFYUI_CHECK), "--tree", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    _one_skip_line(p.stdout)
+
+
+def test_the_stand_ins_give_comfyui_the_names_it_reads_at_start_up(tmp_path):
+    spec = importlib.util.spec_from_file_location("membackend_bench_comfyui_gpu", COMFYUI_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    module.write_standins(tmp_path, ["comfy_kitchen", "av"])
+    code = ("import comfy_kitchen, av\n"
+            "from av.container import InputContainer\n"
+            "from av.subtitles.stream import SubtitleStream\n"
+            "from av.video.reformatter import ColorRange\n"
+            "assert comfy_kitchen.int8_attention_is_available() is False\n"
+            "assert comfy_kitchen.flash_attention_decode_is_available('cuda') is False\n"
+            "assert isinstance(av.VideoStream, type) and ColorRange.JPEG != ColorRange.MPEG\n"
+            "try:\n    from comfy_kitchen.tensor import QuantizedTensor\nexcept ImportError:\n    print('no tensor')\n")
+    p = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
+                       env={"PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 0 and p.stdout.strip() == "no tensor", p.stderr  # quant_ops.py catches the ImportError
+
+
+def test_the_script_runs_the_comfyui_check_only_when_asked_and_bounds_it():
+    text = SCRIPT.read_text()
+    assert "--comfyui)" in text and "timeout 420" in text and "bench_comfyui_gpu.py" in text
