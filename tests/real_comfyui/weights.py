@@ -457,6 +457,9 @@ class Step:
     delegates: list[dict[str, Any]] = field(default_factory=list)  # Hook delegates their owners still hold
     delegates_alive: int = 0  # Hook delegates' models anything still keeps alive
     answer: Any = None
+    #: the status's models by id (each ModelVBAR has its own): name, state, resident bytes and ``held``
+    by_id: dict[str, dict[str, Any]] = field(default_factory=dict)
+    resident: int = 0  # the device's resident bytes after the step (the ledger's account)
 
 
 @dataclass
@@ -483,7 +486,10 @@ def _seen(kind: str, label: str, server: harness.Server, before: dict[str, Any],
                 models={m.get("name"): {"size": m.get("size"), "resident": m.get("resident")}
                         for m in (st.get("models") or {}).values()},
                 budget=next(iter((st.get("budgets") or {}).values()), {}),
-                delegates=list(st.get("delegates") or []), delegates_alive=int(st.get("delegates_alive") or 0))
+                delegates=list(st.get("delegates") or []), delegates_alive=int(st.get("delegates_alive") or 0),
+                by_id={k: {"name": m.get("name"), "state": m.get("state"), "resident": m.get("resident"),
+                           "held": m.get("held")} for k, m in (st.get("models") or {}).items()},
+                resident=sum(int(m.get("resident") or 0) for m in (st.get("models") or {}).values()))
 
 
 def run_script(name: str, env: dict[str, str], script: list[tuple[str, str, Any]], *, trees: harness.Trees,
@@ -551,6 +557,18 @@ def decode_cap(run: "Scripted") -> int:
     b = run.step("free").budget
     return max(0, int(b["free"]) - (vae + 64 * 2**20 + delegate // 2))
 
+
+#: ComfyUI's default node cache (RAM pressure: after each node, the results of earlier prompts are dropped, old
+#: models first), everything else as :data:`DYNAMIC_FLAGS`
+DEFAULT_CACHE_FLAGS = ("--cpu", "--enable-dynamic-vram", "--use-pytorch-cross-attention")
+
+#: issue 34, item 4: the checkpoint, another model's workflow (under the default cache ComfyUI drops the
+#: checkpoint's models meanwhile), the checkpoint again (new models made from the same file)
+DROPPED: list[tuple[str, str, Any]] = [
+    ("prompt", "txt2img", txt2img_workflow(FIRST_SEED, "mb_drop_a")),
+    ("prompt", "vae", vae_roundtrip(SD1_VAE, FIRST_SEED, "mb_drop_vae")),
+    ("prompt", "txt2img again", txt2img_workflow(SECOND_SEED, "mb_drop_b")),
+]
 
 #: the seed reports as scripted runs: name -> (environment, extra ComfyUI flags, the script)
 SEEDS: dict[str, tuple[dict[str, str], tuple[str, ...], list[tuple[str, str, Any]]]] = {
