@@ -542,6 +542,17 @@ class ResidencyManager:
 
     # ------------------------------------------------------------------ faults
 
+    def _warm_range(self, model: Model, offset: Any, size: Any, device: Any) -> "tuple[_Slot, Reservation] | None":
+        """The slot and live reservation for the warm paths of :meth:`fault` and :meth:`unpin` (per weight per
+        step): only an int range inside a registered model on a ``Device`` it has; None sends the caller down the
+        checked path."""
+        slot = model.slots.get(device) if device.__class__ is Device else None
+        if slot is None or (r := slot.reservation) is None or r.released or offset.__class__ is not int \
+                or size.__class__ is not int or not 0 <= offset < offset + size <= model.size \
+                or self._models.get(model.id) is not model:
+            return None
+        return slot, r
+
     @_locked
     def fault(self, model: Model, offset: int, size: int, device: Any = None) -> Fault:
         """Back ``[offset, offset+size)`` of ``model`` and pin it; evicts by priority when out of memory.
@@ -551,10 +562,9 @@ class ResidencyManager:
         A ``DriverError`` from the session leaves the pages it may have mapped counted
         (UNKNOWN, unpinned), so eviction and unload free them.
         """
-        slot = model.slots.get(device) if device.__class__ is Device else None
-        if slot is not None and (r := slot.reservation) is not None and not r.released and offset.__class__ is int and size.__class__ is int \
-                and 0 <= offset and 0 < size and offset + size <= model.size \
-                and self._models.get(model.id) is model:
+        warm = self._warm_range(model, offset, size, device)
+        if warm is not None:
+            slot, r = warm
             # the warm path (per weight per step): every page resident, below any watermark -- pin and go
             ps = r.page_size
             first, last = offset // ps, (offset + size - 1) // ps + 1
@@ -629,10 +639,9 @@ class ResidencyManager:
     @_locked
     def unpin(self, model: Model, offset: int, size: int, device: Any = None) -> None:
         """The op that faulted the range is done with it; its pages may be evicted again."""
-        slot = model.slots.get(device) if device.__class__ is Device else None
-        if slot is not None and (r := slot.reservation) is not None and not r.released and offset.__class__ is int and size.__class__ is int \
-                and 0 <= offset and 0 < size and offset + size <= model.size \
-                and self.tracer is None and self._models.get(model.id) is model:
+        warm = self._warm_range(model, offset, size, device) if self.tracer is None else None
+        if warm is not None:
+            slot, r = warm
             ps = r.page_size  # the warm path, as in fault
             pins = slot.pins
             for p in range(offset // ps, (offset + size - 1) // ps + 1):
