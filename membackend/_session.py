@@ -679,6 +679,21 @@ class Session:
             return where
         return "cpu" if d.kind == "cpu" else f"cuda:{d.index}"
 
+    def host_unregister(self, address: int) -> bool:
+        """Ends a page-locking of host memory at ``address`` through the backend's optional
+        ``host_unregister(address)`` (a GPU backend's driver); True when one started there. False where the
+        backend has no such member (its devices read host memory as it is: nothing to unregister). A backend
+        that fails raises its error, typed as every hook's (``PluginError`` for an untyped one)."""
+        fn = getattr(self.backend, "host_unregister", None)
+        if not callable(fn):
+            return False
+        try:
+            return bool(fn(int(address)))
+        except Exception as exc:
+            if (untyped := self._failed("host_unregister", exc)) is None:
+                raise
+            raise untyped from exc
+
     def budget_query(self, device: Any) -> Budget:
         """The backend's budget, with the headroom in force on ``device`` (:meth:`headroom_in_force`)."""
         device = self._device(device)

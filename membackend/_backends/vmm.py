@@ -565,6 +565,13 @@ class VmmBackend:
         device memory is memory of this process the CPU addresses directly (``GpuDriver.cpu_addressable``)."""
         return "cpu" if self.driver.cpu_addressable else f"cuda:{self._device_index(device)}"
 
+    def host_unregister(self, address: int) -> bool:
+        """Ends the page-locking of the host range registered at ``address`` with the vendor's driver (as
+        torch's ``cudaHostRegister`` makes one): True when one started there, False when none did. Called
+        before that memory is unmapped: a registration outliving its mapping stays in the driver's tables, and
+        a later mapping placed at those addresses is then copied from the old, locked pages."""
+        return self.driver.host_unregister(address)
+
     @hookimpl
     def membackend_probe(self, machine: Machine) -> Candidate:
         c = self.platform.probe_for(machine, self.platform_values)

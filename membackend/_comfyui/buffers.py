@@ -32,12 +32,16 @@ own handling of them applies unchanged.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import logging
 import mmap
 import os
-from typing import Any
+from typing import Any, Iterable
 
 from .runtime import current
+
+log = logging.getLogger("membackend")
 
 __all__ = ["VRAMBuffer", "HostBuffer", "ModelMMAP", "read_file_to_device", "cleanup_file_reader", "tensor_of"]
 
@@ -90,15 +94,31 @@ def tensor_of(alloc: Any) -> Any:
 
 
 class HostBuffer:
-    """comfy-aimdo's ``HostBuffer``: growable host memory at a fixed address, never page-locked."""
+    """comfy-aimdo's ``HostBuffer``: growable host memory at a fixed address, never page-locked by itself.
+
+    ComfyUI page-locks each extension itself (``cudaHostRegister`` of the pin it cut at the extension's start,
+    ``comfy/pinned_memory.py``) and leaves the unlocking to the buffer: ``truncate(size, do_unregister=True)``
+    and the buffer's end, as aimdo's do (comfy-aimdo ``src/hostbuf.c``: truncate calls ``cuMemHostUnregister``,
+    ``hostbuf_free`` releases the rest). So this buffer remembers where each extension starts and, on those
+    two occasions, asks the session's driver to unregister what starts there before the memory goes. A
+    registration must never outlive its mapping: the driver would keep copying a later mapping at those
+    addresses from the old, locked pages (stale bytes), or refuse a copy that crosses its edge
+    ("invalid argument"). Where no session can be asked (membackend stopped), the memory is kept instead.
+    """
+
+    #: mappings whose registrations could not be ended (no session to ask): kept mapped for the process's life
+    _kept: list[Any] = []
 
     def __init__(self, size, prewarm=0, max_grow_size=0, mark_cold=True):
         size = int(size)
         self.size = 0
         self.prewarm = max(0, int(prewarm))
         self._capacity = max(size, int(max_grow_size), 1)
+        #: the byte offset of each extension, ascending: where ComfyUI may have registered a pin
+        self._starts: list[int] = []
+        self._keep_mapped = False  # set when a registration could not be ended: the memory then stays mapped
         try:
-            self._map = mmap.mmap(-1, self._capacity)
+            self._map: Any = mmap.mmap(-1, self._capacity)
         except (OSError, ValueError) as exc:
             raise RuntimeError(f"HostBuffer allocation failed ({exc})") from None
         self._base = _address(self._map)
@@ -113,6 +133,8 @@ class HostBuffer:
         if size < 0 or self.size + size > self._capacity:
             raise RuntimeError("HostBuffer.extend failed")
         start = self._base + self.size
+        if size:
+            self._starts.append(self.size)
         self.size += size
         return start if size else 0
 
@@ -126,7 +148,7 @@ class HostBuffer:
         self.size = max(self.size, offset + size)
 
     def register(self, offset, size):
-        """Page-locking needs aimdo's device: nothing to do."""
+        """Page-locking is ComfyUI's own (``cudaHostRegister``): nothing to do."""
 
     def unregister(self, offset):
         """See :meth:`register`."""
@@ -135,7 +157,47 @@ class HostBuffer:
         size = int(size)
         if size < 0 or size > self._capacity:
             raise RuntimeError("HostBuffer.truncate failed")
+        cut = bisect.bisect_left(self._starts, size)
+        gone, self._starts = self._starts[cut:], self._starts[:cut]
+        if do_unregister and gone and not _unregister(self._base + start for start in gone):
+            self._keep_mapped = True  # a registration may outlive this buffer: never unmapped (see the class)
         self.size = size
+
+    def close(self):
+        """Ends what ComfyUI registered in this buffer, then unmaps it (aimdo's ``hostbuf_free``)."""
+        mapped, self._map = self._map, None
+        starts, self._starts = self._starts, []
+        if mapped is None:
+            return
+        if self._keep_mapped or (starts and not _unregister(self._base + start for start in starts)):
+            HostBuffer._kept.append(mapped)
+            return
+        try:
+            mapped.close()
+        except BufferError:  # a pin tensor still views it: the map goes with the last reference
+            pass
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception as exc:  # a finalizer must not raise
+            log.debug("membackend: closing a collected HostBuffer failed: %s", exc)
+
+
+def _unregister(addresses: Iterable[int]) -> bool:
+    """Ask the session's driver to end a host registration at each of ``addresses`` (none there is fine);
+    False when no session can be asked or the driver failed, so the caller keeps the memory mapped."""
+    rt = current()
+    if rt is None or rt.session is None:
+        return False
+    session = rt.session
+    try:
+        for address in addresses:
+            session.host_unregister(address)
+    except Exception as exc:  # noqa: BLE001 - kept mapped instead; told once
+        rt.report_once("unregistering pinned host memory", exc, "the memory stays mapped")
+        return False
+    return True
 
 
 def _read_into(file_obj: Any, view: memoryview, file_offset: int, what: str) -> None:

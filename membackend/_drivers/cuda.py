@@ -306,3 +306,16 @@ class CudaDriver(GpuDriver):
 
     def host_free_pinned(self, ptr: int) -> None:
         self._on("cuMemFreeHost", ptr)
+
+    def host_unregister(self, ptr: int) -> bool:
+        """``cuMemHostUnregister`` of the range page-locked at ``ptr`` (by ``cuMemHostRegister`` or the
+        runtime's ``cudaHostRegister``, one set of registrations): True when one started there, False when
+        none did (``CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED``). A driver-API call, so a refusal leaves nothing
+        in the runtime API's per-thread last error, which torch reads after its kernel launches."""
+        try:
+            self._on("cuMemHostUnregister", ptr)
+        except DriverError as exc:
+            if exc.code == self.m.CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED:
+                return False
+            raise
+        return True

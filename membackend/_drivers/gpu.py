@@ -201,6 +201,12 @@ class GpuDriver:
     def memcpy_dtoh(self, dst: Any, src: int, size: int) -> None: raise NotImplementedError
     def luid(self, index: int) -> tuple[int, int]: raise NotImplementedError
 
+    def host_unregister(self, ptr: int) -> bool:
+        """End the page-locking of the host range registered at ``ptr`` (by ``cuMemHostRegister`` /
+        ``hipHostRegister``, or torch's ``cudaHostRegister``): True when one started there, False when none
+        did. Leaves no error in the runtime API's per-thread last error, which torch checks."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ budget sources
 
     def budget(self, source: str, index: int) -> tuple[int, int, str]:

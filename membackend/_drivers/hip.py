@@ -222,3 +222,20 @@ class HipDriver(GpuDriver):
     def memcpy_dtoh(self, dst: Any, src: int, size: int) -> None:
         """Synchronous device-to-host copy (after the work queued before it)."""
         self._on("hipMemcpyDtoH", dst, src, size)
+
+    def host_unregister(self, ptr: int) -> bool:
+        """``hipHostUnregister`` of the range page-locked at ``ptr`` (``hipHostRegister``, which torch's ROCm
+        build calls for ``cudaHostRegister``): True when one started there, False when none did
+        (``hipErrorHostMemoryNotRegistered``). HIP has no driver API beside the runtime, so a refusal is
+        also taken off the thread's last error (``hipGetLastError``), which torch reads after its launches."""
+        try:
+            self._on("hipHostUnregister", ptr)
+        except DriverError as exc:
+            try:
+                self.call("hipGetLastError")  # returns and clears the error the refusal left
+            except DriverError:
+                pass  # it answers that same error as its status
+            if exc.code == self.m.hipError_t.hipErrorHostMemoryNotRegistered:
+                return False
+            raise
+        return True

@@ -54,6 +54,8 @@ class hipError_t(enum.IntEnum):  # noqa: N801 - HIP's names
     hipErrorInvalidHandle = 400
     hipErrorNotReady = 600
     hipErrorIllegalAddress = 700
+    hipErrorHostMemoryAlreadyRegistered = 712
+    hipErrorHostMemoryNotRegistered = 713
     hipErrorNotSupported = 801
     hipErrorUnknown = 999
 
@@ -350,3 +352,9 @@ class HipRuntime:
 
     def hipHostFree(self, ptr):  # noqa: N802
         return self._plain("hipHostFree", (_VP,), _ptr(ptr))
+
+    def hipHostUnregister(self, hostPtr):  # noqa: N802, N803
+        return self._plain("hipHostUnregister", (_VP,), _ptr(hostPtr))
+
+    def hipGetLastError(self):  # noqa: N802
+        return self._plain("hipGetLastError", ())

@@ -45,6 +45,8 @@ class CUresult(enum.IntEnum):  # cuda.h: enum cudaError_enum (a subset)
     CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_LAUNCH_FAILED = 719
     CUDA_ERROR_NOT_PERMITTED = 800
     CUDA_ERROR_NOT_SUPPORTED = 801
@@ -203,7 +205,9 @@ class SimCudaDriverModule(SimApi):
     kinds = {"oom": "CUDA_ERROR_OUT_OF_MEMORY", "invalid": "CUDA_ERROR_INVALID_VALUE",
              "invalid_device": "CUDA_ERROR_INVALID_DEVICE", "not_ready": "CUDA_ERROR_NOT_READY",
              "invalid_context": "CUDA_ERROR_INVALID_CONTEXT", "not_supported": "CUDA_ERROR_NOT_SUPPORTED",
-             "no_device": "CUDA_ERROR_NO_DEVICE", "illegal_address": "CUDA_ERROR_ILLEGAL_ADDRESS"}
+             "no_device": "CUDA_ERROR_NO_DEVICE", "illegal_address": "CUDA_ERROR_ILLEGAL_ADDRESS",
+             "already_registered": "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+             "not_registered": "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"}
 
     def __init__(self, platform: SimPlatform):
         self.types = _bindings()
@@ -358,3 +362,9 @@ class SimCudaDriverModule(SimApi):
 
     def cuMemFreeHost(self, p):
         return self._ctx("cuMemFreeHost", 0, lambda: self.platform.pinned_free(_int(p)))
+
+    def cuMemHostRegister(self, p, bytesize, Flags):
+        return self._ctx("cuMemHostRegister", 0, lambda: self.platform.host_register(host_address(p), bytesize))
+
+    def cuMemHostUnregister(self, p):
+        return self._ctx("cuMemHostUnregister", 0, lambda: self.platform.host_unregister(host_address(p)))

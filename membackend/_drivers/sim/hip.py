@@ -13,6 +13,7 @@ carry the same names and values, so the simulation needs no HIP package.
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,11 +48,33 @@ class SimHipModule(SimApi):
     kinds = {"oom": "hipErrorOutOfMemory", "invalid": "hipErrorInvalidValue",
              "invalid_device": "hipErrorInvalidDevice", "not_ready": "hipErrorNotReady",
              "invalid_context": "hipErrorInvalidContext", "not_supported": "hipErrorNotSupported",
-             "no_device": "hipErrorNoDevice", "illegal_address": "hipErrorIllegalAddress"}
+             "no_device": "hipErrorNoDevice", "illegal_address": "hipErrorIllegalAddress",
+             "already_registered": "hipErrorHostMemoryAlreadyRegistered",
+             "not_registered": "hipErrorHostMemoryNotRegistered"}
 
     def __init__(self, platform: SimPlatform):
         self.types = _bindings()
         super().__init__(platform)
+        # HIP runtime API reference, hipGetLastError: "returns the last error returned by any HIP runtime API
+        # call (in this thread) and resets it to hipSuccess"
+        self._last = threading.local()
+
+    def _run(self, name: str, outputs: int, fn: Any) -> tuple:
+        result = super()._run(name, outputs, fn)
+        if result[0] != getattr(self._status, self.success):
+            self._last.error = result[0]
+        return result
+
+    def hipGetLastError(self):
+        error = getattr(self._last, "error", None)
+        self._last.error = None
+        return (error if error is not None else getattr(self._status, self.success),)
+
+    def hipHostRegister(self, hostPtr, sizeBytes, flags):
+        return self._run("hipHostRegister", 0, lambda: self.platform.host_register(_address(hostPtr), sizeBytes))
+
+    def hipHostUnregister(self, hostPtr):
+        return self._run("hipHostUnregister", 0, lambda: self.platform.host_unregister(_address(hostPtr)))
 
     def hipInit(self, flags):
         return self._run("hipInit", 0, self.platform.init)

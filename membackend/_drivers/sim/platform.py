@@ -95,7 +95,7 @@ class SimulatedCrash(BaseException):
 
 class SimError(Exception):
     """A driver call failed; ``kind`` is one of oom, invalid, not_ready, invalid_device, invalid_context,
-    not_supported, no_device, injected."""
+    not_supported, no_device, already_registered, not_registered, injected."""
 
     def __init__(self, kind: str, detail: str = "", code: Any = None):
         super().__init__(f"{kind}: {detail}")
@@ -244,6 +244,8 @@ class SimPlatform:
         self.streams: dict[int, int] = {}  # stream id -> device
         self.events: dict[int, tuple[int, frozenset] | None] = {}  # event id -> (device, op ids) once recorded
         self.host_used = 0
+        #: cuMemHostRegister / hipHostRegister: the page-locked ranges of the process's own memory, base -> size
+        self.host_registered: dict[int, int] = {}
         self.page_cache = p.page_cache
         self.private_commit = 0
         self.churn_frees = 0
@@ -526,6 +528,26 @@ class SimPlatform:
         except KeyError:
             raise SimError("invalid", f"{address:#x} is not memory cuMemAllocHost returned") from None
         self.host_free(size)
+
+    @_locked
+    def host_register(self, address: int, size: int) -> None:
+        """``cuMemHostRegister`` / ``hipHostRegister``: page-locks ``size`` bytes of the process's memory at
+        ``address`` (books only: the bytes stay where they are). A range overlapping one registered already is
+        refused (CUDA driver API reference, cuMemHostRegister: CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)."""
+        if address <= 0 or size <= 0:
+            raise SimError("invalid", f"cannot register {size} bytes at {address:#x}")
+        for base, length in self.host_registered.items():
+            if base < address + size and address < base + length:
+                raise SimError("already_registered", f"[{address:#x}, +{size}) overlaps the range registered at "
+                                                     f"{base:#x}")
+        self.host_registered[address] = size
+
+    @_locked
+    def host_unregister(self, address: int) -> None:
+        """``cuMemHostUnregister`` / ``hipHostUnregister``: ``address`` must be the base a registration was made
+        with (CUDA driver API reference, cuMemHostUnregister: else CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)."""
+        if self.host_registered.pop(address, None) is None:
+            raise SimError("not_registered", f"no registration starts at {address:#x}")
 
     # ------------------------------------------------------------------ address space
 
