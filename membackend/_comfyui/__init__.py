@@ -1,15 +1,26 @@
 """The ComfyUI adapter: the only part of membackend that knows ComfyUI's and comfy-aimdo's names.
 
+Every module of the adapter, in the order ComfyUI meets them:
+
 * :mod:`.install` — ``membackend comfyui install|uninstall <folder>``;
 * :mod:`.startup` — the prestartup script's work: selection, one log line, the
   ``comfy_aimdo.control.init_devices`` wrapper; every patch reversible (G6);
-* :mod:`.wiring` — the patches on ``comfy.model_management`` and the prompt queue's idle point;
+* :mod:`.startup_cost` — what the adapter adds to ComfyUI's start-up, as a ratio to ``import torch``;
+* :mod:`.runtime` — the one running adapter of the process: its session and residency manager, the G6
+  guard around every patched function, the per-load lines and the status answer;
+* :mod:`.patches` — reversible attribute patches, each remembering the original;
+* :mod:`.wiring` — the table of patch points on ``comfy.model_management``, ``ModelPatcherDynamic`` and the
+  prompt queue's idle point, and the facade's installation over comfy-aimdo's names;
 * :mod:`.vbar` — the drop-in facade for ``comfy_aimdo.model_vbar`` backed by the
   residency manager;
-* :mod:`.streams` — fence tokens for the copies ComfyUI's cast path queues (G2);
 * :mod:`.buffers` — drop-ins for comfy-aimdo's ``VRAMBuffer``, ``HostBuffer``, ``ModelMMAP``;
-* :mod:`.status` — the ``GET /membackend/status`` route;
-* :mod:`.startup_cost` — what the adapter adds to ComfyUI's start-up, as a ratio to ``import torch``.
+* :mod:`.aimdo_newer` — drop-ins for the comfy-aimdo 0.5.5 and 0.6.0 names that would reach a served device;
+* :mod:`.aimdo_names` — every public comfy-aimdo name and its one answer (served, left to aimdo, kept out),
+  for the tests and the docs; never imported at start-up;
+* :mod:`.streams` — fence tokens for the copies ComfyUI's cast path queues (G2);
+* :mod:`.keepwarm` — keep warm by budget (G4): the dynamic patchers ComfyUI still holds, watched weakly;
+* :mod:`.status` — the ``GET /membackend/status`` route and the memory panel's headroom route
+  (the panel's script is ``web/membackend_panel.js``).
 
 See ``docs/comfyui.md``.
 """

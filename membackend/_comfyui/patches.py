@@ -36,13 +36,18 @@ class Patches:
         self._lock = threading.RLock()
 
     def replace(self, obj: Any, name: str, value: Any, *, required: bool = True, surface: bool = False,
-                label: str | None = None) -> bool:
-        """Set ``obj.name = value``, remembering what was there; False when skipped (optional, absent)."""
+                label: str | None = None, requires: tuple[str, ...] = ()) -> bool:
+        """Set ``obj.name = value``, remembering what was there; False when skipped (optional, absent).
+
+        ``requires`` names other attributes of ``obj`` the replacement reads: the patch is applied only when
+        ``obj`` has every one of them too (else it is missing as ``name`` is). ``obj`` may be None (a module
+        or class this ComfyUI lacks): every name is missing there."""
         with self._lock:
-            if not hasattr(obj, name):
+            missing = [n for n in (name, *requires) if not hasattr(obj, n)]
+            if missing:
                 if required:
-                    raise MissingName(f"{_label(obj, name)} does not exist; this ComfyUI or comfy-aimdo is not one "
-                                      "the adapter knows")
+                    raise MissingName(f"{_label(obj, missing[0])} does not exist; this ComfyUI or comfy-aimdo is "
+                                      "not one the adapter knows")
                 self.skipped.append(label or _label(obj, name))
                 return False
             own = vars(obj).get(name, _ABSENT) if hasattr(obj, "__dict__") else getattr(obj, name)

@@ -2,7 +2,9 @@
 and ``execution.PromptQueue``.
 
 :func:`wire` is the ``wire`` function :class:`~membackend._comfyui.runtime.Runtime` calls
-once its session is open. Each patch is feature-detected (a name this ComfyUI lacks
+once its session is open. ComfyUI's functions it replaces are one table, :data:`PATCH_POINTS` (where each
+lives, the names its replacement reads, how the replacement is built), each row applied through
+``Patches.replace``. Each patch is feature-detected (a name this ComfyUI lacks
 is skipped and listed in the status), wrapped by :meth:`Runtime.guard` where it is a
 ComfyUI function (an exception inside restores every original and calls ComfyUI's
 own function with the same arguments, G6), and undone by ``Runtime.abort`` /
@@ -61,13 +63,14 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from . import buffers
 from . import vbar as facade
 from .runtime import AIMDO_LOG_LEVELS, Runtime, aimdo_log_noop, say
 
-__all__ = ["wire", "served", "FACADE_NAMES", "BUFFER_NAMES", "LEFT_TO_AIMDO"]
+__all__ = ["wire", "served", "PatchPoint", "PATCH_POINTS", "FACADE_NAMES", "BUFFER_NAMES", "LEFT_TO_AIMDO"]
 
 EVERYTHING = 1e29  # ComfyUI asks for 1e30 / 1e32 when it means "unload everything"
 #: comfy_aimdo.model_vbar's names the facade replaces
@@ -196,143 +199,186 @@ def _dynamic(lm: Any) -> bool:
     return patcher is not None and bool(_vbars_of(patcher))
 
 
-def wire(rt: Runtime) -> None:
-    """Everything membackend patches into ComfyUI once the runtime's session is open."""
-    install_facade(rt)
-    mm = importlib.import_module("comfy.model_management")
-    p = rt.patches
+# --------------------------------------------------------------------------- the patch points
 
-    # ---- G3: budgets from the backend, for the devices it serves
-    def ours(dev: Any) -> bool:
-        if dev is None and callable(getattr(mm, "get_torch_device", None)):
-            dev = mm.get_torch_device()
-        return rt.serves(dev)
 
-    def budget(dev: Any) -> Any:
-        return rt.session.budget_query(rt.device_for(dev))
+def _ours(rt: Runtime, mm: Any, dev: Any) -> bool:
+    """Whether the backend serves ``dev`` (None: ComfyUI's torch device)."""
+    if dev is None and callable(getattr(mm, "get_torch_device", None)):
+        dev = mm.get_torch_device()
+    return rt.serves(dev)
 
-    if hasattr(mm, "get_free_memory"):
-        original_get_free = mm.get_free_memory
 
-        def get_free_memory(dev=None, torch_free_too=False):
-            if not ours(dev):
-                return rt.comfy(original_get_free, dev, torch_free_too)
-            # free minus membackend's own headroom, not minus ComfyUI's --reserve-vram/--vram-headroom: ComfyUI
-            # accounts for those itself, and stock's figure does not change with them (Session.free_for_host)
-            free = rt.session.free_for_host(rt.device_for(dev))
-            return (free, free) if torch_free_too else free
-        p.replace(mm, "get_free_memory", rt.guard("get_free_memory", original_get_free, get_free_memory))
-    else:
-        p.skipped.append("comfy.model_management.get_free_memory")
-    if hasattr(mm, "get_total_memory"):
-        original_get_total = mm.get_total_memory
+def _device_figure(rt: Runtime, mm: Any, original: Callable[..., Any], dev: Any, torch_too: bool,
+                   figure: Callable[[Any], int]) -> Any:
+    """One answer of ``get_free_memory`` / ``get_total_memory``: ComfyUI's own for a device the backend does not
+    serve, else ``figure`` of the device (twice, as ``(figure, torch's)``, when ComfyUI asks for torch's too)."""
+    if not _ours(rt, mm, dev):
+        return rt.comfy(original, dev, torch_too)
+    n = figure(rt.device_for(dev))
+    return (n, n) if torch_too else n
 
-        def get_total_memory(dev=None, torch_total_too=False):
-            if not ours(dev):
-                return rt.comfy(original_get_total, dev, torch_total_too)
-            total = budget(dev).total
-            return (total, total) if torch_total_too else total
-        p.replace(mm, "get_total_memory", rt.guard("get_total_memory", original_get_total, get_total_memory))
-    else:
-        p.skipped.append("comfy.model_management.get_total_memory")
-    if ours(None):
-        own = budget(None)
-        p.replace(mm, "total_vram", own.total / (1024 * 1024), required=False)
-        # one pool (GB10, an AMD APU): a pinned host copy of a weight is the weight twice in the same memory,
-        # so ComfyUI pins nothing there (its pin_memory and pinned_hostbuf_size read MAX_PINNED_MEMORY)
-        gpu = rt.device_for(None).kind != "cpu"  # the host backend's pages are host memory already
-        if gpu and own.unified and (getattr(mm, "MAX_PINNED_MEMORY", 0) or 0) > 0:
-            p.replace(mm, "MAX_PINNED_MEMORY", 0, required=False)
-            say("one memory pool with the host: ComfyUI's pinned host copies of weights are off")
 
-    # ---- G1, G4, G5: free_memory
-    if hasattr(mm, "free_memory") and hasattr(mm, "current_loaded_models"):
-        original_free = mm.free_memory
+def _get_free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """G3: free minus membackend's own headroom, not minus ComfyUI's --reserve-vram/--vram-headroom: ComfyUI
+    accounts for those itself, and stock's figure does not change with them (``Session.free_for_host``)."""
+    def get_free_memory(dev=None, torch_free_too=False):
+        return _device_figure(rt, mm, original, dev, torch_free_too, rt.session.free_for_host)
+    return get_free_memory
 
-        def free_memory(memory_required, device, keep_loaded=[], *args, **kwargs):
-            loaded = mm.current_loaded_models
-            before = list(loaded)
-            sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
-            hide = []
-            if memory_required < EVERYTHING and rt.keep.enabled:
-                dev = rt.device_for(device)
-                room = rt.session.budget_query(dev).usable + rt.policy().evictable(dev)
-                if memory_required <= room:
-                    hide = [lm for lm in before if not lm.is_dead() and _dynamic(lm)]
+
+def _get_total_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """G3: the backend's total for a device it serves."""
+    def get_total_memory(dev=None, torch_total_too=False):
+        return _device_figure(rt, mm, original, dev, torch_total_too, lambda d: rt.session.budget_query(d).total)
+    return get_total_memory
+
+
+def _free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """G1, G4, G5: dynamic models hidden from ComfyUI's victim choice while the policy can make the room;
+    what ComfyUI removed fully unloaded after its own ``free_memory``."""
+    def free_memory(memory_required, device, keep_loaded=[], *args, **kwargs):
+        loaded = mm.current_loaded_models
+        before = list(loaded)
+        sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
+        hide = []
+        if memory_required < EVERYTHING and rt.keep.enabled:
+            dev = rt.device_for(device)
+            room = rt.session.budget_query(dev).usable + rt.policy().evictable(dev)
+            if memory_required <= room:
+                hide = [lm for lm in before if not lm.is_dead() and _dynamic(lm)]
+        if hide:
+            hidden = {id(lm) for lm in hide}
+            loaded[:] = [lm for lm in before if id(lm) not in hidden]
+        try:
+            result = rt.comfy(original, memory_required, device, keep_loaded, *args, **kwargs)
+        finally:
             if hide:
-                hidden = {id(lm) for lm in hide}
-                loaded[:] = [lm for lm in before if id(lm) not in hidden]
-            try:
-                result = rt.comfy(original_free, memory_required, device, keep_loaded, *args, **kwargs)
-            finally:
-                if hide:
-                    kept = {id(lm) for lm in loaded}
-                    new = [lm for lm in loaded if all(lm is not b for b in before)]
-                    loaded[:] = new + [lm for lm in before if id(lm) in hidden or id(lm) in kept]
-            removed = [lm for lm in before if all(lm is not a for a in loaded)]
-            try:
-                if removed:
-                    _retire(rt, removed, loaded, sizes)
-                if memory_required >= EVERYTHING and not rt.pending:
-                    # unload_all_models (POST /free): what the backend keeps for reuse goes back too (G1), so
-                    # the memory the driver holds returns to its start-up value
-                    rt.give_back()
-            except Exception as exc:  # ComfyUI's own free_memory already ran: do not run it twice
-                rt.abort(exc, "the full unload after free_memory")
-            return result
-        p.replace(mm, "free_memory", rt.guard("free_memory", original_free, free_memory))
-    else:
-        p.skipped.append("comfy.model_management.free_memory")
+                kept = {id(lm) for lm in loaded}
+                new = [lm for lm in loaded if all(lm is not b for b in before)]
+                loaded[:] = new + [lm for lm in before if id(lm) in hidden or id(lm) in kept]
+        removed = [lm for lm in before if all(lm is not a for a in loaded)]
+        try:
+            if removed:
+                _retire(rt, removed, loaded, sizes)
+            if memory_required >= EVERYTHING and not rt.pending:
+                # unload_all_models (POST /free): what the backend keeps for reuse goes back too (G1), so
+                # the memory the driver holds returns to its start-up value
+                rt.give_back()
+        except Exception as exc:  # ComfyUI's own free_memory already ran: do not run it twice
+            rt.abort(exc, "the full unload after free_memory")
+        return result
+    return free_memory
 
-    # ---- G4: the current run
-    if hasattr(mm, "load_models_gpu"):
-        original_load = mm.load_models_gpu
 
-        def load_models_gpu(models, *args, **kwargs):
-            result = rt.comfy(original_load, models, *args, **kwargs)
-            vbars = [v for m in models for v in _vbars_of(m)]
-            for v in vbars:
-                rt.cancel_put_off(v)
-            _name(rt, models)
-            if vbars:
-                rt.policy().use([v._model for v in vbars])
-            rt.keep.hold([m for m in models if _vbars_of(m)])
-            return result
-        p.replace(mm, "load_models_gpu", rt.guard("load_models_gpu", original_load, load_models_gpu))
-    else:
-        p.skipped.append("comfy.model_management.load_models_gpu")
+def _load_models_gpu(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """G4: the current run (``ResidencyManager.use``), its patchers held warm and named."""
+    def load_models_gpu(models, *args, **kwargs):
+        result = rt.comfy(original, models, *args, **kwargs)
+        vbars = [v for m in models for v in _vbars_of(m)]
+        for v in vbars:
+            rt.cancel_put_off(v)
+        _name(rt, models)
+        if vbars:
+            rt.policy().use([v._model for v in vbars])
+        rt.keep.hold([m for m in models if _vbars_of(m)])
+        return result
+    return load_models_gpu
 
-    # ---- G5: the Hook delegate, tracked from the moment ComfyUI makes it
-    mp = sys.modules.get("comfy.model_patcher")
-    dynamic_cls = getattr(mp, "ModelPatcherDynamic", None)
-    if dynamic_cls is not None and hasattr(dynamic_cls, "get_non_dynamic_delegate"):
-        original_delegate = dynamic_cls.get_non_dynamic_delegate
 
-        def get_non_dynamic_delegate(patcher, *args, **kwargs):
-            delegate = rt.comfy(original_delegate, patcher, *args, **kwargs)
-            rt.track_delegate(patcher, delegate)
-            return delegate
-        p.replace(dynamic_cls, "get_non_dynamic_delegate",
-                  rt.guard("get_non_dynamic_delegate", original_delegate, get_non_dynamic_delegate))
-    else:
-        p.skipped.append("comfy.model_patcher.ModelPatcherDynamic.get_non_dynamic_delegate")
+def _get_non_dynamic_delegate(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """G5: the Hook delegate, tracked from the moment ComfyUI makes it."""
+    def get_non_dynamic_delegate(patcher, *args, **kwargs):
+        delegate = rt.comfy(original, patcher, *args, **kwargs)
+        rt.track_delegate(patcher, delegate)
+        return delegate
+    return get_non_dynamic_delegate
 
-    # ---- idle: the prompt queue emptied
-    queue_cls = getattr(sys.modules.get("execution"), "PromptQueue", None)  # imported by main.py before us
-    if queue_cls is not None and hasattr(queue_cls, "task_done") and hasattr(queue_cls, "get_tasks_remaining"):
-        original_done = queue_cls.task_done
 
-        def task_done(queue, *args, **kwargs):
-            result = rt.comfy(original_done, queue, *args, **kwargs)
-            try:
-                if queue.get_tasks_remaining() == 0:
-                    rt.idle()
-            except Exception as exc:  # ComfyUI's own task_done already ran: do not run it twice
-                rt.abort(exc, "giving back what the backend keeps when the prompt queue emptied")
-            return result
-        p.replace(queue_cls, "task_done", rt.guard("task_done", original_done, task_done))
-    else:
-        p.skipped.append("execution.PromptQueue.task_done")
+def _task_done(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Idle: after ComfyUI's own ``task_done``, the policy's idle work when the prompt queue emptied."""
+    def task_done(queue, *args, **kwargs):
+        result = rt.comfy(original, queue, *args, **kwargs)
+        try:
+            if queue.get_tasks_remaining() == 0:
+                rt.idle()
+        except Exception as exc:  # ComfyUI's own task_done already ran: do not run it twice
+            rt.abort(exc, "giving back what the backend keeps when the prompt queue emptied")
+        return result
+    return task_done
+
+
+def _model_management() -> Any:
+    return importlib.import_module("comfy.model_management")
+
+
+def _model_patcher_dynamic() -> Any:
+    return getattr(sys.modules.get("comfy.model_patcher"), "ModelPatcherDynamic", None)
+
+
+def _prompt_queue() -> Any:
+    return getattr(sys.modules.get("execution"), "PromptQueue", None)  # imported by main.py before us
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """One ComfyUI function membackend replaces: where it lives, and how its replacement is built.
+
+    ``owner()`` finds the module or class that holds ``name`` (None where this ComfyUI has none);
+    ``requires`` are the other names of the owner the replacement reads; ``build(rt, model_management,
+    original)`` returns the replacement, which :meth:`Runtime.guard` wraps (G6). Where the owner, the name
+    or a required name is missing, the point is skipped and listed under ``label`` in the status."""
+
+    label: str
+    owner: Callable[[], Any]
+    name: str
+    build: Callable[[Runtime, Any, Callable[..., Any]], Callable[..., Any]]
+    requires: tuple[str, ...] = ()
+
+
+#: every ComfyUI function :func:`wire` replaces, in the order it patches them
+PATCH_POINTS = (
+    PatchPoint("comfy.model_management.get_free_memory", _model_management, "get_free_memory", _get_free_memory),
+    PatchPoint("comfy.model_management.get_total_memory", _model_management, "get_total_memory",
+               _get_total_memory),
+    PatchPoint("comfy.model_management.free_memory", _model_management, "free_memory", _free_memory,
+               requires=("current_loaded_models",)),
+    PatchPoint("comfy.model_management.load_models_gpu", _model_management, "load_models_gpu", _load_models_gpu),
+    PatchPoint("comfy.model_patcher.ModelPatcherDynamic.get_non_dynamic_delegate", _model_patcher_dynamic,
+               "get_non_dynamic_delegate", _get_non_dynamic_delegate),
+    PatchPoint("execution.PromptQueue.task_done", _prompt_queue, "task_done", _task_done,
+               requires=("get_tasks_remaining",)),
+)
+
+
+def wire(rt: Runtime) -> None:
+    """Everything membackend patches into ComfyUI once the runtime's session is open: the facade, every
+    :data:`PATCH_POINTS` row (through ``Patches.replace``, skipped where this ComfyUI lacks it), then the
+    budget's constants of ``comfy.model_management``."""
+    install_facade(rt)
+    mm = _model_management()
+    for point in PATCH_POINTS:
+        owner = point.owner()
+        original: Any = getattr(owner, point.name, None)  # never called where the point is skipped
+        rt.patches.replace(owner, point.name, rt.guard(point.name, original, point.build(rt, mm, original)),
+                           required=False, label=point.label, requires=point.requires)
+    _budget_constants(rt, mm)
+
+
+def _budget_constants(rt: Runtime, mm: Any) -> None:
+    """G3: the import-time ``total_vram`` (MiB) from the backend's total when ComfyUI's device is served; on
+    one pool (GB10, an AMD APU) no pinned host copies of weights."""
+    if not _ours(rt, mm, None):
+        return
+    own = rt.session.budget_query(rt.device_for(None))
+    p = rt.patches
+    p.replace(mm, "total_vram", own.total / (1024 * 1024), required=False)
+    # one pool: a pinned host copy of a weight is the weight twice in the same memory, so ComfyUI pins
+    # nothing there (its pin_memory and pinned_hostbuf_size read MAX_PINNED_MEMORY)
+    gpu = rt.device_for(None).kind != "cpu"  # the host backend's pages are host memory already
+    if gpu and own.unified and (getattr(mm, "MAX_PINNED_MEMORY", 0) or 0) > 0:
+        p.replace(mm, "MAX_PINNED_MEMORY", 0, required=False)
+        say("one memory pool with the host: ComfyUI's pinned host copies of weights are off")
 
 
 def _name(rt: Runtime, patchers: list[Any]) -> None:
