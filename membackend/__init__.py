@@ -47,10 +47,17 @@ The layers, and the module-by-module table with each module's test, are in the
 project's ``docs/architecture.md`` and ``docs/modules.md``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__  # noqa: E402
 from .hookspec import hookimpl  # noqa: E402
 from .types import *  # noqa: E402,F401,F403
 from .types import __all__ as _types_all  # noqa: E402
+
+if TYPE_CHECKING:  # what a type checker sees of the lazy names below (the same objects, imported eagerly)
+    from ._residency import ResidencyManager as ResidencyManager
+    from ._session import Session as Session
+    from ._settings import load_settings as load_settings
 
 #: names re-exported lazily (importing them pulls in the session, the policy or pydantic)
 _LAZY = {
@@ -60,22 +67,24 @@ _LAZY = {
 }
 
 
-def create_session(**settings):
+def create_session(**settings: Any) -> "Session":
     """Discover backends, select one by the settings (kwargs win) and return a :class:`Session`."""
     from ._manager import create_session as _create
 
     return _create(**settings)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name is an error there and not Any
 
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module, __name__), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'membackend' has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        if name in _LAZY:
+            import importlib
+
+            module, attr = _LAZY[name]
+            value = getattr(importlib.import_module(module, __name__), attr)
+            globals()[name] = value
+            return value
+        raise AttributeError(f"module 'membackend' has no attribute {name!r}")
 
 
 __all__ = ["__version__", "hookimpl", "create_session", *_LAZY, *_types_all]

@@ -217,7 +217,7 @@ class Session:
     _opt_close: Callable[..., Any] | None
     _hot: dict[str, Callable[..., Any]]
 
-    def __init__(self, backend: Any, *, machine: Machine, ledger: Ledger | None = None,
+    def __init__(self, backend: hookspec.Backend, *, machine: Machine, ledger: Ledger | None = None,
                  observers: Iterable[Any] = (), headroom: int | None = None, headroom_source: str | None = None,
                  candidate: Candidate | None = None, how: str = "forced", tracer: Any = None):
         self.backend = backend
@@ -238,8 +238,10 @@ class Session:
         #: device -> {level (_LIVE, _FLAGS): (bytes, source)}; read and written under _headroom_lock
         self._headrooms: dict[Device, dict[int, tuple[int, str]]] = {}
         self._headroom_lock = threading.Lock()
-        self._backend_follows = callable(getattr(backend, "follow_headroom", None)) and \
-            callable(getattr(backend, "own_headroom", None))
+        follow = getattr(backend, "follow_headroom", None)  # optional members: hookspec.OptionalMembers
+        #: the backend's follow_headroom where it has one and own_headroom too, else None
+        self._follow_headroom: Callable[..., None] | None = \
+            follow if callable(follow) and callable(getattr(backend, "own_headroom", None)) else None
         self.candidate = candidate
         self.how = how
         self.tracer = tracer
@@ -262,8 +264,8 @@ class Session:
         self._known_kinds = frozenset(d.kind for d in known)
         self.observers: list[Any] = []
         self._bind(observers)
-        if self._backend_follows:  # last: a session that failed to build leaves the backend as it was
-            backend.follow_headroom(self._decided_headroom)
+        if self._follow_headroom is not None:  # last: a session that failed to build leaves the backend as it was
+            self._follow_headroom(self._decided_headroom)
 
     # ------------------------------------------------------------------ binding
 
@@ -916,8 +918,8 @@ class Session:
             failures += exc.failures
         except MembackendError as exc:
             failures.append(("trim", exc))
-        if self._backend_follows:  # a closed session decides nothing for the backend any more
-            self.backend.follow_headroom(None, instead_of=self._decided_headroom)
+        if self._follow_headroom is not None:  # a closed session decides nothing for the backend any more
+            self._follow_headroom(None, instead_of=self._decided_headroom)
         if self._opt_close is not None:  # what the backend holds of the driver itself (a primary context)
             try:
                 self._opt_close()

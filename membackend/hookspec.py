@@ -2,9 +2,8 @@
 
 A backend is an object (usually a class instance) with a ``name`` attribute
 (a lowercase identifier, unique among installed backends), ``device_kinds``
-(the device kinds it serves: ``cpu``, ``cuda``, ``hip``), an optional
-``version`` and ``capabilities`` (:class:`membackend.types.Capabilities`),
-and one ``@hookimpl`` method for each hook in :data:`HOOKS`; the hooks in
+(the device kinds it serves: ``cpu``, ``cuda``, ``hip``), optional members
+(:class:`OptionalMembers`: ``version``, ``capabilities``, ...), and one ``@hookimpl`` method for each hook in :data:`HOOKS`; the hooks in
 :data:`OPTIONAL_HOOKS` (``trim``, ``inspect``, ``inject_failures``, ``close``)
 may be added. Third parties publish it under the entry-point group
 ``membackend.backends``::
@@ -44,26 +43,35 @@ with a type checker, ``backend: Backend = MyBackend()``, or at run time with
 ``isinstance(obj, Backend)``, which looks at the names only) and
 :class:`OptionalHooks` (the four hooks a backend may add:
 ``membackend_trim``, ``membackend_inspect``, ``membackend_inject_failures``,
-``membackend_close``). The conformance kit (:mod:`membackend.testing`) checks
-what the types cannot: the behaviour.
+``membackend_close``) and :class:`OptionalMembers` (every other attribute or
+method membackend reads when a backend has it: ``version``, ``capabilities``,
+``own_headroom``, ``follow_headroom``, ``tensor_device``, ``kept_windows``, ...,
+each with its type, its meaning and what is used when it is missing). The
+conformance kit (:mod:`membackend.testing`) checks what the types cannot: the
+behaviour.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import pluggy
 
 from .types import (
     Budget,
     Candidate,
+    Capabilities,
     Device,
     DriverState,
     FailureInjection,
     Fault,
+    FenceToken,
     Machine,
     Reservation,
 )
+
+if TYPE_CHECKING:  # the records of the layer above that optional members use (a contract imports none at run time)
+    from .platform import Platform, PlatformSetting
 
 PROJECT = "membackend"
 
@@ -84,8 +92,14 @@ HOOKS = ("membackend_probe",) + VERBS
 #: hooks a backend may implement; the session and the conformance kit use them when present
 OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_failures", "membackend_close")
 
-__all__ = ["PROJECT", "hookspec", "hookimpl", "VERBS", "HOOKS", "OPTIONAL_HOOKS", "Backend", "OptionalHooks",
-           *HOOKS, *OPTIONAL_HOOKS]
+#: the attributes and methods a backend may have besides the hooks, each read with ``getattr`` where membackend
+#: uses it (:class:`OptionalMembers` declares each)
+OPTIONAL_MEMBERS = ("version", "capabilities", "settings", "from_settings", "platform", "platform_values",
+                    "page_size", "own_headroom", "follow_headroom", "tensor_device", "room_split", "kept_windows",
+                    "fence_token", "host_unregister", "driver")
+
+__all__ = ["PROJECT", "hookspec", "hookimpl", "VERBS", "HOOKS", "OPTIONAL_HOOKS", "OPTIONAL_MEMBERS", "Backend",
+           "OptionalHooks", "OptionalMembers", *HOOKS, *OPTIONAL_HOOKS]
 
 
 @hookspec
@@ -346,8 +360,8 @@ class Backend(Protocol):
     """What every backend has: the attributes the manager and the session read, and the seven required hooks.
 
     ``name``: lower case, unique among installed backends; ``device_kinds``: what it serves, of
-    ``cpu``, ``cuda``, ``hip``; ``version`` and ``capabilities`` are read with ``getattr`` and may be
-    left out (the defaults: no version, ``Capabilities()``), so they are not part of this protocol.
+    ``cpu``, ``cuda``, ``hip`` (both read only: a plain class attribute satisfies them). Every other
+    member membackend reads is optional and declared in :class:`OptionalMembers`.
     Each method is decorated ``@hookimpl`` in the backend and keeps the argument names of its hook
     specification above (pluggy passes them by name). Check a class with a type checker::
 
@@ -356,8 +370,13 @@ class Backend(Protocol):
     ``isinstance(obj, Backend)`` checks that the names are there, not their signatures.
     """
 
-    name: str
-    device_kinds: tuple[str, ...]
+    @property
+    def name(self) -> str:
+        """Lower case, unique among installed backends (``[a-z][a-z0-9_]*``)."""
+
+    @property
+    def device_kinds(self) -> tuple[str, ...]:
+        """The device kinds it serves, of ``cpu``, ``cuda``, ``hip``."""
 
     def membackend_probe(self, machine: Machine) -> Candidate: ...
 
@@ -389,3 +408,83 @@ class OptionalHooks(Protocol):
     def membackend_inject_failures(self, probability: float, seed: int) -> FailureInjection | None: ...
 
     def membackend_close(self) -> None: ...
+
+
+class OptionalMembers(Protocol):
+    """Every member besides the hooks that membackend reads from a backend when it is there (:data:`OPTIONAL_MEMBERS`).
+
+    None is required: membackend reads each with ``getattr`` and uses the default said here when it is
+    missing. A backend that has one must give it this type and meaning. The generic virtual-memory backend
+    (a :class:`~membackend.platform.Platform` record's) has all of them; ``host`` and ``aimdo`` have
+    ``version``, ``capabilities``, ``from_settings`` and ``own_headroom``.
+    """
+
+    #: shown by ``membackend backends`` and the doctor (missing: the distribution's version, else ``unknown``)
+    version: str
+    #: what the mechanism does and needs (missing: ``Capabilities()``); the kit and the session read it
+    capabilities: Capabilities
+    #: the settings the backend declares, read under its ``name`` from the same sources as membackend's own
+    #: (``MEMBACKEND_<NAME>_<SETTING>``, ``[<name>]`` in ``membackend.toml``); missing: none
+    settings: tuple[PlatformSetting, ...]
+    #: the values of those settings (a ``PlatformValues``); missing: read from ``settings`` by the manager
+    platform_values: Any
+    #: the platform record the backend was built from (the VMM backend's); the kit's platform rules use it
+    platform: Platform
+    #: the page size the backend maps, in bytes (missing: 2 MiB); the ComfyUI adapter sizes its facade by it
+    page_size: int
+    #: the vendor driver the backend calls (a ``membackend._drivers`` driver); the kit queues real copies
+    #: through it (``memcpy_htod_async``, with :meth:`fence_token`) where it has them, else timer tokens
+    driver: Any
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Backend:
+        """Build the backend from membackend's settings (an entry point naming a class; missing: the class is
+        called with no arguments). A class that declares ``settings`` and takes ``values`` is called
+        ``from_settings(settings, values=...)`` with their values."""
+        ...
+
+    def own_headroom(self, device: Device, total: int) -> tuple[int, str]:
+        """The headroom the backend's own rule keeps free on ``device`` of ``total`` bytes, and where it comes
+        from in words (``platform cuda_wddm's own rule``). The lowest level of ``Session.headroom_in_force``;
+        missing: the ``headroom`` of the backend's ``Budget``."""
+        ...
+
+    def follow_headroom(self, decide: Callable[[Device, int], int] | None,
+                        instead_of: Callable[[Device, int], int] | None = None) -> None:
+        """From now on take the headroom in force from ``decide(device, total)`` (None: back to
+        :meth:`own_headroom`); with ``instead_of``, only while that is the one followed. The session calls it
+        when it is built and when it closes, so the budget the backend reports keeps the headroom the session
+        decided; read only together with :meth:`own_headroom`. Missing: the session applies its headroom to
+        the backend's budget itself."""
+        ...
+
+    def tensor_device(self, device: Device) -> str:
+        """The torch device that reads the backend's memory on ``device``: ``cpu`` where it is memory of this
+        process the CPU addresses directly, else ``cuda:N`` (missing: ``cpu`` for cpu devices, ``cuda:N``
+        otherwise). Anything else is a ``PluginError`` (``Session.tensor_device``)."""
+        ...
+
+    def room_split(self, device: Device) -> Any:
+        """Where ``device``'s memory goes under the headroom in force, in bytes (the VMM backend's
+        ``RoomSplit``: ``total``, ``free``, ``headroom``, ``room``, ``held``, ``other``, ``weights_room``,
+        ``resident``, ``source``); the ComfyUI status shows it. Missing: the status shows no split."""
+        ...
+
+    def kept_windows(self, device: Device) -> Any:
+        """What stays reserved on ``device`` after its reservations were released under a reserve-churn limit
+        (the VMM backend's ``KeptWindows``: a dataclass with ``describe()``), or None where nothing is kept;
+        the doctor and the ComfyUI status show it. Missing: nothing is kept."""
+        ...
+
+    def fence_token(self, reservation: Reservation, stream: Any) -> FenceToken:
+        """A token for the work queued on ``stream`` that touches ``reservation`` (an event recorded after it),
+        for ``Session.record``; the kit fences against real device work with it. Missing: the kit's async
+        checks use timer tokens and say so."""
+        ...
+
+    def host_unregister(self, address: int) -> bool:
+        """End the page-locking with the vendor's driver of the host range registered at ``address`` (as torch's
+        ``cudaHostRegister`` makes one): True when one started there, False when none did. Called before that
+        memory is unmapped (``Session.host_unregister``). Missing: False (the backend's devices read host
+        memory as it is)."""
+        ...

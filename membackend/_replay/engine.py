@@ -32,7 +32,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .._drivers.open import machine_for, open_sim_variant, simulated_failures
 from .._ledger import Ledger
@@ -167,7 +167,7 @@ class _Run:
 
     def __init__(self, session: Session, policy: ResidencyManager, result: SideResult, record_copies: bool):
         self.session, self.policy, self.result = session, policy, result
-        self.backend = session.backend
+        self.backend: Any = cast(Any, session.backend)  # a VMM backend over a simulated driver: its driver
         self.driver = self.backend.driver
         self.sim = self.driver.sim
         self.record_copies = record_copies

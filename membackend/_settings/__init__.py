@@ -60,17 +60,51 @@ from .sources import (
 )
 
 if TYPE_CHECKING:  # built by model.models() on first use; the names resolve through __getattr__ below
+    from pathlib import Path
+
     from pydantic import BaseModel as _BaseModel
 
-    class _Model(_BaseModel):
-        """What a type checker sees of the models: pydantic models whose fields (built from the tables of
-        :mod:`.rules`) and methods read as ``Any``."""
+    # What a type checker sees of the models: one annotation per field of the tables of .rules (FIELDS,
+    # MACHINE_FIELDS, DEVICE_FIELDS), held to them by tests/test_front_door.py.
 
-        def __getattr__(self, name: str) -> Any: ...
+    class DeviceOverride(_BaseModel):
+        kind: str
+        index: int
+        name: str
+        total_memory: int
+        integrated: bool
+        unified: bool
+        driver_model: str | None
+        arch: str | None
+        vmm_supported: bool
+        luid: str | None
 
-    Settings = _Model
-    MachineOverrides = _Model
-    DeviceOverride = _Model
+    class MachineOverrides(_BaseModel):
+        os: str | None
+        cpus: int | None
+        ram_total: int | None
+        ram_available: int | None
+        cgroup_limit: int | None
+        torch_version: str | None
+        torch_vendor: str | None
+        devices: list[DeviceOverride] | None
+
+    class Settings(_BaseModel):
+        backend: str | None
+        disable: bool
+        block: list[str]
+        headroom: int | None
+        page_size: int
+        host_capacity: int | None
+        sim_profile: str | None
+        probe_timeout: float
+        sanitize: bool
+        trace: Path | None
+        machine: MachineOverrides
+
+        def source_of(self, key: str) -> str: ...
+
+        def snapshot(self) -> Sources | None: ...
 
 __all__ = ["Settings", "MachineOverrides", "DeviceOverride", "load_settings", "parse_bytes", "format_bytes",
            "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "SIZE_MAX",

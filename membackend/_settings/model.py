@@ -24,6 +24,8 @@ from .sources import Resolved, Sources, resolve
 if TYPE_CHECKING:
     from pydantic.json_schema import JsonDict
 
+    from . import Settings
+
 __all__ = ["models", "construct", "load_settings"]
 
 MODULE = "membackend._settings"  # where the models are importable (and picklable) from
@@ -90,7 +92,7 @@ def models() -> tuple[Any, Any, Any]:
     return device, machine, settings
 
 
-def construct(resolved: Resolved) -> Any:
+def construct(resolved: Resolved) -> Settings:
     """The :class:`Settings` of values that passed the rules (no validation again), with their sources."""
     device, machine, settings = models()
     values = dict(resolved.values)
@@ -104,7 +106,7 @@ def construct(resolved: Resolved) -> Any:
     return built
 
 
-def load_settings(**kwargs: Any) -> Any:
+def load_settings(**kwargs: Any) -> Settings:
     """Read every source once (kwargs win; see :mod:`membackend._settings.sources`) and build
     :class:`Settings`; any bad value raises ``ConfigError`` (key, source, what is accepted).
 

@@ -61,7 +61,32 @@ and these functions:
   harness the kit's rules run on (see :mod:`membackend.testing.harness`).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what a type checker sees of the names below: the same objects, imported eagerly
+    from .fixtures import clean_environment as clean_environment
+    from .harness import Target as Target
+    from .harness import async_work as async_work
+    from .harness import build_session as build_session
+    from .harness import checker_for as checker_for
+    from .harness import driver_view as driver_view
+    from .harness import inject_failures as inject_failures
+    from .harness import parse_target as parse_target
+    from .real import aimdo_backend as aimdo_backend
+    from .real import cuda_driver as cuda_driver
+    from .real import event_token as event_token
+    from .real import tensor_at as tensor_at
+    from .real import this_machine as this_machine
+    from .real import vmm_backend as vmm_backend
+    from .simulated import AimdoLoadPolicy as AimdoLoadPolicy
+    from .simulated import AimdoStockVmm as AimdoStockVmm
+    from .simulated import StockPolicy as StockPolicy
+    from .simulated import host_session as host_session
+    from .simulated import simulated_driver as simulated_driver
+    from .simulated import simulated_failures as simulated_failures
+    from .simulated import simulated_machine as simulated_machine
+    from .simulated import simulated_profiles as simulated_profiles
+    from .simulated import simulated_session as simulated_session
 
 #: where each name lives (a name not listed: :mod:`membackend.testing.harness`): imported on first use, so
 #: ``membackend doctor`` (which runs the kit's checks through the harness), the benchmarks and a plugin's
@@ -82,11 +107,13 @@ __all__ = ["Target", "async_work", "build_session", "checker_for", "driver_view"
            "this_machine", "cuda_driver", "vmm_backend", "aimdo_backend", "event_token", "tensor_at"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
+if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name is an error there and not Any
 
-    value = getattr(import_module(f"{__name__}.{_HOME.get(name, 'harness')}"), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        if name not in __all__:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        from importlib import import_module
+
+        value = getattr(import_module(f"{__name__}.{_HOME.get(name, 'harness')}"), name)
+        globals()[name] = value
+        return value

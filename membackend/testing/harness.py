@@ -767,14 +767,13 @@ def async_work(session: Session, r: Reservation, offset: int, size: int, seconds
                 return
             ctypes.memset(lo, 0x5A, size)
         return FutureToken(_copies.submit(copy))
-    driver = getattr(backend, "driver", None)
-    if driver is not None and callable(getattr(backend, "fence_token", None)) \
-            and hasattr(driver, "memcpy_htod_async"):
+    driver, fence_token = getattr(backend, "driver", None), getattr(backend, "fence_token", None)
+    if driver is not None and callable(fence_token) and hasattr(driver, "memcpy_htod_async"):
         driver.set_device(r.device.index)
         stream = driver.stream_create()
         source = ctypes.create_string_buffer(size)  # a real driver reads it when the copy runs: kept with the token
         driver.memcpy_htod_async(r.base + offset, ctypes.addressof(source), size, stream)
-        return _Holding(backend.fence_token(r, stream), source)
+        return _Holding(fence_token(r, stream), source)
     checker_for(session).note("fences against device work",
          "the kit cannot start work on this backend's devices (timer tokens only)")
     return _TimerToken(seconds)
