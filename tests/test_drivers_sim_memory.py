@@ -194,3 +194,72 @@ def test_every_profile_holds_bytes_and_says_so():
     for name in ("h200", "wddm-6gb", "gb10-128gb", "rocm-win-2gpu", "mi100-novmm"):
         d = sim_driver(get_profile(name))
         assert d.sim.memory.backed, (name, d.sim.memory.reason)
+
+
+# A process at the kernel's mapping limit (vm.max_map_count): every other page of one region of its own given
+# another protection (each page a mapping of its own) until a few hundred mappings are left, then faults on a
+# simulated H200 until the limit refuses one, then every page freed and every reservation released.
+AT_THE_LIMIT = r"""
+import ctypes, json, mmap, os
+from membackend.testing.simulated import simulated_session
+from membackend.types import MembackendError
+def mappings():
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+limit = int(open("/proc/sys/vm/max_map_count").read())
+s = simulated_session("h200", page_size="2MiB")
+dev, page = s.devices()[0], 2 << 20
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+filler = limit - mappings() - 600
+small = mmap.PAGESIZE
+region = libc.mmap(None, (filler + 2) * small, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, -1, 0)
+for i in range(1, filler, 2):
+    assert libc.mprotect(region + i * small, small, 0) == 0, os.strerror(ctypes.get_errno())
+out = {"limit": limit}
+reservations, refused = [], None
+while refused is None:
+    try:
+        r = s.reserve(dev, 16 * page)
+    except MembackendError as exc:
+        refused = f"reserve: {type(exc).__name__}"
+        break
+    reservations.append(r)
+    for i in range(0, 16, 2):
+        if not s.fault(r, i * page, page).ok:
+            refused = "fault: ok=False"
+            break
+out["refused"], out["at"], out["reservations"] = refused, mappings(), len(reservations)
+out["freed"] = s.free(reservations[0], 0, page)  # one page dropped at the limit: unmapped, memory back
+errors = []
+for r in reservations:
+    try:
+        s.release_reservation(r)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+s.trim()
+out["errors"], out["state"], out["after"] = errors[:3], s.backend.driver.sim.state(0), mappings()
+r = s.reserve(dev, 16 * page)  # room again
+out["fault_after"] = s.fault(r, 0, 16 * page).ok
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="vm.max_map_count is Linux's")
+def test_at_the_kernels_mapping_limit_releases_succeed_and_the_memory_comes_back():
+    import json
+    import subprocess
+
+    limit = int(open("/proc/sys/vm/max_map_count").read())
+    if limit > 1_000_000:
+        pytest.skip(f"vm.max_map_count is {limit}: too many mappings to fill in a test")
+    run = subprocess.run([sys.executable, "-c", AT_THE_LIMIT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["refused"] is not None and out["at"] >= limit, out  # the kernel's limit, not the device's memory
+    assert out["reservations"] > 1 and out["freed"] == PAGE, out
+    assert out["errors"] == [], out  # on main: 'cuMemUnmap failed ... mmap: Cannot allocate memory'
+    assert out["state"]["physical"] == 0 and out["state"]["reserved"] == 0 and out["state"]["mapped"] == 0, out
+    assert out["after"] < limit - 500 and out["fault_after"], out

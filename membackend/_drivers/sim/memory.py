@@ -5,23 +5,38 @@ simulated virtual-memory calls with the operating system's own, one call for
 one call, following the CUDA driver API reference, "Virtual Memory Management"
 (HIP mirrors it in ``hip_runtime_api.h``):
 
-* ``cuMemAddressReserve`` -- address space without access: an anonymous
-  ``mmap(PROT_NONE, MAP_NORESERVE)`` of the size, aligned (man 2 mmap); no
-  memory, no commit charge;
+* ``cuMemAddressReserve`` -- address space without access: a
+  ``mmap(PROT_NONE, MAP_SHARED | MAP_NORESERVE)`` of the size, aligned (man 2
+  mmap), over a range of the ``memfd`` that no handle uses and no page is ever
+  written to; no memory, no commit charge. Each reservation has its own such
+  range, a page apart from every other, so the kernel never merges its mapping
+  with a neighbour's (a mapping merges only with one of the same file at the
+  next offset): freeing it never has to split a mapping;
 * ``cuMemCreate`` -- physical memory of its own: a range of one ``memfd``
   (man 2 memfd_create) per simulated process, never shared with another
-  handle; its pages exist once written (tmpfs is sparse), as a GPU's do once
-  its driver backs them;
+  handle and a page apart from the next one's (so two handles mapped side by
+  side stay two mappings); its pages exist once written (tmpfs is sparse), as
+  a GPU's do once its driver backs them;
 * ``cuMemMap`` -- the handle's bytes appear at the address:
   ``mmap(MAP_SHARED | MAP_FIXED)`` of the handle's range of the file over the
   reserved addresses, still without access (``PROT_NONE``);
 * ``cuMemSetAccess`` -- read and write access to the mapped range:
   ``mprotect(PROT_READ | PROT_WRITE)``;
-* ``cuMemUnmap`` -- the bytes leave the address, which stays reserved: an
-  anonymous ``PROT_NONE`` mapping put back over it (``MAP_FIXED``);
+* ``cuMemUnmap`` -- the bytes leave the address, which stays reserved: the
+  reservation's own range of the file put back over it (``MAP_FIXED``), which
+  merges with the reservation around it. The driver documents no
+  out-of-resource failure of an unmap (CUDA driver API, ``cuMemUnmap``: "the
+  address range is converted to an address reservation"; HIP's
+  ``hipMemUnmap`` returns success, invalid value or not supported), but the
+  kernel refuses every new mapping once a process holds ``vm.max_map_count``
+  of them (``ENOMEM``, man 2 mmap). There the handle's mapping is left in
+  place without access (``mprotect(PROT_NONE)``, which needs no new mapping)
+  until the address range goes back, so a release never needs more mappings
+  than it frees;
 * ``cuMemRelease`` of a handle no address maps -- the memory is freed:
   ``fallocate(FALLOC_FL_PUNCH_HOLE)`` over its range of the file (man 2 fallocate);
-* ``cuMemAddressFree`` -- the address range goes back: ``munmap``.
+* ``cuMemAddressFree`` -- the address range goes back: ``munmap`` of exactly
+  the mappings it holds (none reaches past its ends), which never fails.
 
 One handle mapped at two addresses shows the same bytes at both (both map the
 same range of the file), as two mappings of one physical allocation do on a
@@ -37,6 +52,7 @@ simulation keeps books only, as before.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import os
@@ -51,6 +67,9 @@ PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 MAP_FAILED = ctypes.c_void_p(-1).value
+#: where the reservations' ranges of the file start: far above any handle's (the handles' end is the file's
+#: size, a device's memory at most), so no reservation's range ever sits next to a handle's
+ADDRESS_RANGES = 1 << 48
 
 
 class MemoryCallFailed(OSError):
@@ -94,9 +113,13 @@ class SimMemory:
         self._fallocate = libc.fallocate
         self._fallocate.restype = ctypes.c_int
         self._fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        self._page = os.sysconf("SC_PAGE_SIZE")
         self.fd = os.memfd_create(f"membackend-sim-{label}", os.MFD_CLOEXEC)
         self._end = 0  # the file's size: every handle gets a fresh range (never reused; freed by a hole)
-        self._reserved: dict[int, int] = {}  # base -> size of every live reservation
+        self._next_range = ADDRESS_RANGES  # the next reservation's range of the file (no page is ever written)
+        #: base -> (size, offset of the file mapped at base) of every live reservation
+        self._reserved: dict[int, tuple[int, int]] = {}
+        self._bases: list[int] = []  # the live reservations' bases, sorted (unmap finds its reservation)
         self._host: dict[int, int] = {}  # address -> size of every host allocation
         self._lock = threading.Lock()  # close() may run from a finalizer on any thread
 
@@ -114,23 +137,29 @@ class SimMemory:
     # -- address space
 
     def reserve(self, size: int, alignment: int) -> int:
-        """``size`` bytes of address space at a multiple of ``alignment``, no access, no memory."""
+        """``size`` bytes of address space at a multiple of ``alignment``, no access, no memory: its own range
+        of the file (see the module docstring). ``MemoryCallFailed`` with nothing left mapped if it cannot."""
         span = size + alignment
-        raw = self._map(None, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+        offset = self._next_range
+        raw = self._map(None, span, PROT_NONE, MAP_SHARED | MAP_NORESERVE, self.fd, offset)
+        self._next_range += span + self._page  # a page apart: never the next offset of another reservation's
         base = -(-raw // alignment) * alignment
-        if base > raw:
-            self._munmap(raw, base - raw)
         tail = raw + span - (base + size)
-        if tail:
-            self._munmap(base + size, tail)
+        # trimming splits the fresh mapping, which the kernel may refuse at its mapping limit: then none of it stays
+        if (base > raw and self._munmap(raw, base - raw) != 0) or (tail and self._munmap(base + size, tail) != 0):
+            failed = self._fail("munmap")
+            self._munmap(raw, span)  # whole mappings only: this never needs a split
+            raise failed
         with self._lock:
-            self._reserved[base] = size
+            self._reserved[base] = (size, offset + (base - raw))
+            bisect.insort(self._bases, base)
         return base
 
     def unreserve(self, base: int, size: int) -> None:
         """The range goes back to the operating system."""
         with self._lock:
-            self._reserved.pop(base, None)
+            if self._reserved.pop(base, None) is not None:
+                del self._bases[bisect.bisect_left(self._bases, base)]
         if self._munmap(base, size) != 0:
             raise self._fail("munmap")
 
@@ -143,7 +172,7 @@ class SimMemory:
             os.ftruncate(self.fd, offset + size)
         except OSError as exc:
             raise MemoryCallFailed(exc.errno or errno.ENOMEM, f"ftruncate: {exc.strerror}") from None
-        self._end = offset + size
+        self._end = offset + size + self._page  # a page apart: two handles side by side never merge into one mapping
         return offset
 
     def free(self, offset: int, size: int) -> None:
@@ -162,8 +191,24 @@ class SimMemory:
             raise self._fail("mprotect")
 
     def unmap(self, va: int, size: int) -> None:
-        """The bytes leave ``va``; the addresses stay reserved, without access."""
-        self._map(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED)
+        """The bytes leave ``va``; the addresses stay reserved, without access. Needs no new mapping: at the
+        kernel's mapping limit the handle's mapping stays, without access, until the range goes back."""
+        with self._lock:
+            at = bisect.bisect_right(self._bases, va) - 1
+            base = self._bases[at] if at >= 0 else -1
+            reserved, offset = self._reserved.get(base, (0, 0))
+        if not base <= va < va + size <= base + reserved:
+            raise MemoryCallFailed(errno.EINVAL, f"unmap: [{va:#x}, {va + size:#x}) is in no reservation")
+        got = self._mmap(va, size, PROT_NONE, MAP_SHARED | MAP_NORESERVE | MAP_FIXED, self.fd, offset + (va - base))
+        if got not in (None, MAP_FAILED):
+            return
+        code = ctypes.get_errno()
+        if code != errno.ENOMEM:
+            raise MemoryCallFailed(code, f"mmap: {os.strerror(code)}")
+        # vm.max_map_count reached: mmap refuses any new mapping. The handle's mapping is exactly its own (handles
+        # never merge), so taking its access away splits nothing; munmap of the reservation removes it later
+        if self._mprotect(va, size, PROT_NONE) != 0:
+            raise self._fail("mprotect")
 
     # -- host memory (cuMemAllocHost)
 
@@ -195,10 +240,10 @@ class SimMemory:
     def close(self) -> None:
         """Every reservation's addresses and the file go back (the simulated process ended)."""
         with self._lock:
-            reserved, self._reserved = self._reserved, {}
+            reserved, self._reserved, self._bases = self._reserved, {}, []
             host, self._host = self._host, {}
             fd, self.fd = self.fd, -1
-        for base, size in (*reserved.items(), *host.items()):
+        for base, size in (*((b, r[0]) for b, r in reserved.items()), *host.items()):
             self._munmap(base, size)
         if fd >= 0:
             os.close(fd)
