@@ -570,6 +570,22 @@ def test_a_save_that_meets_an_edit_answers_409_and_keeps_both(rt, tmp_path, monk
     assert config.read_text() == 'log_level = "debug"\n' and rt.headroom_in_force(d) == before
 
 
+
+def test_a_save_while_an_editor_rewrites_the_file_in_place_answers_409_and_keeps_its_text(rt, tmp_path, monkeypatch):
+    config = tmp_path / "membackend.toml"
+    text = 'log_level = "info"\n\n[cuda_wddm]\nheadroom = "1GiB"\n'
+    config.write_text(text)
+    monkeypatch.setenv("MEMBACKEND_CONFIG", str(config))
+    monkeypatch.delenv("MEMBACKEND_HEADROOM", raising=False)
+    d = rt.devices[0]
+    before = rt.headroom_in_force(d)
+    with open(config, "w") as editor:  # nano's save: truncated, not yet written
+        code, answer = routes.change_headroom({"headroom": "3GiB", "save": True})
+        editor.write(text)
+    assert config.read_text() == text, answer  # on main: the file was 'headroom = "3GiB"' alone
+    assert code == 409 and answer["error"] == "ConfigChanged" and "is open for writing" in answer["message"], answer
+    assert rt.headroom_in_force(d) == before
+
 def test_the_status_stays_small_under_20000_headroom_changes(rt, monkeypatch):
     before = len(json.dumps(routes.status()))
     clock = [1_000_000.0]

@@ -31,13 +31,49 @@ ORIGINAL = '# my settings\nlog_level = "info"  # chatty\n\n[rocm_windows]\naddre
 # The child: imports everything first, then drops to nobody, then runs the saves the spec asks for and prints
 # one JSON object: the outcome of each save ({"ok": path} or {"error": type, "message": ...}).
 CHILD = r"""
-import json, os, sys, threading
+import errno, json, os, resource, sys, threading, time
 import tomlkit, tomllib, tempfile, fcntl
 import membackend._settings.save as save
 from membackend.types import ConfigError
 spec = json.loads(sys.argv[1])
 if os.geteuid() == 0 and spec["drop"]:
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
+if spec.get("fsize") is not None:  # a file-size limit (ulimit -f): the kernel stops a write past it
+    resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize"], resource.RLIM_INFINITY))
+if spec.get("disk_room") is not None:  # a disk with room for this many more bytes of the config file
+    ino, real_write = os.stat(spec["path"]).st_ino, os.write
+    limit = os.stat(spec["path"]).st_size + spec["disk_room"]
+    def write(fd, data):
+        if os.fstat(fd).st_ino != ino:
+            return real_write(fd, data)
+        room = limit - os.lseek(fd, 0, os.SEEK_CUR)
+        if room <= 0 and len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, bytes(data[:room]))
+    os.write = write
+leases = []  # the leases the save takes, where it takes any
+if getattr(save, "_Lease", None) is not None:
+    real_take = save._Lease.take
+    def take(self):
+        real_take(self)
+        leases.append(self)
+    save._Lease.take = take
+if spec.get("editor_at") is not None:  # the user's editor opens the file for writing (nano: truncate, then write)
+    name = spec["editor_at"]           # at the save's first call of os.<name>, and writes it whole
+    real_call, editor = getattr(os, name), []
+    def rewrite():
+        with open(spec["path"], "w", newline="") as f:
+            f.write(spec["editor_text"])
+    def call(*args, **kwargs):
+        if not editor:
+            editor.append(threading.Thread(target=rewrite))
+            editor[0].start()
+            for _ in range(60_000):  # until the editor has written, or waits on the save's lease
+                if not editor[0].is_alive() or any(lease.broken() for lease in leases):
+                    break
+                time.sleep(0.001)
+        return real_call(*args, **kwargs)
+    setattr(os, name, call)
 if spec.get("edit_during") is not None:  # the user's editor writes the file while the save runs
     real_edited = save._edited
     def edited(*args, **kwargs):
@@ -61,6 +97,8 @@ def worker(values):
 threads = [threading.Thread(target=worker, args=(vs,)) for vs in spec["values"]]
 for t in threads: t.start()
 for t in threads: t.join()
+if spec.get("editor_at") is not None:
+    editor[0].join()
 print(json.dumps(outcomes))
 """
 
@@ -98,8 +136,11 @@ def write(path: Path, text: str, mode: int = 0o644) -> Path:
 
 
 def start(path: Path, values: list[list[str]], *, drop: bool = True, edit_during: str | None = None,
-          key: str = "headroom") -> subprocess.Popen:
-    spec = {"path": str(path), "values": values, "drop": drop, "edit_during": edit_during, "key": key}
+          key: str = "headroom", **more) -> subprocess.Popen:
+    """A child saving ``values`` (one thread per list) into ``path``; ``more``: ``fsize`` (a file-size limit),
+    ``disk_room`` (bytes the config file may still grow by), ``editor_at`` and ``editor_text`` (an editor
+    rewriting the file in place when the save first calls that ``os`` function)."""
+    spec = {"path": str(path), "values": values, "drop": drop, "edit_during": edit_during, "key": key, **more}
     return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -307,3 +348,45 @@ def test_in_process_errors_are_typed(tmp_path):
     with pytest.raises(ConfigError, match="not a regular file"):
         save_setting("headroom", "1GiB", fifo)  # and it does not block on the FIFO
     assert issubclass(ConfigChanged, ConfigError)
+
+
+@pytest.mark.parametrize("limit", ["file-size limit", "full disk"])
+def test_a_hard_linked_file_that_cannot_grow_is_refused_and_kept_whole(home, limit):
+    config = write(home / "membackend.toml", 'headroom = "1GiB"\n' + ORIGINAL)
+    os.link(config, home / "other-name.toml")
+    size = config.stat().st_size
+    room = {"fsize": size + 2} if limit == "file-size limit" else {"disk_room": 2}
+    before = snapshot(home)
+    got = save(config, "1024MiB", **room)  # one value growing by 3 bytes, in the file's first line
+    assert changed(before, snapshot(home)) == set(), config.read_text()  # on main: cut in the middle of a line
+    assert got["error"] == "ConfigError" and "cannot grow by 3 bytes" in got["message"], got
+    assert "nothing was changed" in got["message"] and "ulimit -f" in got["message"], got
+    assert "ok" in save(config, "2GiB", **room)  # as long: written over its own bytes, no room needed
+    assert config.read_text() == 'headroom = "2GiB"\n' + ORIGINAL and (home / "other-name.toml").read_text() == \
+        config.read_text()
+
+
+@pytest.mark.parametrize("links", [1, 2], ids=["one name", "hard-linked"])
+def test_a_file_an_editor_is_rewriting_in_place_is_not_touched(home, links):
+    config = write(home / "membackend.toml", ORIGINAL)
+    if links == 2:
+        os.link(config, home / "other-name.toml")
+    edit = ORIGINAL + '\n[cuda_wddm]\nheadroom = "1GiB"\n'
+    with open(config, "w", newline="") as editor:  # nano's save: truncated, not yet written
+        got = save(config)
+        editor.write(edit)
+    assert config.read_text() == edit, got  # on main: the whole file was 'headroom = "2GiB"'
+    assert got["error"] == "ConfigChanged" and "is open" in got["message"], got
+    assert sorted(p.name for p in home.iterdir()) == ["membackend.toml", "other-name.toml"][:links]
+
+
+@pytest.mark.parametrize("links,at", [(1, "replace"), (2, "ftruncate")], ids=["one name", "hard-linked"])
+def test_an_editor_opening_the_file_while_it_is_saved_keeps_its_text(home, links, at):
+    config = write(home / "membackend.toml", ORIGINAL)
+    if links == 2:
+        os.link(config, home / "other-name.toml")
+    edit = ORIGINAL + '\n[cuda_wddm]\nheadroom = "1GiB"\n'
+    got = save(config, editor_at=at, editor_text=edit)  # the editor opens it just before the rename / the write
+    assert config.read_text() == edit, got  # on main: the editor wrote a file the rename had taken the name from
+    assert got["error"] == "ConfigChanged", got
+    assert sorted(p.name for p in home.iterdir()) == ["membackend.toml", "other-name.toml"][:links]

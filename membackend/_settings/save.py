@@ -7,25 +7,41 @@ What :func:`save_setting` promises:
   describes, and a file written with CRLF line ends keeps them); the result is parsed again and must read
   as the old file with that one value changed, or nothing is written;
 * the file saved is the real one: a symlink is followed to its target, which keeps its mode and owner;
-  a file with other hard links is written in place, so every name sees the new value;
+  a file with other hard links is written in place, so every name sees the new value (see below);
 * a file without write permission, or one the saving user could not give back to its owner, is refused
   with a :class:`~membackend.types.ConfigError` before anything is written;
 * the write is atomic: a temporary file created exclusively (``O_EXCL``, an unpredictable name) beside the
   target, flushed to disk, then renamed over the target (the folder flushed after); a failure at any step
   removes the temporary file and leaves the target as it was;
+* a file written in place (other hard links) is never left cut: it first grows to the new text's length
+  with newlines at its end (still the user's TOML, with the same values) and is flushed to disk, so a full
+  disk or a file-size limit (``RLIMIT_FSIZE``) stops the save before a byte of the text changes, and the
+  file is put back to its length; only then is the text overwritten, and a write that still fails puts
+  the old text back. Where it cannot grow, the save says so and the file is as it was;
 * one save at a time: a lock in this process, and on POSIX an advisory lock on the target's folder that
   other membackend processes take too;
 * nothing the user wrote is lost: a file that changed between the save's read and its rename is not
-  overwritten (:class:`~membackend.types.ConfigChanged`, which the headroom route answers as 409).
+  overwritten (:class:`~membackend.types.ConfigChanged`, which the headroom route answers as 409). An
+  editor that saves by renaming its own temporary file is seen (the target's inode changes). An editor
+  that rewrites the file in place (truncate, then write, as nano does) is seen on Linux through a lease
+  on the file (``fcntl(F_SETLEASE)``, man 2 fcntl): a file some program holds open for writing is not
+  read at all, since what it holds may be half written (``ConfigChanged``); one opened for writing while
+  the save runs breaks the lease, and that program waits until the save is done. If that happened by
+  the rename, the file read is renamed back under its name (a second hard link made beforehand), so that
+  program writes the file that has the name. A file written in place holds a write lease, so no other
+  program opens it until it is whole.
 
-Only a change made in the last instant between that final check and the rename could still be lost; an
-editor that saves by renaming its own temporary file is seen (the target's inode changes).
+Leases need the saving user to own the file (or ``CAP_LEASE``) and a filesystem that grants them; where
+they cannot be had, and on other systems, the checks of the file's inode and text remain, and an in-place
+rewrite started before the save read the file or made in the last instant before the rename can be lost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal
 import stat
 import threading
 import tomllib
@@ -43,6 +59,7 @@ try:  # POSIX only: Windows has no advisory file locks of this kind (the in-proc
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _SAVING = threading.Lock()  # one save at a time in this process (two at once left invalid TOML)
 WRITABLE = "a membackend.toml this process may write, in a folder it may create files in"
 
@@ -100,26 +117,42 @@ def _folder_locked(folder: Path, shown: Path) -> Iterator[None]:
 def _save_once(real: Path, shown: Path, key: str, value: str) -> None:
     """Read, edit and write ``real`` (the folder's lock held)."""
     try:
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the save
+        fd = os.open(real, os.O_RDONLY | _NONBLOCK)  # a FIFO, or a lease held elsewhere, must not block the save
     except FileNotFoundError:
         _create(real, shown, key, value)
         return
+    except BlockingIOError:  # a lease another program holds
+        raise _busy(shown, "read") from None
     except OSError as exc:
         raise _unwritable(shown, f"cannot be read: {exc.strerror or exc}") from None
+    lease = _Lease(fd, "read", shown)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError("config", str(shown), "is not a regular file", CONFIG_ACCEPTED)
         if not st.st_mode & 0o222 or not os.access(real, os.W_OK):  # root may write anything: the mode decides
             raise _unwritable(shown, f"is read-only (mode {stat.filemode(st.st_mode)}); nothing was written")
-        old = _read_all(fd)
+        if st.st_nlink == 1:
+            lease.take()  # before the read: a file open for writing elsewhere may be half written
+        try:
+            old = _read_all(fd)
+        except OSError as exc:
+            raise _unwritable(shown, f"cannot be read: {exc.strerror or exc}") from None
+        new = _edited(old, shown, key, value)
+        if st.st_nlink > 1 or fcntl is None:
+            # a write lease wants no other descriptor of the file open, and Windows refuses to replace a file
+            # this process holds open
+            lease.release()
+            os.close(fd)
+            fd = -1
+        if st.st_nlink > 1:
+            _write_in_place(real, shown, st, old, new)
+        else:
+            _replace(real, shown, st, old, new, fd, lease)
     finally:
-        os.close(fd)  # before the rename: Windows refuses to replace a file this process holds open
-    new = _edited(old, shown, key, value)
-    if st.st_nlink > 1:
-        _write_in_place(real, shown, st, old, new)
-    else:
-        _replace(real, shown, st, old, new)
+        lease.release()
+        if fd >= 0:
+            os.close(fd)
 
 
 def _create(real: Path, shown: Path, key: str, value: str) -> None:
@@ -140,44 +173,183 @@ def _create(real: Path, shown: Path, key: str, value: str) -> None:
     _sync_folder(folder)
 
 
-def _replace(real: Path, shown: Path, st: os.stat_result, old: bytes, new: bytes) -> None:
+def _replace(real: Path, shown: Path, st: os.stat_result, old: bytes, new: bytes, fd: int, lease: _Lease) -> None:
     """Write ``new`` to a temporary file beside ``real`` with its mode and owner, then rename it over
-    ``real`` unless ``real`` no longer holds ``old``."""
+    ``real`` unless ``real`` no longer holds ``old``, or a program opened it for writing (``lease``
+    broken). ``fd`` is the file read (-1: closed); if it changed or its lease broke by the rename, the file
+    read is renamed back under its name and ``ConfigChanged`` raised."""
     tmp = _temporary(real.parent, real, shown, new, mode=stat.S_IMODE(st.st_mode), owner=(st.st_uid, st.st_gid))
+    backup = None
     try:
+        backup = _second_name(real, shown, st, tmp) if fd >= 0 else None
         _unchanged(real, shown, st, old)
+        if lease.broken():
+            raise _changed(shown)
         os.replace(tmp, real)
+        if backup is not None and _moved_on(fd, old, lease):
+            os.replace(backup, real)  # the file read, with what was written to it meanwhile, has its name back
+            backup = None
+            raise _changed(shown)
     except OSError as exc:
         raise _unwritable(shown, f"cannot be written: {exc.strerror or exc}") from None
     finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        for left in (tmp, backup):
+            if left is not None and os.path.lexists(left):
+                os.unlink(left)
     _sync_folder(real.parent)
+
+
+def _moved_on(fd: int, old: bytes, lease: _Lease) -> bool:
+    """Whether the file read (``fd``) was opened for writing or no longer holds ``old`` (or cannot be read)."""
+    try:
+        return lease.broken() or _read_all(fd) != old
+    except OSError:
+        return True
+
+
+def _second_name(real: Path, shown: Path, st: os.stat_result, tmp: str) -> str | None:
+    """A second hard link to the file read (``st``), beside the temporary file ``tmp`` (an unpredictable
+    name of its own), so that it can be renamed back after the rename; None where the filesystem makes no
+    hard links. ``ConfigChanged`` when ``real`` is no longer the file read."""
+    name = tmp[: -len(".tmp")] + ".old"
+    try:
+        os.link(real, name)
+    except OSError:
+        return None
+    if os.lstat(name).st_ino != st.st_ino:
+        os.unlink(name)
+        raise _changed(shown)
+    return name
 
 
 def _write_in_place(real: Path, shown: Path, st: os.stat_result, old: bytes, new: bytes) -> None:
     """A file with other hard links: renaming would leave them on the old text, so it is rewritten
-    through its own inode (one write, then a truncate and a flush to disk), unless it is no longer the
-    file read (``st``) holding what was read (``old``)."""
+    through its own inode, under a write lease where one can be had, unless it is no longer the file read
+    (``st``) holding what was read (``old``). Never left cut: it first grows to ``new``'s length (see the
+    module docstring), then is overwritten, truncated and flushed; a failure puts ``old`` back."""
     try:
-        out = os.open(real, os.O_RDWR)
+        out = os.open(real, os.O_RDWR | _NONBLOCK)
+    except BlockingIOError:  # a lease another program holds
+        raise _busy(shown, "write") from None
     except OSError as exc:
         raise _unwritable(shown, f"cannot be written: {exc.strerror or exc}") from None
+    lease = _Lease(out, "write", shown)
     try:
-        now = os.fstat(out)
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or _read_all(out) != old:
+        lease.take()
+        try:
+            now = os.fstat(out)
+            same = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino) and _read_all(out) == old
+        except OSError as exc:
+            raise _unwritable(shown, f"cannot be read: {exc.strerror or exc}") from None
+        if not same:
             raise _changed(shown)  # replaced or edited since it was read
+        _grow(out, shown, len(old), len(new))
+        if lease.broken():  # a program opened it for writing meanwhile: it waits, and writes it after
+            with contextlib.suppress(OSError):
+                os.ftruncate(out, len(old))
+            raise _changed(shown)
+        _overwrite(out, shown, old, new)
+        if lease.broken():
+            raise ConfigChanged("config", str(shown), "was opened for writing by another program while this save "
+                                "wrote it; what that program writes replaces this save's value", "the file as it "
+                                "is once that program is done: save again")
+    finally:
+        lease.release()
+        os.close(out)
+
+
+def _grow(out: int, shown: Path, have: int, want: int) -> None:
+    """Make the file ``out`` (``have`` bytes) ``want`` bytes long with newlines at its end, flushed to disk,
+    before its text changes; where it cannot grow (a full disk, a file-size limit), cut it back to ``have``
+    bytes and raise ``ConfigError``."""
+    if want <= have:
+        return
+    try:
+        os.lseek(out, have, os.SEEK_SET)
+        _write_all(out, b"\n" * (want - have))  # trailing newlines: still the user's TOML, the same values
+        os.fsync(out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # never fails for room: it only gives some back
+            os.ftruncate(out, have)
+        raise ConfigError("config", str(shown), f"has other hard links, so it is saved in place, and it cannot grow "
+                          f"by {want - have} bytes here ({exc.strerror or exc}); nothing was changed",
+                          f"room for {want - have} more bytes on its disk and under the file-size limit (ulimit -f), "
+                          f"or a file without other hard links (saved by renaming a new file over it)") from None
+
+
+def _overwrite(out: int, shown: Path, old: bytes, new: bytes) -> None:
+    """Write ``new`` over the file ``out`` (already as long as ``new``), truncate and flush it; if that
+    fails, write ``old`` back. ``ConfigError`` on a failure, saying whether ``old`` is back."""
+    try:
         os.lseek(out, 0, os.SEEK_SET)
-        view = memoryview(new)
-        at = 0
-        while at < len(view):
-            at += os.write(out, view[at:])
+        _write_all(out, new)
         os.ftruncate(out, len(new))
         os.fsync(out)
     except OSError as exc:
-        raise _unwritable(shown, f"could not be written whole: {exc.strerror or exc}") from None
-    finally:
-        os.close(out)
+        why = exc.strerror or str(exc)
+        try:
+            os.lseek(out, 0, os.SEEK_SET)
+            _write_all(out, old)
+            os.ftruncate(out, len(old))
+            os.fsync(out)
+        except OSError as again:
+            raise _unwritable(shown, f"could not be written whole ({why}), nor its old text put back "
+                              f"({again.strerror or again})") from None
+        raise _unwritable(shown, f"could not be written whole ({why}); its old text was put back") from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at ``fd``'s offset (a short write is continued; its error raised)."""
+    view = memoryview(data)
+    at = 0
+    while at < len(view):
+        at += os.write(fd, view[at:])
+
+
+class _Lease:
+    """A lease on the file ``fd`` is open on (Linux, ``fcntl(F_SETLEASE)``, man 2 fcntl) that tells whether
+    another program opens it for writing: a ``read`` lease is refused while any program holds the file open
+    for writing, a ``write`` lease while any program holds it open at all, and either is broken by a
+    program opening it for writing, which then waits until the lease is let go (at most
+    ``/proc/sys/fs/lease-break-time`` seconds). Where no lease can be had (another owner without
+    ``CAP_LEASE``, a filesystem without leases, not Linux) it holds nothing and ``broken`` is False.
+
+    The kernel signals the holder when its lease breaks, ``SIGIO`` by default, which ends a process; the
+    signal is set to one whose disposition here is to ignore it (``SIGURG``), or no lease is taken."""
+
+    def __init__(self, fd: int, kind: str, shown: Path):
+        self.fd, self.kind, self.shown = fd, kind, shown
+        self.held = False
+
+    def take(self) -> None:
+        """Take the lease; ``ConfigChanged`` when another program holds the file open in a way it refuses."""
+        quiet = getattr(signal, "SIGURG", None)
+        if fcntl is None or not hasattr(fcntl, "F_SETLEASE") or not hasattr(fcntl, "F_SETSIG") or quiet is None or \
+                signal.getsignal(quiet) not in (signal.SIG_DFL, signal.SIG_IGN):
+            return
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_SETSIG, quiet)
+            fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_RDLCK if self.kind == "read" else fcntl.F_WRLCK)
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:
+                raise _busy(self.shown, self.kind) from None
+            return  # not the owner, or a filesystem without leases: the content checks remain
+        self.held = True
+
+    def broken(self) -> bool:
+        """Whether a program opened the file for writing since the lease was taken (and now waits)."""
+        if not self.held:
+            return False
+        try:
+            return fcntl.fcntl(self.fd, fcntl.F_GETLEASE) == fcntl.F_UNLCK
+        except OSError:
+            return True  # the lease is gone: nothing vouches for the file any more
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
 
 
 def _temporary(folder: Path, real: Path, shown: Path, data: bytes, mode: int,
@@ -266,6 +438,15 @@ def _unchanged(real: Path, shown: Path, st: os.stat_result, old: bytes) -> None:
         same = False
     if not same:
         raise _changed(shown)
+
+
+def _busy(shown: Path, kind: str) -> ConfigChanged:
+    """The file is open in another program in a way a ``kind`` (read, write) lease refuses."""
+    held = "open for writing in another program (an editor saving it in place?), so what it holds may be half " \
+        "written" if kind == "read" else "open in another program, and a file with other hard links is written in " \
+        "place only while no other program has it open"
+    return ConfigChanged("config", str(shown), f"is {held}; it was not touched and that program's text is kept",
+                         "the file once that program has closed it: save again")
 
 
 def _changed(shown: Path) -> ConfigChanged:
