@@ -115,7 +115,10 @@ def test_a_trace_recorded_with_membackend_trace_replays(tmp_path):
     c = replay(str(path), profile="wddm-6gb")  # another machine: a 6 GB card
     plugin = c.results["plugin"][0]
     assert plugin.backend == "cuda_wddm"  # what membackend selects there
-    assert plugin.refaulted > 0 and plugin.loaded > 8 * GiB  # 8 GiB streamed through a 6 GB card twice
+    # 8 GiB through a 6 GB card: what fits is copied once and stays; the layers past it are answered out of
+    # memory on both steps (ComfyUI streams them through its cast buffer), none is mapped and unmapped again
+    assert plugin.refaulted == 0 and 0 < plugin.loaded < 8 * GiB
+    assert plugin.oom == 2 * ((8 * GiB - plugin.loaded) // GiB)
     assert c.violations == []
 
 

@@ -910,3 +910,34 @@ def test_shedding_never_frees_a_pinned_page(target):
     machine = type(f"PinsSurviveShedding[{target}]", (PinsSurviveShedding,), {"target": target})
     run_state_machine_as_test(machine, settings=settings(max_examples=10, stateful_step_count=20, deadline=None,
                                                          database=None, suppress_health_check=list(HealthCheck)))
+
+
+# --------------------------------------------------------------------------- a model larger than its room
+
+
+def test_a_model_larger_than_its_room_keeps_a_prefix_and_streams_the_rest(env):
+    """Layer by layer, step after step, as ComfyUI's sampler faults a model: what fits is mapped once and
+    stays; the layers past it are answered out of memory (ComfyUI streams them through its cast buffer).
+    Giving up the pages used a moment ago instead would map and unmap every page past the prefix on every
+    step (issue 34, item 3: no per-step churn of handles or mappings)."""
+    s = env.session()
+    policy = ResidencyManager(s)
+    layers = env.capacity // env.page + 3  # three layers more than the room holds
+    m = policy.register("unet", layers * env.page, env.device)
+    policy.use([m])
+    mapped, answered = [], []
+    for _step in range(3):
+        step_mapped, ok = 0, []
+        for i in range(layers):
+            f = policy.fault(m, i * env.page, env.page)
+            ok.append(f.ok)
+            if f.ok:
+                step_mapped += f.mapped
+                policy.unpin(m, i * env.page, env.page)
+        mapped.append(step_mapped)
+        answered.append(ok)
+    assert mapped[0] > 0 and mapped[1:] == [0, 0]  # nothing mapped again after the first step
+    assert answered[1] == answered[2] == answered[0]  # the same layers stream on every step
+    fitted = answered[0].count(True)
+    assert answered[0] == [True] * fitted + [False] * (layers - fitted)  # a prefix stays, the rest streams
+    s.close()

@@ -54,6 +54,8 @@ class StockPolicy(ResidencyManager):
     """
 
     policy = "stock"
+    #: comfy-aimdo's vbars_free_for_vbar walks the faulting VBAR from its top page down, under its own range too
+    sheds_below_the_fault = True
 
     def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
         super().__init__(session, tracer=tracer)
