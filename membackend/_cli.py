@@ -9,9 +9,10 @@ with ``membackend._pictures``); ``membackend bench`` runs the benchmark suite
 (``membackend.bench``).
 
 Exit codes: 0 ok; 1 the self-test failed, or a replay's plugin side broke a
-guarantee; 2 a configuration error (its message is printed), including a forced
-backend that is not available, a folder that is not a ComfyUI checkout, and a
-trace that cannot be read.
+guarantee; 2 a configuration error (its message is printed, one line), including a
+forced backend that is not installed (with the closest installed name), broken,
+blocked or serving no device of this machine (with its probe's reason), a folder
+that is not a ComfyUI checkout, and a trace that cannot be read.
 """
 
 from __future__ import annotations

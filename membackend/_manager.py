@@ -337,13 +337,15 @@ class BackendManager:
             log.warning("membackend: backend %s skipped: %s", name, value)
         return candidates, failed
 
-    def select(self, machine: Machine | None = None) -> Selection:
+    def select(self, machine: Machine | None = None, *, anywhere: bool = False) -> Selection:
         """Choose the backend for ``machine`` (default: the machine the settings describe).
 
         In order: switched off by ``disable`` (no record); forced by the ``backend`` setting
-        (``BackendNotFound`` naming what is available and why the others are not, when it is not
-        installed, broken or blocked); else the highest probe score among the backends that fit, are
+        (``BackendNotFound`` saying why in one line when it is not installed, broken, blocked, or serves
+        no device of ``machine``); else the highest probe score among the backends that fit, are
         not blocked and are not opt-in (ties: the first by name, warned once); else the ``host`` fallback.
+        ``anywhere``: a forced backend that serves no device here is selected all the same (the
+        conformance kit, whose rules then skip and say why); a user's forcing never is.
         """
         machine = machine or machine_for(self.settings)
         s = self.settings
@@ -357,21 +359,28 @@ class BackendManager:
             if name not in self.records and name not in broken:
                 log.warning("membackend: block names %r, which is not an installed backend", name)
         if s.backend:
-            return self._forced(s.backend, candidates, failed, broken, blocked)
+            return self._forced(s.backend, machine if not anywhere else None, candidates, failed, broken, blocked)
         return self._by_score(candidates, broken, blocked)
 
-    def _forced(self, name: str, candidates: dict[str, Candidate], failed: dict[str, str],
-                broken: dict[str, str], blocked: list[str]) -> Selection:
-        """The selection the ``backend`` setting forces, or ``BackendNotFound`` saying what could be forced."""
-        rec = self.records.get(name)
-        if rec is None or name in failed or name in blocked:
-            unavailable = dict(broken)
-            unavailable.update({n: f"does not fit: {c.reason}" for n, c in candidates.items() if c.score == 0})
-            unavailable.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
-            available = [n for n in candidates if n not in unavailable]
-            raise BackendNotFound(name, available, unavailable)
+    def _forced(self, name: str, machine: Machine | None, candidates: dict[str, Candidate],
+                failed: dict[str, str], broken: dict[str, str], blocked: list[str]) -> Selection:
+        """The selection the ``backend`` setting forces, or ``BackendNotFound`` in one line: a name not installed
+        (with the closest installed one), broken, blocked, or serving no device of ``machine`` (with its
+        probe's reason; ``machine`` None: not checked). A backend that serves a device here but whose probe
+        says it does not fit is honoured: forcing is how a user overrides a probe."""
+        unavailable = {n: f"broken: {why}" for n, why in broken.items()}
+        unavailable.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
+        kinds = {"cpu", *(d.device.kind for d in machine.devices)} if machine is not None else None
+        for n, c in candidates.items():
+            served = tuple(getattr(self.records[n].plugin, "device_kinds", ()))
+            if kinds is not None and n not in unavailable and c.score == Score.NONE and not kinds & set(served):
+                unavailable[n] = (f"it serves {'/'.join(served) or 'no'} devices and this machine has none; "
+                                  f"its probe says: {c.reason}")
+        if name not in self.records or name in unavailable:
+            raise BackendNotFound(name, sorted(n for n in candidates if n not in unavailable), unavailable)
         c = candidates[name]
         note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
+        rec = self.records[name]
         return Selection(rec, "forced", f"forced by backend={name!r}{note}", candidates, broken, blocked)
 
     def _by_score(self, candidates: dict[str, Candidate], broken: dict[str, str],

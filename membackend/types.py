@@ -160,20 +160,33 @@ class WrongDevice(ReservationError):
 
 
 class BackendNotFound(MembackendError, LookupError):
-    """A backend was asked for by name and is not available.
+    """A backend was asked for by name (forced) and cannot be used: said in one line.
 
-    ``available`` lists the names that could have been chosen; ``unavailable``
-    maps every other known name to the reason it cannot be used.
+    ``available`` lists the installed names that could be forced on this machine; ``unavailable`` maps
+    every other known name to the reason it cannot be used (broken, blocked, serving no device here).
+    The line says, for ``name``: not installed, with the closest installed name ("did you mean
+    cuda_wddm?"); or installed, with the reason from ``unavailable`` (for one that serves no device of this
+    machine, its probe's reason).
     """
 
     def __init__(self, name: str, available: list[str], unavailable: dict[str, str]):
+        import difflib
+
         self.name = name
         self.available = list(available)
         self.unavailable = dict(unavailable)
-        lines = [f"backend {name!r} is not available; available: {', '.join(self.available) or 'none'}"]
-        for other, why in sorted(self.unavailable.items()):
-            lines.append(f"  {other}: unavailable ({why})")
-        super().__init__("\n".join(lines))
+        if name in self.unavailable:
+            line = f"backend {name!r} cannot be used here: {self.unavailable[name]}"
+            if self.available:
+                line += f"; choices here: {', '.join(self.available)}"
+        else:
+            installed = sorted({*self.available, *self.unavailable})
+            # 0.65: one wrong letter of three (vmn) is close, three of six (nope, noverb) is not
+            lower = {n.lower(): n for n in installed}
+            close = [lower[c] for c in difflib.get_close_matches(name.lower(), lower, n=1, cutoff=0.65)]
+            line = f"backend {name!r} is not installed" + (f"; did you mean {close[0]}?" if close else "") + \
+                f" (installed: {', '.join(installed) or 'none'})"
+        super().__init__(line)
 
 
 class BackendDisabled(MembackendError):

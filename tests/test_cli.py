@@ -47,7 +47,16 @@ def test_backends_and_budget(capsys):
 def test_unknown_forced_backend_exits_2_with_the_choices(capsys, monkeypatch):
     monkeypatch.setenv("MEMBACKEND_BACKEND", "no_such_backend")
     code, _, err = run(capsys, "doctor")
-    assert code == 2 and "backend 'no_such_backend' is not available; available: host" in err
+    assert code == 2 and "backend 'no_such_backend' is not installed (installed: " in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_misspelt_forced_backend_gets_one_line_with_the_closest_name(capsys, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "vmn")
+    code, _, err = run(capsys, "doctor")
+    assert code == 2 and err.strip().splitlines() == [
+        "membackend: configuration error: backend 'vmn' is not installed; did you mean vmm? (installed: "
+        + err.split("(installed: ")[1].strip()]
 
 
 def test_bad_setting_exits_2_naming_the_key(capsys, monkeypatch):
@@ -133,10 +142,17 @@ def test_console_script_is_installed():
     assert proc.returncode == 0 and "host" in proc.stdout
 
 
-def test_forcing_a_gpu_backend_on_a_machine_without_its_device_fails_the_self_test_cleanly(capsys, monkeypatch):
+def test_forcing_a_gpu_backend_on_a_machine_without_its_device_is_a_configuration_error(capsys, monkeypatch):
     monkeypatch.setenv("MEMBACKEND_BACKEND", "vmm")
-    code, out, _ = run(capsys, "doctor")
-    assert code == 1 and "self-test: FAILED" in out and "no cuda device that 'vmm' serves was found here" in out
+    monkeypatch.setenv("MEMBACKEND_MACHINE__DEVICES", "[]")  # no GPU, whatever this machine has
+    for command in ("doctor", "budget", "backends"):
+        code, out, err = run(capsys, command)
+        assert code == 2 and out == "", (command, out)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            "membackend: configuration error: backend 'vmm' cannot be used here: it serves cuda devices and this "
+            "machine has none; its probe says: no CUDA or HIP device found; choices here: "), (command, err)
+        assert "host" in lines[0].rpartition("choices here: ")[2].split(", "), (command, err)
 
 
 def test_a_gpu_backend_whose_driver_cannot_answer_fails_the_self_test_cleanly(capsys, monkeypatch):

@@ -18,6 +18,8 @@ import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 from membackend._comfyui import startup, vbar  # noqa: E402
 from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
 
+#: a machine with one CUDA device, whatever this one has (MEMBACKEND_MACHINE__DEVICES)
+CUDA_DEVICE = '[{"kind": "cuda", "total_memory": "8GiB"}]'
 FLAGS = dict(cpu=False, highvram=False, gpu_only=False, novram=False, lowvram=False, disable_dynamic_vram=False,
              enable_dynamic_vram=False, disable_cuda_graphs=False, disable_smart_memory=False, reserve_vram=None,
              vram_headroom=0)
@@ -78,7 +80,11 @@ def _one_short_line(lines):
 
 @pytest.mark.parametrize("env, says, state", [
     ({"MEMBACKEND_DISABLE": "1"}, "off (MEMBACKEND_DISABLE=1); ComfyUI runs stock", "disabled"),
-    ({"MEMBACKEND_BACKEND": "aimdo"}, "ComfyUI runs stock with its own comfy-aimdo", "stock"),
+    ({"MEMBACKEND_BACKEND": "aimdo", "MEMBACKEND_MACHINE__DEVICES": CUDA_DEVICE},
+     "ComfyUI runs stock with its own comfy-aimdo", "stock"),
+    # a forced backend that serves no device of this machine is a configuration error, said in the line
+    ({"MEMBACKEND_BACKEND": "vmm", "MEMBACKEND_MACHINE__DEVICES": "[]"},
+     "not started (BackendNotFound: backend 'vmm' cannot be used here: it serves cuda devices", "not-started"),
     ({}, "ComfyUI runs stock: no GPU backend fits", "stock"),
     ({"MEMBACKEND_BACKEND": "host"}, "ComfyUI runs stock: host serves no GPU", "stock"),
     ({"MEMBACKEND_HEADROOM": "lots"}, "not started (ConfigError", "not-started"),
@@ -145,6 +151,7 @@ def test_a_simulated_gpu_counts_as_served_even_under_cpu_with_forced_dynamic_vra
 def test_cpu_with_forced_dynamic_vram_on_real_facts_stays_stock(monkeypatch, comfy_args, lines, originals, serve_cpu):
     monkeypatch.setattr(startup, "SERVE_CPU_DEVICES", False)
     monkeypatch.setenv("MEMBACKEND_BACKEND", "vmm")
+    monkeypatch.setenv("MEMBACKEND_MACHINE__DEVICES", CUDA_DEVICE)  # vmm serves a device here; ComfyUI's is the CPU
     comfy_args.cpu = comfy_args.enable_dynamic_vram = True
     assert startup.prestartup() is None
     assert "its device is the CPU (--cpu)" in _one_short_line(lines)

@@ -73,21 +73,41 @@ def test_forced_from_the_environment(monkeypatch):
     assert manager([ALPHA, GAMMA]).select().record.name == "alpha"
 
 
-def test_unknown_forced_name_lists_available_and_why_others_are_not():
+def test_unknown_forced_name_says_so_in_one_line_with_what_is_installed():
     with pytest.raises(BackendNotFound) as info:
-        manager([ALPHA, *BROKEN], backend="nope", block=["gamma"]).select()
+        manager([ALPHA, *BROKEN], backend="nope", block=["gamma"], machine={"devices": []}).select()
     err = info.value
-    assert err.available == ["host", "alpha"]
-    text = str(err)
-    assert "backend 'nope' is not available; available: host, alpha" in text
-    assert "raiser: unavailable (probe raised RuntimeError: driver exploded while probing)" in text
-    assert "hip_python_nonexistent" in err.unavailable["importer"]
+    assert err.available == ["alpha", "host"]  # the built-in GPU backends serve no device of this machine
+    assert str(err) == ("backend 'nope' is not installed (installed: aimdo, alpha, badresult, host, importer, "
+                        "missing, noverb, raiser, unmarked, vmm, wrongsig)")
+    assert "raiser" in err.unavailable and "probe raised RuntimeError" in err.unavailable["raiser"]
     assert "missing membackend_fence" in err.unavailable["noverb"]
 
 
+@pytest.mark.parametrize("typed, meant", [("alhpa", "alpha"), ("gama", "gamma"), ("alpha_", "alpha")])
+def test_a_misspelt_forced_name_gets_did_you_mean(typed, meant):
+    with pytest.raises(BackendNotFound, match=f"^backend '{typed}' is not installed; did you mean {meant}\\? "):
+        manager([ALPHA, GAMMA], backend=typed).select()
+
+
 def test_forcing_a_broken_backend_says_why():
-    with pytest.raises(BackendNotFound, match="raiser: unavailable \\(probe raised"):
-        manager([ep("raiser", "fakeplugins.backends:RaisingProbe")], backend="raiser").select()
+    with pytest.raises(BackendNotFound) as info:
+        manager([ep("raiser", "fakeplugins.backends:RaisingProbe")], backend="raiser",
+                machine={"devices": []}).select()
+    assert str(info.value) == ("backend 'raiser' cannot be used here: broken: probe raised RuntimeError: driver "
+                               "exploded while probing; choices here: host")
+
+
+def test_forcing_a_backend_that_serves_no_device_here_gives_its_probes_reason():
+    with pytest.raises(BackendNotFound) as info:
+        manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly",
+                machine={"devices": []}).select()
+    assert str(info.value) == ("backend 'gpuonly' cannot be used here: it serves cuda devices and this machine has "
+                               "none; its probe says: no CUDA device; choices here: host")
+    # with its device, forcing it overrides its probe, as for any backend that fits by device
+    sel = manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly",
+                  machine={"devices": [{"kind": "cuda", "total_memory": "8GiB"}]}).select()
+    assert sel.record.name == "gpuonly" and "its probe says it does not fit: no CUDA device" in sel.reason
 
 
 def test_a_tie_is_broken_by_blocking_one():
@@ -97,7 +117,7 @@ def test_a_tie_is_broken_by_blocking_one():
 def test_blocked_backend_is_never_selected_even_forced():
     sel = manager([ALPHA, GAMMA], block=["gamma"]).select()
     assert sel.record.name == "alpha" and sel.blocked == ["gamma"]
-    with pytest.raises(BackendNotFound, match="gamma: unavailable \\(blocked by MEMBACKEND_BLOCK\\)"):
+    with pytest.raises(BackendNotFound, match="^backend 'gamma' cannot be used here: blocked by MEMBACKEND_BLOCK; "):
         manager([ALPHA, GAMMA], block=["gamma"], backend="gamma").select()
 
 

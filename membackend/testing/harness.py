@@ -188,7 +188,9 @@ def build_session(target: Target, *, sanitize: bool = False, observers: tuple = 
         found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
         entry_points = [ep for ep in found if ep.name == name] or ([] if name in BUILT_IN else list(found))
     manager = BackendManager(s, entry_points=entry_points)
-    return watched_session(manager, target, observers=observers, report=report, baseline=baseline, temp=temp)
+    # forced even where it serves no device (a user's forcing is refused there): the rules then skip, saying so
+    return watched_session(manager, target, selection=manager.select(anywhere=True), observers=observers,
+                           report=report, baseline=baseline, temp=temp)
 
 
 def watched_session(manager: BackendManager, target: Target, *, machine: Any = None, selection: Any = None,

@@ -30,6 +30,12 @@ class Unfit(_Scored):
     name, score, reason = "unfit", 0, "needs a GB10 (no unified device found)"
 
 
+class GpuOnly(_Scored):
+    """Serves CUDA devices only (the host's mechanism stands in for a GPU's) and does not fit without one."""
+
+    name, score, reason, device_kinds = "gpuonly", 0, "no CUDA device", ("cuda",)
+
+
 class RaisingProbe(_Scored):
     name = "raiser"
 

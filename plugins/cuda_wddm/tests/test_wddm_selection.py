@@ -1,5 +1,6 @@
 """Selection: cuda_wddm is found through its entry point, auto-selected on wddm-6gb only, forced by name
-anywhere, and the doctor explains both; the conformance kit passes on it over the profile."""
+wherever a CUDA device is (elsewhere a configuration error with its probe's reason), and the doctor explains
+both; the conformance kit passes on it over the profile."""
 
 from __future__ import annotations
 
@@ -56,9 +57,13 @@ def test_the_doctor_explains_the_auto_selection(monkeypatch, capsys):
     assert "under WDDM" in out and "96 - 2 per GiB" in out and "512 MiB headroom" in out
 
 
-def test_the_doctor_explains_the_forced_selection_and_why_it_does_not_fit(monkeypatch, capsys):
-    out = _backends(monkeypatch, capsys, MEMBACKEND_SIM_PROFILE="rocm-win-2gpu", MEMBACKEND_BACKEND="cuda_wddm")
-    assert "selected: cuda_wddm (forced)" in out and "no NVIDIA (CUDA) device found" in out
+def test_forced_where_it_serves_no_device_the_doctor_refuses_with_its_probes_reason(monkeypatch, capsys):
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "rocm-win-2gpu")  # AMD GPUs only: no CUDA device to serve
+    monkeypatch.setenv("MEMBACKEND_BACKEND", "cuda_wddm")
+    assert cli.main(["backends"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend 'cuda_wddm' cannot be used here: it serves cuda devices" in err[0], err
+    assert "no NVIDIA (CUDA) device found" in err[0], err
 
 
 def test_the_doctor_on_h200_says_why_not(monkeypatch, capsys):
