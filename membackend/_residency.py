@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # annotations only: the tracer is the session's, residency ne
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "Unloaded"]
+__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "Unloaded", "WarmRange"]
 
 # what the policy's page map says about one page
 GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
@@ -136,7 +136,7 @@ class _Slot:
     says how much went) and as missing for faults (they are backed again).
     """
 
-    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark", "kept")
+    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark", "kept", "epoch")
 
     def __init__(self, model: "Model", device: Device):
         self.model = weakref.proxy(model)  # a stock finalizer holds slots; they must not keep the model alive
@@ -149,8 +149,12 @@ class _Slot:
         # bytes of pages freed whose memory stays with the reservation, for its own next faults (where memory
         # returns only when the range is freed: ``memory_returns_on_unmap`` false); 0 elsewhere
         self.kept = 0
+        #: counts every change that may take a page's backing or generation (a free, a failure, a release,
+        #: a new reservation): a :class:`WarmRange` made at one count holds until the next
+        self.epoch = 0
 
     def bind(self, r: Reservation) -> None:
+        self.epoch += 1
         self.reservation = r
         self.resident = bytearray(r.pages)
         self.maybe = 0
@@ -191,6 +195,7 @@ class _Slot:
 
     def freed(self, first: int, last: int, dropped: int) -> None:
         """A free of pages ``[first, last)`` succeeded and dropped ``dropped`` bytes."""
+        self.epoch += 1
         if self.resident.count(UNKNOWN, first, last):
             self.maybe -= dropped - self.resident.count(RESIDENT, first, last) * self.bound.page_size
         self.resident[first:last] = bytes(last - first)
@@ -198,6 +203,7 @@ class _Slot:
 
     def fault_failed(self, first: int, last: int, exc: BaseException) -> None:
         """A fault of ``[first, last)`` raised: its pages not known resident may be mapped now (unpinned)."""
+        self.epoch += 1
         mapped, dropped = _changed(exc)
         r = self.resident
         for p in range(first, last):
@@ -207,6 +213,7 @@ class _Slot:
 
     def free_failed(self, first: int, last: int, exc: BaseException) -> None:
         """A free (or release) of ``[first, last)`` raised: its resident pages may or may not be gone."""
+        self.epoch += 1
         mapped, dropped = _changed(exc)
         r = self.resident
         known = r.count(RESIDENT, first, last)
@@ -225,9 +232,56 @@ class _Slot:
             self.maybe = 0
 
     def released(self) -> None:
+        self.epoch += 1
         self.resident = bytearray(len(self.resident))
         self.maybe = 0
         self.kept = 0
+
+
+class WarmRange:
+    """A range of one model's reservation that a fault backed and pinned: while nothing of that reservation
+    was freed, failed or released since (its slot's ``epoch``), :meth:`pin` pins it again and answers the
+    same :class:`Fault` (the same generations: nothing to copy again) with no session call, and
+    :meth:`unpin` unpins it. Made by :meth:`ResidencyManager.warm_range`; the per-weight, per-step path of a
+    caller that faults the same ranges over and over (ComfyUI's sampler)."""
+
+    __slots__ = ("_manager", "_model", "_slot", "_reservation", "_first", "_last", "_end", "_epoch", "fault")
+
+    def __init__(self, manager: "ResidencyManager", model: "Model", slot: _Slot, r: Reservation, offset: int,
+                 size: int, fault: Fault):
+        ps = r.page_size
+        self._manager, self._model, self._slot, self._reservation = manager, model, slot, r
+        self._first, self._last, self._end = offset // ps, (offset + size - 1) // ps + 1, offset + size
+        self._epoch = slot.epoch
+        self.fault = fault
+
+    def pin(self) -> Fault | None:
+        """Pin the range again and answer its fault; None when it may have changed (the caller faults it)."""
+        m = self._manager
+        with m._lock:
+            slot, r = self._slot, self._reservation
+            if slot.epoch != self._epoch or slot.reservation is not r or r.released or m.tracer is not None \
+                    or (slot.watermark is not None and self._end > slot.watermark) \
+                    or m._models.get(self._model.id) is not self._model:
+                return None
+            pins = slot.pins
+            for p in range(self._first, self._last):
+                pins[p] += 1
+            self._model.last_used = next(m._clock)
+            return self.fault
+
+    def unpin(self) -> bool:
+        """Unpin the range; False when its reservation is not the one it was made on (the caller unpins)."""
+        m = self._manager
+        with m._lock:
+            slot = self._slot
+            if slot.reservation is not self._reservation or m.tracer is not None:
+                return False
+            pins = slot.pins
+            for p in range(self._first, self._last):
+                if pins[p]:
+                    pins[p] -= 1
+            return True
 
 
 @dataclass(eq=False)
@@ -639,6 +693,21 @@ class ResidencyManager:
         except Exception as exc:
             slot.fault_failed(first, last, exc)
             raise
+
+    @_locked
+    def warm_range(self, model: Model, offset: int, size: int, device: Any, fault: Fault) -> WarmRange | None:
+        """A :class:`WarmRange` of ``[offset, offset+size)`` just faulted (``fault``, ok) on ``device``, for the
+        next faults of the same range; None where the range is not all resident now or a tracer watches
+        (every fault is traced then)."""
+        warm = self._warm_range(model, offset, size, device)
+        if warm is None or not fault.ok or self.tracer is not None:
+            return None
+        slot, r = warm
+        ps = r.page_size
+        first, last = offset // ps, (offset + size - 1) // ps + 1
+        if slot.resident.count(RESIDENT, first, last) != last - first:
+            return None
+        return WarmRange(self, model, slot, r, offset, size, fault)
 
     @_locked
     def unpin(self, model: Model, offset: int, size: int, device: Any = None) -> None:

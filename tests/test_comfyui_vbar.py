@@ -115,6 +115,49 @@ def test_fault_copy_compare_unpin_and_residency_bits(rt):
         facade.vbar_signature_compare(sig, sig[:1])
 
 
+def _counting_faults(rt, monkeypatch) -> list:
+    """Every session fault from now on, as (offset, size) within its reservation."""
+    calls, real = [], rt.session.fault
+
+    def fault(reservation, offset, size):
+        calls.append((offset, size))
+        return real(reservation, offset, size)
+    monkeypatch.setattr(rt.session, "fault", fault)  # the session's hot verb is an attribute of its own
+    return calls
+
+
+def test_a_range_that_stayed_resident_is_pinned_again_with_no_session_call(rt, monkeypatch):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a, b = v.alloc(PS), v.alloc(PS)
+    sig = facade.vbar_fault(a)
+    facade.vbar_unpin(a)
+    calls = _counting_faults(rt, monkeypatch)
+    for _ in range(3):  # the sampler's steps
+        again = facade.vbar_fault(a)
+        assert facade.vbar_signature_compare(again, sig) and v.get_residency()[0] == 3  # same pages, pinned
+        facade.vbar_unpin(a)
+        assert v.get_residency()[0] == 1
+    assert calls == []
+    facade.vbar_fault(b)  # another range newly backed: a's pages and generations are untouched
+    facade.vbar_unpin(b)
+    assert facade.vbar_signature_compare(facade.vbar_fault(a), sig) and len(calls) == 1
+    facade.vbar_unpin(a)
+
+
+def test_a_range_freed_since_its_last_fault_is_faulted_anew_never_answered_from_before(rt, monkeypatch):
+    v = facade.ModelVBAR(4 * PS, 0)
+    a = v.alloc(PS)
+    sig = facade.vbar_fault(a)
+    facade.vbar_unpin(a)
+    assert v.free_memory(1e32) == PS
+    calls = _counting_faults(rt, monkeypatch)
+    refaulted = facade.vbar_fault(a)
+    assert calls and not facade.vbar_signature_compare(refaulted, sig)  # new pages: ComfyUI copies again
+    facade.vbar_unpin(a)
+    v.close()
+    assert facade.vbar_fault(a) is None or not facade.vbar_signature_compare(facade.vbar_fault(a), refaulted)
+
+
 def test_watermark_limit_keeps_the_bottom_and_reset_lifts_it(rt):
     v = facade.ModelVBAR(4 * PS, 0)
     a = v.alloc(4 * PS)

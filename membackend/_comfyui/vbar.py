@@ -55,7 +55,7 @@ import time
 from array import array
 from typing import Any
 
-from .._residency import ModelKind
+from .._residency import ModelKind, WarmRange
 from .._tensors import NotResident, check_resident, tensor_at
 from ..types import DriverError, ReservationReleased
 from .buffers import VRAMBuffer
@@ -104,6 +104,9 @@ class ModelVBAR:
         #: while one lives; each ends at the range's unpin (ComfyUI keeps the tensor after it, as ``_v_weight``,
         #: and reads it again only when a new fault's signature says the pages are the same)
         self._holds: dict[tuple[int, int], list[Any]] = {}
+        #: alloc -> (its WarmRange, size, signature): the next faults of a range that stayed resident pin it
+        #: again with no session call and answer the same signature (ComfyUI's sampler, per weight per step)
+        self._warm: dict[int, tuple[WarmRange, int, Any]] = {}
         rt.vbars.add(self)
 
     # -- aimdo's methods, same names and parameters
@@ -132,6 +135,9 @@ class ModelVBAR:
         model, dev = self._model, self._dev
         if size.__class__ is not int:
             size = int(size)
+        warm = self._warm.get(alloc)
+        if warm is not None and warm[1] == size and warm[0].pin() is not None:
+            return warm[2]
         for attempt in range(FAULT_TRIES):
             try:
                 f = rt.residency.fault(model, alloc - self.base_addr, size, dev)
@@ -153,11 +159,24 @@ class ModelVBAR:
             return None  # unloaded (or failed copies fenced) under us: out of memory, ComfyUI casts its own copy
         if f.mapped and rt.residency.tracer is not None:  # new pages: the cast path copies the layer
             self._copy_started[(alloc, size)] = time.perf_counter()
-        return array("Q", (r.id, *f.generations))
+        signature = array("Q", (r.id, *f.generations))
+        ticket = rt.residency.warm_range(model, alloc - self.base_addr, size, dev, f)
+        if ticket is not None:
+            self._warm[alloc] = (ticket, size, signature)
+        else:
+            self._warm.pop(alloc, None)
+        return signature
 
     def unpin(self, alloc, size):
         if size.__class__ is not int:
             size = int(size)
+        if not (self._holds or self._unpinned or self._copy_started):
+            warm = self._warm.get(alloc)
+            if warm is not None and warm[1] == size and warm[0].unpin():  # the warm path (see fault)
+                fences = self._rt.fences
+                if fences is not None:
+                    fences.after_unpin(self._model, self._dev, self._where)
+                return
         ended = False
         if self._holds:
             holds = self._holds.get((alloc, size))
@@ -221,6 +240,7 @@ class ModelVBAR:
         if not self._closed:
             self._closed = True
             holds, self._holds = self._holds, {}
+            self._warm = {}
             for drop in (d for ds in holds.values() for d in ds):  # closed: no unpin comes, the holds end here
                 drop()
             self._rt.close_vbar(self)
