@@ -47,3 +47,12 @@ def test_bench_trace_stream_replays_both_lengths_side_by_side(capsys):
     assert 50 <= short["events"] < long_["events"] and long_["events"] >= 500
     assert short["peak_rss"] > 0 and long_["peak_rss"] > 0 and data["peak_ratio"] > 0
     assert short["violations"] == long_["violations"] == 0
+
+
+def test_bench_warm_path_prints_both_paths_and_their_ratio(capsys):
+    spec = importlib.util.spec_from_file_location("bench_warm_path", BENCH.parent / "bench_warm_path.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--weights", "20", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "warm ranges" in out and "checked path" in out and "ratio" in out
