@@ -56,3 +56,12 @@ def test_bench_warm_path_prints_both_paths_and_their_ratio(capsys):
     bench.main(["--weights", "20", "--steps", "2"])
     out = capsys.readouterr().out
     assert "warm ranges" in out and "checked path" in out and "ratio" in out
+
+
+def test_bench_file_read_prints_both_ways_and_their_ratio(capsys):
+    spec = importlib.util.spec_from_file_location("bench_file_read", BENCH.parent / "bench_file_read.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--mib", "24"])
+    out = capsys.readouterr().out
+    assert "one thread" in out and "reader threads" in out and "ratio" in out

@@ -12,6 +12,7 @@ books as CUDA's does, ComfyUI's ``cudaHostRegister`` is the driver call it makes
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 import pytest
@@ -131,3 +132,24 @@ def test_the_hip_driver_leaves_no_last_error_behind_a_refusal():
         assert m.hipGetLastError()[0] == m.types.hipError_t.hipSuccess  # torch's next launch check sees none
         assert m.hipHostRegister(0x10000, 4096, 0)[0] == d.SUCCESS
         assert d.host_unregister(0x10000) is True
+
+
+def test_a_long_file_slice_is_read_whole_in_chunks_and_a_short_file_is_refused(tmp_path, monkeypatch):
+    """``HostBuffer.read_file_slice`` reads a long slice in chunks on the reader threads, as aimdo's pread pool."""
+    from membackend._comfyui import buffers
+
+    monkeypatch.setattr(buffers, "READ_THREADS_FROM", 1)  # the reader threads on any machine
+
+    data = bytes(range(256)) * ((2 * buffers.READ_CHUNK + 12345) // 256 + 1)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    hb = HostBuffer(0, 0, len(data))
+    offset = 77
+    size = len(data) - offset - 3  # more than two chunks, ending off a chunk's edge
+    with open(path, "rb") as f:
+        hb.read_file_slice(f, offset, size, offset=0)
+        got = bytes((ctypes.c_uint8 * size).from_address(hb.get_raw_address()))
+        assert got == data[offset:offset + size]
+        with pytest.raises(RuntimeError, match="end of file"):
+            hb.read_file_slice(f, len(data) - buffers.READ_CHUNK, 2 * buffers.READ_CHUNK, offset=0)
+    hb.close()

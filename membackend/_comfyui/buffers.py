@@ -37,6 +37,8 @@ import ctypes
 import logging
 import mmap
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 from .runtime import current
@@ -200,16 +202,46 @@ def _unregister(addresses: Iterable[int]) -> bool:
     return True
 
 
+#: a read at least this long is split into chunks of this size, read at once by the reader threads (comfy-aimdo
+#: reads a file slice with a pool of 8 ``pread`` threads, ``src/hostbuf.c``: one thread is held to the speed of
+#: one memory copy out of the page cache)
+READ_CHUNK = 8 << 20
+#: cores below which one thread reads (``benchmarks/bench_file_read.py`` on 2 shared cores: 0.91x)
+READ_THREADS_FROM = 4
+_readers: ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    global _readers
+    with _readers_lock:
+        if _readers is None:
+            _readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="membackend-read")
+        return _readers
+
+
+def _pread(fd: int, view: memoryview, file_offset: int) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], file_offset + got)
+        if n <= 0:
+            raise OSError(f"end of file at byte {file_offset + got}")
+        got += n
+
+
 def _read_into(file_obj: Any, view: memoryview, file_offset: int, what: str) -> None:
-    """Fill ``view`` with the file's bytes from ``file_offset``; aimdo's ``RuntimeError`` when it cannot."""
+    """Fill ``view`` with the file's bytes from ``file_offset``, a long read in chunks on the reader threads;
+    aimdo's ``RuntimeError`` when it cannot (the first chunk's error)."""
     try:
         fd = file_obj if isinstance(file_obj, int) else file_obj.fileno()
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], file_offset + got)
-            if n <= 0:
-                raise OSError(f"end of file at byte {file_offset + got}")
-            got += n
+        if len(view) < 2 * READ_CHUNK or (os.cpu_count() or 1) < READ_THREADS_FROM:
+            _pread(fd, view, file_offset)
+            return
+        chunks = [_reader_pool().submit(_pread, fd, view[o:o + READ_CHUNK], file_offset + o)
+                  for o in range(0, len(view), READ_CHUNK)]
+        errors = [exc for c in chunks if (exc := c.exception()) is not None]  # waits for every chunk
+        if errors:
+            raise errors[0]
     except (OSError, ValueError, AttributeError) as exc:
         raise RuntimeError(f"{what} failed ({exc})") from None
 
