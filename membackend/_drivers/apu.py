@@ -25,11 +25,20 @@ The budget is the smallest of the three (:func:`apu_pool`), and its source
 line names all three and the one that bound, for ``membackend doctor`` and
 the memory panel. This module reads files and does arithmetic only; the driver
 wrappers call it (:meth:`membackend._drivers.gpu.GpuDriver.budget`).
+
+The sysfs files are read as regular files only (a FIFO or a device put in their
+place is never read: nothing blocks, nothing is read without end), at most
+:data:`MAX_FILE_BYTES` of each, and a value is taken only as a byte count of at
+most :data:`MAX_DIGITS` digits, with each total above zero and at most the
+machine's memory. A bad file is logged once, and the budget is then made of the
+other two figures, as when the files are missing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +46,15 @@ __all__ = ["AmdgpuMemory", "ApuFigure", "ApuPool", "SYSFS_ENV", "apu_pool", "rea
            "system_reserve"]
 
 GiB = 1 << 30
+log = logging.getLogger(__name__)
+#: the most of one sysfs memory file read: a 64-bit byte count in decimal and a newline fit with room to spare
+MAX_FILE_BYTES = 64
+#: the most digits of a value taken: 2**64 - 1 has 20
+MAX_DIGITS = 20
+#: AMD's Variable Graphics Memory lets the firmware give the GPU at most 75% of the RAM as its carve-out, which
+#: the kernel then does not count: the machine's memory is at most four times the kernel's ``MemTotal``
+MACHINE_PER_MEMTOTAL = 4
+_reported: set[tuple[str, str, str]] = set()  # (folder, file, kind of fault) of every bad file logged once
 #: the variable that moves the sysfs root (default ``/sys``): a container that mounts the host's sysfs elsewhere,
 #: or a simulated machine whose stand-in driver writes the amdgpu files
 SYSFS_ENV = "MEMBACKEND_SYSFS_ROOT"
@@ -67,20 +85,75 @@ class AmdgpuMemory:
         return max(0, self.vram_total - self.vram_used) + max(0, self.gtt_total - self.gtt_used)
 
 
+class BadFile(ValueError):
+    """A sysfs memory file that is there but cannot be taken: ``kind`` says how (``not regular``, ``unreadable``,
+    ``too long``, ``not a number``, ``out of range``), the message what it holds and what is accepted."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 def read_amdgpu_memory(domain: int, bus: int, device: int, function: int = 0,
                        root: Path | None = None) -> AmdgpuMemory | None:
     """The amdgpu memory files of the PCI function ``domain:bus:device.function`` under ``root``
     (:func:`sysfs_root` by default: ``/sys/bus/pci/devices/0000:c5:00.0/mem_info_*``); None when any of
-    them is missing or unreadable (no amdgpu driver, another vendor, a sandbox without sysfs)."""
+    them is missing (no amdgpu driver, another vendor, a sandbox without sysfs) or bad (see the module
+    docstring; logged once per file). Never blocks and never raises."""
     folder = (root or sysfs_root()) / "bus" / "pci" / "devices" / f"{domain:04x}:{bus:02x}:{device:02x}.{function:x}"
     values = []
     for name in _FILES:
         try:
-            values.append(int((folder / name).read_text().strip()))
-        except (OSError, ValueError):
+            value = _byte_count(folder / name)
+            if value is not None and name.endswith("_total") and value == 0:
+                raise BadFile("out of range", "holds a total of 0 bytes; accepted: a total above zero")
+        except BadFile as exc:
+            report_bad_file(str(folder), name, exc.kind, str(exc))
             return None
+        if value is None:
+            return None
+        values.append(value)
     vram_total, vram_used, gtt_total, gtt_used = values
     return AmdgpuMemory(vram_total, vram_used, gtt_total, gtt_used, path=str(folder))
+
+
+def _byte_count(path: Path) -> int | None:
+    """The byte count in the file ``path``; None when it does not exist; ``BadFile`` for anything else
+    than a regular file of at most :data:`MAX_FILE_BYTES` holding at most :data:`MAX_DIGITS` digits."""
+    accepted = f"accepted: a regular file holding a byte count of at most {MAX_DIGITS} digits"
+    try:
+        # stat first, then fstat of what was opened: a FIFO or a device (a link to /dev/zero) is never read;
+        # O_NONBLOCK: one put in its place between the two does not block the open
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise BadFile("not regular", f"is not a regular file (a FIFO, a device or a folder); {accepted}")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BadFile("not regular", f"is not a regular file (a FIFO, a device or a folder); {accepted}")
+            data = os.read(fd, MAX_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise BadFile("unreadable", f"cannot be read ({exc.strerror or exc}); {accepted}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise BadFile("too long", f"holds more than {MAX_FILE_BYTES} bytes; {accepted}")
+    text = data.strip()
+    if not text.isdigit() or len(text) > MAX_DIGITS:
+        shown = text[:32].decode("ascii", "replace") + ("..." if len(text) > 32 else "")
+        raise BadFile("not a number", f"holds {shown!r}, not a byte count; {accepted}")
+    return int(text)
+
+
+def report_bad_file(folder: str, name: str, kind: str, why: str) -> None:
+    """Log a bad sysfs memory file once per folder, file and ``kind`` of fault, saying the budget goes on
+    without it."""
+    if (folder, name, kind) in _reported:
+        return
+    _reported.add((folder, name, kind))
+    log.warning("membackend: %s/%s %s; the APU budget leaves the sysfs figure out, as when the files are missing",
+                folder, name, why)
 
 
 def system_reserve(ram_total: int) -> int:
@@ -116,6 +189,23 @@ class ApuPool:
         return f"APU pool, bound by {self.bound}: {shown}"
 
 
+def _sane(sysfs: AmdgpuMemory | None, ram_total: int) -> AmdgpuMemory | None:
+    """``sysfs`` when its totals are above zero and at most the machine's memory and its use at most its
+    totals; else None, logged once."""
+    if sysfs is None:
+        return None
+    machine = MACHINE_PER_MEMTOTAL * ram_total
+    for part in ("vram", "gtt"):
+        total, used = getattr(sysfs, f"{part}_total"), getattr(sysfs, f"{part}_used")
+        if not 0 < total <= machine or not 0 <= used <= total:
+            report_bad_file(sysfs.path, f"mem_info_{part}_*", "out of range", f"say {used} of {total} bytes in use; "
+                            f"accepted: a total "
+                            f"above zero and at most the machine's memory ({machine} bytes, {MACHINE_PER_MEMTOTAL} x "
+                            f"MemTotal), a use at most the total")
+            return None
+    return sysfs
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:,.2f} GiB"
 
@@ -126,10 +216,14 @@ def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | Non
 
     ``hip_free``/``hip_total``: the runtime's mem-get-info (``call`` names it);
     ``sysfs``: the device's amdgpu files (None: not readable, that figure is
-    left out and the line says so); ``ram_total``/``ram_available``: the
-    host's ``MemTotal``/``MemAvailable``. The pool's total is the smallest of
-    the totals, so a free never exceeds it.
+    left out and the line says so; one whose total is not above zero or is
+    above the machine's memory, :data:`MACHINE_PER_MEMTOTAL` times
+    ``ram_total``, or whose use is above its total, is left out too, logged
+    once); ``ram_total``/``ram_available``: the host's
+    ``MemTotal``/``MemAvailable``. The pool's total is the smallest of the
+    totals, so a free never exceeds it.
     """
+    sysfs = _sane(sysfs, ram_total)
     trusted, how = hip_free, f"{call} free of {_gib(hip_total)}"
     if hip_free > hip_total:  # not a free at all: at most the total, less what sysfs says is in use
         in_use = sysfs.vram_used + sysfs.gtt_used if sysfs is not None else 0
