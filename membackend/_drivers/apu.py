@@ -42,6 +42,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..types import format_size
+
 __all__ = ["AmdgpuMemory", "ApuFigure", "ApuPool", "SYSFS_ENV", "apu_pool", "read_amdgpu_memory", "sysfs_root",
            "system_reserve"]
 
@@ -52,8 +54,9 @@ MAX_FILE_BYTES = 64
 #: the most digits of a value taken: 2**64 - 1 has 20
 MAX_DIGITS = 20
 #: AMD's Variable Graphics Memory lets the firmware give the GPU at most 75% of the RAM as its carve-out, which
-#: the kernel then does not count: the machine's memory is at most four times the kernel's ``MemTotal``
-MACHINE_PER_MEMTOTAL = 4
+#: the kernel then does not count: the machine's memory is at most four times what the kernel (``MemTotal``) or
+#: the driver (its mem-get-info total: the carve-out, or the GTT) counts of it
+MACHINE_PER_COUNT = 4
 _reported: set[tuple[str, str, str]] = set()  # (folder, file, kind of fault) of every bad file logged once
 #: the variable that moves the sysfs root (default ``/sys``): a container that mounts the host's sysfs elsewhere,
 #: or a simulated machine whose stand-in driver writes the amdgpu files
@@ -189,25 +192,23 @@ class ApuPool:
         return f"APU pool, bound by {self.bound}: {shown}"
 
 
-def _sane(sysfs: AmdgpuMemory | None, ram_total: int) -> AmdgpuMemory | None:
-    """``sysfs`` when its totals are above zero and at most the machine's memory and its use at most its
-    totals; else None, logged once."""
+def _sane(sysfs: AmdgpuMemory | None, machine: int) -> AmdgpuMemory | None:
+    """``sysfs`` when its totals are above zero and at most the ``machine``'s memory (bytes) and its use at most
+    its totals; else None, logged once."""
     if sysfs is None:
         return None
-    machine = MACHINE_PER_MEMTOTAL * ram_total
     for part in ("vram", "gtt"):
         total, used = getattr(sysfs, f"{part}_total"), getattr(sysfs, f"{part}_used")
         if not 0 < total <= machine or not 0 <= used <= total:
             report_bad_file(sysfs.path, f"mem_info_{part}_*", "out of range", f"say {used} of {total} bytes in use; "
-                            f"accepted: a total "
-                            f"above zero and at most the machine's memory ({machine} bytes, {MACHINE_PER_MEMTOTAL} x "
-                            f"MemTotal), a use at most the total")
+                            f"accepted: a total above zero and at most the machine's memory ({machine} bytes: "
+                            f"{MACHINE_PER_COUNT} x MemTotal or the driver's total), a use at most the total")
             return None
     return sysfs
 
 
 def _gib(n: int) -> str:
-    return f"{n / GiB:,.2f} GiB"
+    return format_size(n)  # as membackend writes every size
 
 
 def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | None, ram_total: int,
@@ -217,13 +218,13 @@ def apu_pool(hip_free: int, hip_total: int, call: str, sysfs: AmdgpuMemory | Non
     ``hip_free``/``hip_total``: the runtime's mem-get-info (``call`` names it);
     ``sysfs``: the device's amdgpu files (None: not readable, that figure is
     left out and the line says so; one whose total is not above zero or is
-    above the machine's memory, :data:`MACHINE_PER_MEMTOTAL` times
-    ``ram_total``, or whose use is above its total, is left out too, logged
-    once); ``ram_total``/``ram_available``: the host's
+    above the machine's memory, :data:`MACHINE_PER_COUNT` times the larger of
+    ``ram_total`` and ``hip_total``, or whose use is above its total, is left
+    out too, logged once); ``ram_total``/``ram_available``: the host's
     ``MemTotal``/``MemAvailable``. The pool's total is the smallest of the
     totals, so a free never exceeds it.
     """
-    sysfs = _sane(sysfs, ram_total)
+    sysfs = _sane(sysfs, MACHINE_PER_COUNT * max(ram_total, hip_total))
     trusted, how = hip_free, f"{call} free of {_gib(hip_total)}"
     if hip_free > hip_total:  # not a free at all: at most the total, less what sysfs says is in use
         in_use = sysfs.vram_used + sysfs.gtt_used if sysfs is not None else 0
