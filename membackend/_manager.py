@@ -34,6 +34,7 @@ and cannot be blocked.
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import inspect
 import logging
@@ -50,7 +51,7 @@ from ._drivers.open import check_sim_profile, machine_for
 from ._ledger import Ledger
 from ._session import Session
 from ._settings import NAME_PATTERN, load_settings
-from ._settings.rules import FIELD_NAMES
+from ._settings.rules import FIELD_NAMES, FILES_ACCEPTED, out_of_files
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
 from .platform import Platform, PlatformSetting, takes_parameter
 from .types import (
@@ -460,6 +461,15 @@ def _highest(usable: dict[str, Candidate]) -> tuple[int, list[str]]:
 
 
 def create_session(**settings: Any) -> Session:
-    """Load settings (kwargs win), discover backends and return a session on the selected one."""
-    return BackendManager(load_settings(**settings)).session()
+    """Load settings (kwargs win), discover backends and return a session on the selected one. A process with
+    no file descriptor left gets a ``DriverError`` naming its open-file limit (``create_session``), not a bare
+    ``OSError`` from whichever file it could not open."""
+    try:
+        return BackendManager(load_settings(**settings)).session()
+    except OSError as exc:
+        if isinstance(exc, MembackendError) or (why := out_of_files(exc)) is None:
+            raise
+        where = f"could not open {exc.filename!r}: " if exc.filename else ""
+        raise DriverError(errno.errorcode.get(exc.errno or 0, exc.errno), "create_session",
+                          f"{where}{why}; accepted: {FILES_ACCEPTED}") from exc
 

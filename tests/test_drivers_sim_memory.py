@@ -201,7 +201,7 @@ def test_every_profile_holds_bytes_and_says_so():
 # simulated H200 until the limit refuses one, then every page freed and every reservation released.
 AT_THE_LIMIT = r"""
 import ctypes, json, mmap, os
-from membackend.testing.simulated import simulated_session
+from membackend.lab.simulated import simulated_session
 from membackend.types import MembackendError
 def mappings():
     with open("/proc/self/maps") as f:
@@ -263,3 +263,80 @@ def test_at_the_kernels_mapping_limit_releases_succeed_and_the_memory_comes_back
     assert out["errors"] == [], out  # on main: 'cuMemUnmap failed ... mmap: Cannot allocate memory'
     assert out["state"]["physical"] == 0 and out["state"]["reserved"] == 0 and out["state"]["mapped"] == 0, out
     assert out["after"] < limit - 500 and out["fault_after"], out
+
+
+def test_a_closed_session_lets_go_of_its_memory_file_and_mappings_at_once():
+    import membackend
+
+    s = membackend.create_session(sim_profile="h200")
+    r = s.reserve(s.devices()[0], 4 * PAGE)
+    assert s.fault(r, 0, PAGE).ok
+    mem = s.backend.driver.sim.memory
+    fd = mem.fd
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:membackend-sim-")
+    s.close()  # the session stays referenced: nothing waits for the garbage collector
+    assert mem.fd == -1
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or \
+        not os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:membackend-sim-h200")
+    with open("/proc/self/maps") as f:
+        assert not [line for line in f if "membackend-sim-h200" in line]
+    d = s.backend.driver  # the driver may be used again: it opens a new file
+    va = d.address_reserve(2 * PAGE, 0)
+    assert mem.fd >= 0
+    d.address_free(va, 2 * PAGE)
+
+
+# Under an open-file limit of 128: sessions on a simulated GPU opened, used, closed and kept (on main the 124th
+# create_session raised a plain OSError, EMFILE); then every descriptor taken: create_session and a closed session's
+# driver used again answer typed errors naming the limit, and once descriptors are back both work again.
+OUT_OF_FILES = r"""
+import json, os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+import membackend
+out, kept = {}, []
+try:
+    for _ in range(200):
+        s = membackend.create_session(sim_profile="h200")
+        r = s.reserve(s.devices()[0], 2 << 20)
+        assert s.fault(r, 0, 2 << 20).ok
+        s.close()
+        kept.append(s)
+    out["closed"] = len(kept)
+except Exception as exc:
+    out["closed"] = f"after {len(kept)}: {type(exc).__module__}.{type(exc).__name__}: {exc}"
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+for name, call in (("create_session", lambda: membackend.create_session(sim_profile="h200")),
+                   ("reserve", lambda: kept[0].reserve(kept[0].devices()[0], 2 << 20))):
+    try:
+        call()
+        out[name] = "no error"
+    except Exception as exc:
+        out[name] = [f"{type(exc).__module__}.{type(exc).__name__}", str(exc)]
+for fd in held[:16]:
+    os.close(fd)
+s = membackend.create_session(sim_profile="h200")
+out["again"] = s.fault(s.reserve(s.devices()[0], 2 << 20), 0, 2 << 20).ok
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE and /proc/self/fd")
+def test_closed_sessions_hold_no_descriptors_and_running_out_of_them_is_typed(tmp_path):
+    import json
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", OUT_OF_FILES], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)  # no membackend.toml or pyproject.toml to read there
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["closed"] == 200, out
+    for name in ("create_session", "reserve"):
+        kind, message = out[name]
+        assert kind == "membackend.types.DriverError", out
+        assert "128 open files" in message and "RLIMIT_NOFILE" in message and "accepted" in message, out
+    assert out["again"] is True, out

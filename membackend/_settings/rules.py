@@ -27,7 +27,7 @@ from ..types import DEVICE_KINDS, RuleError
 __all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "SIZE_MAX", "QUOTE_LIMIT", "format_bytes", "size",
            "flag", "name", "seconds",
            "FIELDS", "MACHINE_FIELDS", "DEVICE_FIELDS", "FIELD_NAMES", "SIZE_ACCEPTED", "NAME_PATTERN",
-           "HOST_PAGE_SIZE", "UNITS", "check_appendable"]
+           "HOST_PAGE_SIZE", "UNITS", "check_appendable", "out_of_files", "FILES_ACCEPTED"]
 
 NAME_PATTERN = r"^[a-z][a-z0-9_\-]*$"
 _NAME = re.compile(r"[a-z][a-z0-9_\-]*", re.ASCII)
@@ -273,6 +273,31 @@ def check_appendable(path: Path) -> None:
             except OSError:
                 pass  # something else appeared in it meanwhile: not ours to remove
         raise
+
+
+#: what a process out of file descriptors (:func:`out_of_files`) would need
+FILES_ACCEPTED = ("fewer files open at once (a closed session gives back every descriptor it opened) or a higher "
+                  "limit (ulimit -n, resource.setrlimit)")
+
+
+def out_of_files(exc: BaseException) -> str | None:
+    """Words for an ``OSError`` saying no file descriptor is left, naming the limit (``EMFILE``: this process's
+    ``RLIMIT_NOFILE``; ``ENFILE``: the system's ``fs.file-max``); None for any other error. Every path that
+    opens a file can put them in its own typed error, with :data:`FILES_ACCEPTED`."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    if exc.errno == errno.ENFILE:
+        held = "the system has no file descriptor left (its limit: fs.file-max)"
+    else:
+        try:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            limit = "no limit" if soft == resource.RLIM_INFINITY else f"{soft} open files"
+        except (ImportError, OSError, ValueError):  # Windows: no resource module
+            limit = "unknown here"
+        held = f"this process has every file descriptor open that its limit allows ({limit}: RLIMIT_NOFILE, ulimit -n)"
+    return held
 
 
 def _trace(value: Any) -> Path:

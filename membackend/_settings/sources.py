@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ..types import ConfigError
-from .rules import _NAME, BY_NAME, FIELD_NAMES, FIELDS, MACHINE_FIELDS, RuleError, _json
+from .rules import _NAME, BY_NAME, FIELD_NAMES, FIELDS, FILES_ACCEPTED, MACHINE_FIELDS, RuleError, _json, out_of_files
 
 __all__ = ["Sources", "Resolved", "PlatformValues", "resolve", "resolve_platform", "platform_env_name",
            "config_file", "ENV_PREFIX", "CONFIG_ENV", "CONFIG_NAME", "PYPROJECT_LABEL"]
@@ -81,7 +81,9 @@ def read_toml(path: Path, table: tuple[str, ...] = ()) -> dict[str, Any]:
         with path.open("rb") as f:
             data = tomllib.load(f)
     except OSError as exc:
-        raise ConfigError("config", str(path), f"cannot be read: {exc.strerror or exc}", CONFIG_ACCEPTED) from None
+        held = out_of_files(exc)
+        raise ConfigError("config", str(path), f"cannot be read: {held or exc.strerror or exc}",
+                          FILES_ACCEPTED if held else CONFIG_ACCEPTED) from None
     except UnicodeDecodeError as exc:  # tomllib decodes as UTF-8 and lets this through
         raise ConfigError("config", str(path), f"not UTF-8 text ({exc.reason} at byte {exc.start})",
                           CONFIG_ACCEPTED) from None

@@ -129,6 +129,15 @@ class _Simulated(GpuDriver):
     def inject_failures(self, probability: float, seed: int) -> SimInjection:
         return SimInjection(self.sim, probability, seed)
 
+    def close(self) -> None:
+        """Release what the wrapper retained (CUDA: the primary contexts), then the simulated device memory's
+        file descriptor if nothing holds a range of it any more (as after a session released everything): at
+        once, not when the simulation is collected. The driver may be used again; it opens a new one then."""
+        try:
+            super().close()
+        finally:
+            self.sim.shed_memory()
+
 
 class SimCudaDriver(_Simulated, CudaDriver):
     """:class:`CudaDriver` over a simulated ``cuda.bindings.driver``."""

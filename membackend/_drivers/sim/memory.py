@@ -45,6 +45,12 @@ GPU. A read or write through an address without access is the CPU's fault
 the mappings first and report ``..._ERROR_ILLEGAL_ADDRESS`` instead
 (:class:`~membackend._drivers.sim.platform.SimPlatform`).
 
+The ``memfd`` is this object's only file descriptor. It is closed as soon as
+nothing holds a range of it (:meth:`SimMemory.drop_file`, when the driver
+closes after a session released everything), not when the object is
+collected, and opened anew on the next reservation or allocation. A process
+with no descriptor left gets a typed error naming its open-file limit.
+
 Where the operating system cannot do this (no ``memfd_create``: not Linux),
 :func:`open_memory` answers a :class:`BooksOnly` that says why, and the
 simulation keeps books only, as before.
@@ -59,6 +65,9 @@ import os
 import sys
 import threading
 from typing import Any
+
+from ..._settings.rules import FILES_ACCEPTED, out_of_files
+from ...types import DriverError
 
 __all__ = ["SimMemory", "BooksOnly", "open_memory", "MemoryCallFailed"]
 
@@ -114,7 +123,9 @@ class SimMemory:
         self._fallocate.restype = ctypes.c_int
         self._fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
         self._page = os.sysconf("SC_PAGE_SIZE")
-        self.fd = os.memfd_create(f"membackend-sim-{label}", os.MFD_CLOEXEC)
+        self._label = label
+        self.fd = -1
+        self.fd = self._file()
         self._end = 0  # the file's size: every handle gets a fresh range (never reused; freed by a hole)
         self._next_range = ADDRESS_RANGES  # the next reservation's range of the file (no page is ever written)
         #: base -> (size, offset of the file mapped at base) of every live reservation
@@ -127,6 +138,29 @@ class SimMemory:
     def _fail(call: str) -> MemoryCallFailed:
         code = ctypes.get_errno()
         return MemoryCallFailed(code, f"{call}: {os.strerror(code)}")
+
+    def _file(self) -> int:
+        """The memory file's descriptor, opened when there is none (first use, or after :meth:`drop_file`);
+        ``MemoryCallFailed`` when it cannot be (no descriptor left: the words name the limit)."""
+        if self.fd < 0:
+            try:
+                self.fd = os.memfd_create(f"membackend-sim-{self._label}", os.MFD_CLOEXEC)
+            except OSError as exc:
+                held = out_of_files(exc)
+                raise MemoryCallFailed(exc.errno or errno.EMFILE, f"memfd_create: {held}; accepted: {FILES_ACCEPTED}"
+                                       if held else f"memfd_create: {exc.strerror or exc}") from None
+        return self.fd
+
+    def drop_file(self) -> bool:
+        """Close the memory file now if no reservation maps it (the caller vouches that no handle holds a range
+        of it); the next reservation or allocation opens a new one. Whether it was closed."""
+        with self._lock:
+            if self._reserved or self.fd < 0:
+                return False
+            fd, self.fd = self.fd, -1
+            self._end, self._next_range = 0, ADDRESS_RANGES
+        os.close(fd)
+        return True
 
     def _map(self, addr: int | None, size: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
         got = self._mmap(addr, size, prot, flags, fd, offset)
@@ -141,7 +175,7 @@ class SimMemory:
         of the file (see the module docstring). ``MemoryCallFailed`` with nothing left mapped if it cannot."""
         span = size + alignment
         offset = self._next_range
-        raw = self._map(None, span, PROT_NONE, MAP_SHARED | MAP_NORESERVE, self.fd, offset)
+        raw = self._map(None, span, PROT_NONE, MAP_SHARED | MAP_NORESERVE, self._file(), offset)
         self._next_range += span + self._page  # a page apart: never the next offset of another reservation's
         base = -(-raw // alignment) * alignment
         tail = raw + span - (base + size)
@@ -167,9 +201,9 @@ class SimMemory:
 
     def create(self, size: int) -> int:
         """A fresh range of the file for a handle; returns its offset. No page exists until written."""
-        offset = self._end
+        fd, offset = self._file(), self._end
         try:
-            os.ftruncate(self.fd, offset + size)
+            os.ftruncate(fd, offset + size)
         except OSError as exc:
             raise MemoryCallFailed(exc.errno or errno.ENOMEM, f"ftruncate: {exc.strerror}") from None
         self._end = offset + size + self._page  # a page apart: two handles side by side never merge into one mapping
@@ -259,4 +293,7 @@ def open_memory(label: str, hold_bytes: bool = True) -> Any:
     try:
         return SimMemory(label)
     except (OSError, AttributeError) as exc:
+        if isinstance(exc, OSError) and (why := out_of_files(exc)) is not None:  # not a reason to hold no bytes
+            raise DriverError(errno.errorcode.get(exc.errno or 0, exc.errno), "memfd_create",
+                              f"{why}; accepted: {FILES_ACCEPTED}") from None
         return BooksOnly(f"books only: the simulated GPU's memory could not be set up ({exc})")

@@ -68,6 +68,7 @@ Where a behaviour comes from:
 from __future__ import annotations
 
 import bisect
+import errno
 import functools
 import itertools
 import random
@@ -81,6 +82,7 @@ from .memory import MemoryCallFailed, open_memory
 from .profiles import Profile, get_profile
 
 _T = TypeVar("_T")
+NO_FILES = (errno.EMFILE, errno.ENFILE)  # no file descriptor left: the process's limit, or the system's
 
 __all__ = ["SimPlatform", "SimError", "SimulatedBugcheck", "SimulatedCrash", "FaultPlan", "FaultRule"]
 
@@ -570,6 +572,8 @@ class SimPlatform:
             try:
                 base = self.memory.reserve(size, align)
             except MemoryCallFailed as exc:  # the process's address space is full
+                if exc.errno in NO_FILES:
+                    raise  # no descriptor left for the memory file: the caller's error names the limit
                 raise SimError("oom", f"address reserve of {size} bytes: {exc}") from None
         else:
             base = -(-self._next_va // align) * align
@@ -615,6 +619,8 @@ class SimPlatform:
             try:
                 offset = self.memory.create(size)
             except MemoryCallFailed as exc:
+                if exc.errno in NO_FILES:
+                    raise  # no descriptor left for the memory file: the caller's error names the limit
                 raise SimError("oom", f"{size} bytes of device memory: {exc}") from None
         d.used += size
         h = _Handle(next(self._ids), device, size, offset=offset)
@@ -688,6 +694,15 @@ class SimPlatform:
         h.released = True
         if not h.mapped_at:  # freed once released and unmapped (cuMemRelease docs)
             self._drop(h)
+
+    @_locked
+    def shed_memory(self) -> bool:
+        """Close the process's device-memory file (its descriptor) now if nothing holds a range of it: no
+        reservation, no handle, none released that ROCm 7.2 still holds. The next reservation or allocation
+        opens a new one. Whether it was closed."""
+        if not self.memory.backed or self.reservations or self.handles or self.held_released:
+            return False
+        return bool(self.memory.drop_file())
 
     def _drop(self, h: _Handle) -> None:
         del self.handles[h.id]
