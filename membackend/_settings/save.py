@@ -278,24 +278,26 @@ def _grow(out: int, shown: Path, have: int, want: int) -> None:
 
 
 def _overwrite(out: int, shown: Path, old: bytes, new: bytes) -> None:
-    """Write ``new`` over the file ``out`` (already as long as ``new``), truncate and flush it; if that
-    fails, write ``old`` back. ``ConfigError`` on a failure, saying whether ``old`` is back."""
+    """Write ``new`` over the file ``out`` (already as long as ``new``), truncated and flushed; if that fails,
+    write ``old`` back. ``ConfigError`` on a failure, saying whether ``old`` is back."""
     try:
-        os.lseek(out, 0, os.SEEK_SET)
-        _write_all(out, new)
-        os.ftruncate(out, len(new))
-        os.fsync(out)
+        _write_whole(out, new)
     except OSError as exc:
         why = exc.strerror or str(exc)
         try:
-            os.lseek(out, 0, os.SEEK_SET)
-            _write_all(out, old)
-            os.ftruncate(out, len(old))
-            os.fsync(out)
+            _write_whole(out, old)
         except OSError as again:
             raise _unwritable(shown, f"could not be written whole ({why}), nor its old text put back "
                               f"({again.strerror or again})") from None
         raise _unwritable(shown, f"could not be written whole ({why}); its old text was put back") from None
+
+
+def _write_whole(fd: int, data: bytes) -> None:
+    """Make the file ``fd`` hold exactly ``data``: written from its start, truncated to it, flushed to disk."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    _write_all(fd, data)
+    os.ftruncate(fd, len(data))
+    os.fsync(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:
