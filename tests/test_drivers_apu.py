@@ -73,8 +73,8 @@ import functools, json, logging, os, resource, sys, threading
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
 from membackend._drivers.apu import read_amdgpu_memory
+import membackend
 from membackend._drivers.gpu import GpuDriver
-from membackend.testing.simulated import simulated_session
 root = Path(sys.argv[1])
 os.environ["MEMBACKEND_SYSFS_ROOT"] = str(root)
 logged = []
@@ -90,7 +90,7 @@ def answer(fn):  # what fn returns or raises, or "blocked" while it does neither
     t.start()
     t.join(60)  # a guard against a read that never ends, not a measure of speed
     return out[0] if out else "blocked"
-s = simulated_session("strix-halo-128gb")
+s = membackend.create_session(sim_profile="strix-halo-128gb")
 d = s.backend.driver
 d.amdgpu_memory = functools.partial(GpuDriver.amdgpu_memory, d)  # the files, not the simulation's books
 dom, bus, dev = d.sim.pci_location(0)

@@ -198,17 +198,21 @@ def test_every_profile_holds_bytes_and_says_so():
 
 # A process at the kernel's mapping limit (vm.max_map_count): every other page of one region of its own given
 # another protection (each page a mapping of its own) until a few hundred mappings are left, then faults on a
-# simulated H200 until the limit refuses one, then every page freed and every reservation released.
+# simulated H200 until the limit refuses one, then the last mappings taken by other code (past the limit, where mmap
+# refuses any new one), then a page freed and every reservation released. The session is create_session's.
 AT_THE_LIMIT = r"""
 import ctypes, json, mmap, os
-from membackend.lab.simulated import simulated_session
+import membackend
 from membackend.types import MembackendError
 def mappings():
     with open("/proc/self/maps") as f:
         return sum(1 for _ in f)
 limit = int(open("/proc/sys/vm/max_map_count").read())
-s = simulated_session("h200", page_size="2MiB")
-dev, page = s.devices()[0], 2 << 20
+s = membackend.create_session(sim_profile="h200", backend="vmm")
+dev = s.devices()[0]
+probe = s.reserve(dev, 1)
+page = probe.page_size
+s.release_reservation(probe)
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                           ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -231,7 +235,15 @@ while refused is None:
         if not s.fault(r, i * page, page).ok:
             refused = "fault: ok=False"
             break
-out["refused"], out["at"], out["reservations"] = refused, mappings(), len(reservations)
+# another part of the process takes what is left (mmap refuses a new mapping only past the limit): now every mmap
+# fails. Each page another protection than the one before, so that no two merge into one mapping
+for k in range(1000):
+    if libc.mmap(None, small, mmap.PROT_READ * (k % 2), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0) in \
+            (None, ctypes.c_void_p(-1).value):
+        break
+else:
+    raise AssertionError("the kernel took 1000 more mappings past the limit")
+out["refused"], out["at"], out["reservations"], out["page"] = refused, mappings(), len(reservations), page
 out["freed"] = s.free(reservations[0], 0, page)  # one page dropped at the limit: unmapped, memory back
 errors = []
 for r in reservations:
@@ -259,7 +271,7 @@ def test_at_the_kernels_mapping_limit_releases_succeed_and_the_memory_comes_back
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert out["refused"] is not None and out["at"] >= limit, out  # the kernel's limit, not the device's memory
-    assert out["reservations"] > 1 and out["freed"] == PAGE, out
+    assert out["reservations"] > 1 and out["freed"] == out["page"], out
     assert out["errors"] == [], out  # on main: 'cuMemUnmap failed ... mmap: Cannot allocate memory'
     assert out["state"]["physical"] == 0 and out["state"]["reserved"] == 0 and out["state"]["mapped"] == 0, out
     assert out["after"] < limit - 500 and out["fault_after"], out
