@@ -3,10 +3,11 @@ MEMBACKEND_* variable or config file, an empty working directory) and host sessi
 
 Runs in a bare Python too (membackend on ``PYTHONPATH``, pytest, nothing installed: ``scripts/gpu-check
 --with-tests`` on a GPU machine): where membackend's ``pytest11`` entry point did not load the conformance
-kit's pytest plugin, this file loads it; and where ``scripts/test`` did not install the third-party example
-backend that ``membackend_targets`` names, this file makes that fixture findable as the distribution it is,
-from its own ``pyproject.toml`` (:func:`_example_findable`), so the kit resolves its targets instead of ending
-the run with a usage error (exit 4).
+kit's pytest plugin, this file loads it. The third-party example backend that ``membackend_targets`` names
+is installed nowhere (``scripts/test`` keeps test fixtures out of the user's ``.venv``): this file makes that
+fixture findable as the distribution it is, for this run only, from its own ``pyproject.toml``
+(:func:`_example_findable`), so the kit resolves its targets instead of ending the run with a usage error
+(exit 4).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _example_findable() -> None:
     """Make the example backend fixture a distribution on ``sys.path`` when none is installed: its package
     folder goes on the path, and a temporary folder holds the ``.dist-info`` its ``pyproject.toml`` describes
     (name, version, entry points), so ``importlib.metadata`` finds its entry point exactly as it finds an
-    installed one's. Nothing happens where it is installed (``scripts/test``: ``pip install -e``)."""
+    installed one's. Nothing happens where it is installed (a ``pip install`` of the fixture by hand)."""
     meta = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
     try:
         importlib.metadata.distribution(meta["name"])

@@ -675,6 +675,7 @@ KIT = [("h200", "vmm", {}), ("gb10", "unified_gb10", {}), ("rx9070xt", "vmm", RO
        *[(p, "rocm_linux", ROCM) for p, selected in AMD_LINUX if selected == "rocm_linux"]]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess per profile: 15-30 s each
 @pytest.mark.parametrize("profile,backend,env", KIT, ids=[f"{b}:{p}" for p, b, _ in KIT])
 def test_conformance_kit_through_the_stand_in(standin, tmp_path, profile, backend, env):
     pytest.importorskip("hypothesis")
