@@ -34,7 +34,7 @@ from ._settings import load_settings
 from ._settings.rules import FIELDS as SETTING_FIELDS
 from ._settings.rules import format_bytes
 from ._settings.sources import ENV_PREFIX
-from .types import BackendDisabled, Budget, Machine, MembackendError
+from .types import BackendDisabled, Budget, Machine, MembackendError, format_size
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ SELFTEST_RESERVE = 256 * MiB
 SELFTEST_FAULT = 128 * MiB
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / MiB:,.0f} MiB"
+def _size(n: int | None) -> str:
+    """A size as membackend writes one everywhere (``types.format_size``: ``6.0 GiB``); ``-`` for none."""
+    return "-" if n is None else format_size(n)
 
 
 def _rss() -> int:
@@ -210,15 +211,15 @@ def self_test(mgr: BackendManager, machine: Machine, sel: Selection) -> dict[str
     try:
         budget, problems, source = _budget_or_say(checker, dev)
         step("budget", "; ".join(problems) if problems else
-             f"usable {_mib(budget.usable)} of {_mib(budget.total)}" + (f", as {source} says" if source else ""),
+             f"usable {_size(budget.usable)} of {_size(budget.total)}" + (f", as {source} says" if source else ""),
              passed=not problems)
         fault_size = max(min(SELFTEST_FAULT, budget.usable // 4), 1)
         r = session.reserve(dev, SELFTEST_RESERVE)
-        step("reserve", f"{_mib(r.size)} of address space at {r.base:#x}", lambda: checker.verify(dev, "reserve"))
+        step("reserve", f"{_size(r.size)} of address space at {r.base:#x}", lambda: checker.verify(dev, "reserve"))
         f = session.fault(r, 0, fault_size)
-        step("fault", f"{_mib(fault_size)} backed, ok={f.ok}", lambda: _check_fault(f, checker, dev))
+        step("fault", f"{_size(fault_size)} backed, ok={f.ok}", lambda: _check_fault(f, checker, dev))
         dropped = session.free(r)
-        step("free", f"{_mib(dropped)} dropped", lambda: checker.verify(dev, "free"))
+        step("free", f"{_size(dropped)} dropped", lambda: checker.verify(dev, "free"))
         session.release_reservation(r)
         step("release", "address range returned", lambda: checker.verify(dev, "release_reservation"))
         closed = True
@@ -286,7 +287,7 @@ def _yes(value: bool | None) -> str:
 
 
 #: the device facts the doctor prints, with how each value is shown
-_DEVICE_FACTS = (("name", "name", lambda v: v or "?"), ("total_memory", "total memory", _mib),
+_DEVICE_FACTS = (("name", "name", lambda v: v or "?"), ("total_memory", "total memory", _size),
                  ("arch", "arch", lambda v: v or "?"), ("integrated", "integrated", _yes),
                  ("unified", "one pool with the host", _yes), ("vmm_supported", "virtual memory management", _yes),
                  ("driver_model", "driver model", lambda v: v or "-"), ("luid", "LUID", lambda v: v or "-"))
@@ -301,8 +302,8 @@ def _print_machine(m: Machine) -> None:
     print("machine:")
     print(f"  OS: {m.os}  [{src('os')}]")
     print(f"  CPUs: {m.cpus}  [{src('cpus')}]")
-    print(f"  RAM: {_mib(m.ram_total)} ({_mib(m.ram_available)} available)  [{src('ram_total')}]")
-    print(f"  cgroup limit: {_mib(m.cgroup_limit) if m.cgroup_limit else 'none'}  [{src('cgroup_limit')}]")
+    print(f"  RAM: {_size(m.ram_total)} ({_size(m.ram_available)} available)  [{src('ram_total')}]")
+    print(f"  cgroup limit: {_size(m.cgroup_limit) if m.cgroup_limit else 'none'}  [{src('cgroup_limit')}]")
     print(f"  torch: {m.torch_version or 'not installed'} ({m.torch_vendor or '-'} build)  [{src('torch_version')}]")
     if not m.devices:
         print("  GPUs: none found")
@@ -350,16 +351,17 @@ def _print_budgets(rows: list[dict[str, Any]]) -> None:
             print(f"  {b['device']}: error: {b['error']}")
         else:
             why = f" ({b['headroom_source']})" if b.get("headroom_source") else ""
-            print(f"  {b['device']}: total {_mib(b['total'])}, free {_mib(b['free'])}, headroom {_mib(b['headroom'])}"
-                  f"{why}, usable {_mib(b['usable'])}{' (unified pool)' if b['unified'] else ''} from {b['source']}")
+            print(f"  {b['device']}: total {_size(b['total'])}, free {_size(b['free'])}, headroom {_size(b['headroom'])}"
+                  f"{why}, usable {_size(b['usable'])}{' (unified pool)' if b['unified'] else ''} from {b['source']}")
 
 
 def _print_selftest(t: dict[str, Any]) -> None:
     print(f"self-test on {t['backend']} ({t['device'] or 'no device'}):")
     base = t["steps"][0]["rss"]
     for s in t["steps"]:
-        print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_mib(s['rss']):>10}"
-              f" ({(s['rss'] - base) / MiB:+8.1f} MiB)  ledger resident {_mib(s['ledger_resident'])}  {s['detail']}")
+        print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_size(s['rss']):>10}"
+              f" ({('+' if s['rss'] >= base else '') + _size(s['rss'] - base):>11})  ledger resident "
+              f"{_size(s['ledger_resident'])}  {s['detail']}")
     print("self-test: " + ("passed" if t["ok"] else "FAILED"))
 
 

@@ -743,7 +743,8 @@ class Session:
         """``(bytes kept free on device, where that value comes from, in words)``, by the precedence of
         the class docstring: the ``source`` given to :meth:`set_headroom` (``live``, ComfyUI's flags),
         ``start-up setting headroom (from env MEMBACKEND_HEADROOM)``, the backend's or platform's own
-        (``platform unified_gb10's own rule``), or ``backend X's own budget``."""
+        (``platform unified_gb10's own rule``, ``backend host's own rule (512.0 MiB)``): every one of these
+        reads ``<platform|backend> NAME's own rule``, with what it is made of in brackets where that helps."""
         device = self._device(device)
         chosen = self._chosen_headroom(device)
         if chosen is not None:
@@ -761,7 +762,7 @@ class Session:
         if callable(own):
             room, source = own(device, total)
             return int(room), str(source)
-        return reported, f"backend {self.name}'s own budget"
+        return reported, f"backend {self.name}'s own rule (the headroom its budget reports)"
 
     def set_headroom(self, device: Any, headroom: int | None, source: str = HEADROOM_LIVE) -> None:
         """Keep ``headroom`` bytes free on ``device`` from the next budget query on, as ``source``.

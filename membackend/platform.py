@@ -52,7 +52,7 @@ from typing import Any, Callable, cast
 from ._drivers.gpu import BUDGET_SOURCES as DRIVER_BUDGET_SOURCES
 from ._settings.rules import FIELD_NAMES, SIZE_ACCEPTED, Rule, RuleError, flag, format_bytes, seconds, size
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
-from .types import Candidate, Capabilities, DeviceInfo, Machine, Score
+from .types import Candidate, Capabilities, DeviceInfo, Machine, Score, format_size
 
 __all__ = ["Platform", "PlatformSetting", "PlatformValues", "GENERIC", "vmm_unsupported", "KEPT_WINDOWS_PER_DEVICE",
            "CHURN_MARGIN", "size", "flag", "seconds", "Rule", "RuleError", "SIZE_ACCEPTED", "format_bytes",
@@ -321,10 +321,10 @@ class Platform:
         """Where :meth:`headroom_for` comes from, in words (``Session.headroom_in_force``, the doctor)."""
         values = self._values(values)
         if "headroom" in values and values.source("headroom") != "default":
-            return f"platform {self.name}'s own ({self.name}.headroom from {values.source('headroom')})"
+            return f"platform {self.name}'s own rule ({self.name}.headroom from {values.source('headroom')})"
         if callable(self.headroom):
             return f"platform {self.name}'s own rule"
-        return f"platform {self.name}'s own ({format_bytes(self.headroom)})"
+        return f"platform {self.name}'s own rule ({format_size(self.headroom)})"
 
 
 _VMM_ATTRIBUTE = {"cuda": "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",

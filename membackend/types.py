@@ -80,9 +80,27 @@ __all__ = [
     "UnsafeLayout",
     "CannotWrite",
     "StartupCostError",
+    "format_size",
 ]
 
 DEVICE_KINDS = ("cpu", "cuda", "hip")
+
+#: the binary units :func:`format_size` writes, smallest first
+SIZE_UNITS = (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40), ("PiB", 1 << 50))
+
+
+def format_size(n: int | float) -> str:
+    """A byte count as membackend writes it for a person, everywhere (the doctor, the logs, the status, the memory
+    panel, the docs): binary units with one decimal, the largest unit that is at least 1 (``6.0 GiB``,
+    ``512.0 MiB``, ``1.5 KiB``), thousands separated past 1,024 PiB; below 1 KiB the bytes themselves (``0 bytes``,
+    ``1 byte``, ``640 bytes``). Negative counts keep their sign. A setting's value is written as a setting takes
+    it instead (``membackend._settings.format_bytes``: ``512MiB``, exact)."""
+    size = abs(n)
+    for unit, scale in reversed(SIZE_UNITS):
+        if size >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    whole = int(n)
+    return f"{whole} byte" if abs(whole) == 1 else f"{whole} bytes"
 
 
 # --------------------------------------------------------------------------- errors

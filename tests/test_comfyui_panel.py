@@ -224,7 +224,7 @@ def test_panel_shows_the_address_windows_a_backend_keeps(tmp_path):
                                          "bound_rule": "the kept_windows setting", "give_back": 0,
                                          "reason": "released large windows kept for the next reserve",
                                          "large_frees_spent": 12, "large_frees_allowed": 12,
-                                         "line": "hip:0: 1 address window(s) kept, 3.00 GiB"}},
+                                         "line": "hip:0: 1 address window(s) kept, 3.0 GiB"}},
               "history": {}}
     with _serve_panel(status) as url, _browser(tmp_path) as context:
         page, errors = _open_panel(context, url, "[data-mb=device]")

@@ -22,8 +22,10 @@ from membackend._comfyui.runtime import LIVE_SOURCE, Runtime, describe_load
 from membackend._drivers.open import machine_for
 from membackend._manager import BackendManager
 from membackend._settings import SIZE_ACCEPTED, load_settings
+from membackend.types import format_size
 
 MiB = 1 << 20
+GiB = 1 << 30
 PS = 2 * MiB  # the vmm backend's page on the simulated H200
 
 
@@ -58,7 +60,7 @@ def _paged(n, page):
 
 
 def _mb(n):
-    return f"{n / 1e6:.1f} MB"
+    return format_size(n)  # as the per-load lines write a size
 
 
 def _model(rt, name, size):
@@ -377,7 +379,7 @@ def test_one_line_per_load_says_kept_reloaded_or_cold(rt, caplog):
         and " at " in text, texts
     assert "evicted at " in text and text.endswith("for AutoencoderKL (to keep the headroom free)"), text
     lines = [r.getMessage() for r in caplog.records if "load of " in r.getMessage()]
-    assert len(lines) == 4 and f"load of SDXL (16.8 MB): reloaded {_mb(_paged(16 * MiB, page))}" in lines[3], lines
+    assert len(lines) == 4 and f"load of SDXL (16.0 MiB): reloaded {_mb(_paged(16 * MiB, page))}" in lines[3], lines
     assert rt.status()["load_count"] == 4
 
 
@@ -411,22 +413,22 @@ def test_load_records_reach_the_trace(tmp_path):
 
 def test_describe_load_words():
     lost = {"time": 0.0, "bytes": 3_200_000_000, "reason": "out of memory", "for": ["vae"]}
-    assert describe_load({"kind": "kept", "loaded": 0, "resident_before": 10**9}) == "kept: 0 bytes loaded " \
-                                                                                     "(1.0 GB resident)"
-    said = describe_load({"kind": "reloaded", "loaded": 3_200_000_000, "lost": lost}, {"vae": "the VAE"}.get)
-    assert said.startswith("reloaded 3.2 GB: evicted at ") and said.endswith(" for the VAE (the device was out of "
-                                                                              "memory)"), said
-    assert describe_load({"kind": "cold", "loaded": 5 * 10**9}) == "loaded 5.0 GB (cold)"
+    assert describe_load({"kind": "kept", "loaded": 0, "resident_before": GiB}) == "kept: 0 bytes loaded " \
+                                                                                   "(1.0 GiB resident)"
+    said = describe_load({"kind": "reloaded", "loaded": 3 * GiB + GiB // 5, "lost": lost}, {"vae": "the VAE"}.get)
+    assert said.startswith("reloaded 3.2 GiB: evicted at ") and said.endswith(" for the VAE (the device was out "
+                                                                               "of memory)"), said
+    assert describe_load({"kind": "cold", "loaded": 5 * GiB}) == "loaded 5.0 GiB (cold)"
 
 
 def test_describe_load_says_nothing_loaded_and_streamed():
     assert describe_load({"kind": "kept", "loaded": 0, "resident_before": 0}) == \
         "nothing loaded: none of its layers ran"  # never loaded: not "kept"
-    shed = describe_load({"kind": "cold", "loaded": 4 * 10**9, "shed_during": 10**9})
-    assert shed.startswith("streamed: loaded 4.0 GB (cold)") and "1.0 GB of it shed again" in shed, shed
-    more = describe_load({"kind": "cold", "loaded": 4 * 10**9}, pages=2 * 10**9)
-    assert more.startswith("streamed: loaded 4.0 GB (cold)") and "2.0 GB of weights" in more, more
-    assert describe_load({"kind": "cold", "loaded": 2 * 10**9}, pages=2 * 10**9) == "loaded 2.0 GB (cold)"
+    shed = describe_load({"kind": "cold", "loaded": 4 * GiB, "shed_during": GiB})
+    assert shed.startswith("streamed: loaded 4.0 GiB (cold)") and "1.0 GiB of it shed again" in shed, shed
+    more = describe_load({"kind": "cold", "loaded": 4 * GiB}, pages=2 * GiB)
+    assert more.startswith("streamed: loaded 4.0 GiB (cold)") and "2.0 GiB of weights" in more, more
+    assert describe_load({"kind": "cold", "loaded": 2 * GiB}, pages=2 * GiB) == "loaded 2.0 GiB (cold)"
 
 
 def test_a_models_size_is_its_weights_not_its_address_range(rt, caplog):
@@ -448,7 +450,7 @@ def test_a_models_size_is_its_weights_not_its_address_range(rt, caplog):
     assert row["size"] == 6 * MiB and row["address_range"] == 60 * MiB, row
     assert row["state"] == "warm", row  # every page of the weights resident: not "partly resident"
     line = next(r.getMessage() for r in caplog.records if "load of UNet" in r.getMessage())
-    assert f"load of UNet (6.3 MB): loaded {_mb(_paged(6 * MiB, v._model.reservation(d).page_size))} (cold)" in line, line
+    assert f"load of UNet (6.0 MiB): loaded {_mb(_paged(6 * MiB, v._model.reservation(d).page_size))} (cold)" in line, line
     v.close()
     assert d in rt.devices
 

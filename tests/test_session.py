@@ -161,20 +161,20 @@ def test_each_source_of_the_headroom_wins_over_the_next_and_is_named():
         assert b.headroom == room and b.usable == max(0, b.free - room)
         s.set_headroom(CPU, None, source=source)  # that source gives its value up: the next one applies
     own = Session(HostBackend(), machine=gather_machine())
-    assert own.headroom_in_force(CPU) == (512 * MiB, f"the host backend's own ({512 * MiB} bytes)")
+    assert own.headroom_in_force(CPU) == (512 * MiB, "backend host's own rule (512.0 MiB)")
     assert own.budget_query(CPU).headroom == 512 * MiB
 
     class Plain(HostBackend):  # a backend with no own_headroom: what its budget says is the last word
         own_headroom = None
 
     assert Session(Plain(headroom=32 * MiB), machine=gather_machine()).headroom_in_force(CPU) == (
-        32 * MiB, "backend host's own budget")
+        32 * MiB, "backend host's own rule (the headroom its budget reports)")
 
 
 def test_a_platform_s_rule_is_the_level_below_the_setting():
     s = BackendManager(load_settings(sim_profile="h200", backend="vmm")).session()
     try:
-        assert s.headroom_in_force("cuda:0") == (256 * MiB, "platform vmm's own (256MiB)")
+        assert s.headroom_in_force("cuda:0") == (256 * MiB, "platform vmm's own rule (256.0 MiB)")
         s.set_headroom("cuda:0", GiB, source=FLAGS)
         assert s.budget_query("cuda:0").headroom == GiB == s.backend.membackend_budget_query(Device("cuda", 0)).headroom
     finally:

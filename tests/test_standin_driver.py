@@ -666,8 +666,8 @@ def test_amd_apu_doctor_shows_the_three_budget_figures_through_the_stand_in(stan
     proc = _membackend(standin, "strix-halo-128gb", "doctor", **ROCM)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("hip:0: total"))
-    assert "APU pool, bound by " in line and "reported 127.50 GiB above its own total 96.00 GiB" in line, line
-    assert "sysfs 96.50 GiB (carve-out 0.50 GiB + GTT 96.00 GiB" in line and "MemAvailable" in line, line
+    assert "APU pool, bound by " in line and "reported 127.5 GiB above its own total 96.0 GiB" in line, line
+    assert "sysfs 96.5 GiB (carve-out 512.0 MiB + GTT 96.0 GiB" in line and "MemAvailable" in line, line
     assert "self-test: passed" in proc.stdout, proc.stdout
 
 

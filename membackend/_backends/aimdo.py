@@ -41,7 +41,18 @@ from typing import Any, Callable
 from .._version import __version__
 from .._drivers.open import open_gpu_driver
 from ..hookspec import hookimpl
-from ..types import Budget, Candidate, Capabilities, Device, DriverError, Fault, Machine, Reservation, WrongDevice
+from ..types import (
+    Budget,
+    Candidate,
+    Capabilities,
+    Device,
+    DriverError,
+    Fault,
+    Machine,
+    Reservation,
+    WrongDevice,
+    format_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +370,8 @@ class AimdoBackend:
 
     def own_headroom(self, device: Device, total: int) -> tuple[int, str]:
         """What comfy-aimdo keeps free (the lowest level of ``Session.headroom_in_force``)."""
-        return self._headroom(), "comfy-aimdo's own (the larger of its 256 MiB floor and its simple headroom)"
+        return self._headroom(), (f"backend {self.name}'s own rule (comfy-aimdo's: the larger of its "
+                                  f"{format_size(DEFAULT_HEADROOM)} floor and its simple headroom)")
 
     def _headroom(self) -> int:
         """aimdo keeps the larger of its compile-time floor and the process-wide simple headroom free."""

@@ -40,6 +40,7 @@ from ..types import (
     Reservation,
     Score,
     WrongDevice,
+    format_size,
 )
 
 __all__ = ["HostBackend", "HostFailures"]
@@ -105,7 +106,7 @@ class HostBackend:
 
     def own_headroom(self, device: Device, total: int) -> tuple[int, str]:
         """The headroom this backend keeps of its own (the lowest level of ``Session.headroom_in_force``)."""
-        return self.headroom, f"the host backend's own ({self.headroom} bytes)"
+        return self.headroom, f"backend {self.name}'s own rule ({format_size(self.headroom)})"
 
     # ------------------------------------------------------------------ contract
 

@@ -102,6 +102,7 @@ from ..types import (
     Reservation,
     Score,
     WrongDevice,
+    format_size,
 )
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class KeptWindows:
         if not self.windows:
             kept = "no address window kept"
         else:
-            kept = f"{self.windows} address window(s) kept, {self.bytes / GiB:,.2f} GiB ({self.reason})"
+            kept = f"{self.windows} address window(s) kept, {format_size(self.bytes)} ({self.reason})"
         return (f"{self.device}: {kept}; at most {self.bound} stay once no large free is left ({self.bound_rule}); "
                 f"large frees {self.large_frees_spent} of {self.large_frees_allowed} spent (large reserves fail "
                 f"after {self.churn_limit}, rocm-systems #6191)")
@@ -254,7 +255,7 @@ class HandleLedger:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GiB:,.2f} GiB"
+    return format_size(n)  # as membackend writes every size
 
 
 class _Range:
@@ -371,7 +372,7 @@ class VmmBackend:
         ``headroom`` override given to the constructor, else the platform's rule with its declared
         settings. The lowest level of ``Session.headroom_in_force``."""
         if self._headroom is not None:
-            return self._headroom, f"backend {self.name}'s override ({self._headroom} bytes)"
+            return self._headroom, f"backend {self.name}'s own rule (an override of {format_size(self._headroom)})"
         state = self._devices.get(device.index)
         integrated = state.integrated if state is not None else self._integrated(device.index)
         return (self.platform.headroom_for(total, self.platform_values, integrated=integrated),

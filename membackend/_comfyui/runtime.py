@@ -39,7 +39,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable
 
 from .._version import __version__
-from ..types import Device, InvalidSize, PartialFailure, WrongDevice
+from ..types import Device, InvalidSize, PartialFailure, WrongDevice, format_size
 from .keepwarm import KeepWarm
 from .patches import Patches
 
@@ -107,14 +107,9 @@ def _forget(runtime: "Runtime") -> None:
 
 
 def gb(n: int | float) -> str:
-    """Bytes for a person: ``3.2 GB`` (powers of 1000, as ComfyUI's own log lines), ``512 MB``, ``0 bytes``."""
-    n = float(n)
-    if n == 0:
-        return "0 bytes"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} bytes"
+    """Bytes for a person, as membackend writes them everywhere (``types.format_size``): ``3.0 GiB``,
+    ``512.0 MiB``, ``0 bytes``."""
+    return format_size(n)
 
 
 #: the residency policy's reasons for a loss, as (what happened, why) for the per-load line

@@ -16,14 +16,21 @@ const POLL_MS = 2000;
 const CHART_SECONDS = 300;
 const TAB_ID = "membackend-memory";
 
+// A size as membackend writes one everywhere (membackend.types.format_size): binary units, one decimal, the
+// largest unit that is at least 1 ("6.0 GiB", "512.0 MiB"); below 1 KiB the bytes themselves.
+const SIZE_UNITS = [["PiB", 2 ** 50], ["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+
 function gb(n) {
   if (n === null || n === undefined) return "–";
   const a = Math.abs(n);
-  if (a === 0) return "0 bytes";
-  for (const [unit, size] of [["TB", 1e12], ["GB", 1e9], ["MB", 1e6], ["kB", 1e3]]) {
-    if (a >= size) return `${(n / size).toFixed(1)} ${unit}`;
+  for (const [unit, size] of SIZE_UNITS) {
+    if (a >= size) {
+      const text = (n / size).toLocaleString("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 });
+      return `${text} ${unit}`;
+    }
   }
-  return `${n} bytes`;
+  const whole = Math.trunc(n);
+  return Math.abs(whole) === 1 ? `${whole} byte` : `${whole} bytes`;
 }
 
 function ago(t) {

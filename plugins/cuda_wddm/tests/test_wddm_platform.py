@@ -165,7 +165,7 @@ def test_the_env_setting_reaches_the_budget_through_the_platform(monkeypatch):
     try:
         assert s.budget_query(CUDA0).headroom == GiB
         assert s.headroom_in_force(CUDA0) == (
-            GiB, "platform cuda_wddm's own (cuda_wddm.headroom from env MEMBACKEND_CUDA_WDDM_HEADROOM)")
+            GiB, "platform cuda_wddm's own rule (cuda_wddm.headroom from env MEMBACKEND_CUDA_WDDM_HEADROOM)")
     finally:
         s.close()
 
@@ -196,7 +196,7 @@ def test_the_doctor_shows_the_headroom_setting_with_its_source(monkeypatch, caps
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "cuda_wddm.headroom: 1GiB  [env MEMBACKEND_CUDA_WDDM_HEADROOM]" in out
-    assert "headroom 1,024 MiB (platform cuda_wddm's own (cuda_wddm.headroom from env" in out
+    assert "headroom 1.0 GiB (platform cuda_wddm's own rule (cuda_wddm.headroom from env" in out
 
 
 # ------------------------------------------------------------------ what the record asks of the mechanism

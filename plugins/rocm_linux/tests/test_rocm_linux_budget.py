@@ -9,6 +9,7 @@ from rocm_linux_sessions import GiB, MiB, session, sim
 
 from membackend._drivers.apu import system_reserve
 from membackend.platform import one_pool_headroom
+from membackend.types import format_size
 from membackend_rocm_linux import DISCRETE_HEADROOM, headroom
 
 DEV = "hip:0"
@@ -25,8 +26,8 @@ def test_at_start_hip_binds_clamped_to_its_own_total():
     assert info["MemFree"] > 96 * GiB  # what the runtime answers as free: above its own total
     assert b.unified and b.total == 96 * GiB and b.free == 96 * GiB
     assert b.source.startswith("APU pool, bound by hipMemGetInfo: ")
-    assert f"reported {info['MemFree'] / GiB:,.2f} GiB above its own total 96.00 GiB" in b.source
-    assert "sysfs 96.50 GiB (carve-out 0.50 GiB + GTT 96.00 GiB less 0.00 GiB used" in b.source
+    assert f"reported {format_size(info['MemFree'])} above its own total 96.0 GiB" in b.source
+    assert "sysfs 96.5 GiB (carve-out 512.0 MiB + GTT 96.0 GiB less 0 bytes used" in b.source
     assert "MemAvailable" in b.source and "kept for the system" in b.source
     s.close()
 
@@ -68,7 +69,7 @@ def test_the_doctor_line_names_all_three(capsys):
         del os.environ["MEMBACKEND_SIM_PROFILE"]
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.strip().startswith("hip:0: total"))
-    for part in ("bound by hipMemGetInfo", "hipMemGetInfo 96.00 GiB", "sysfs 96.50 GiB", "MemAvailable"):
+    for part in ("bound by hipMemGetInfo", "hipMemGetInfo 96.0 GiB", "sysfs 96.5 GiB", "MemAvailable"):
         assert part in line, line
     assert "self-test: passed" in out
 

@@ -62,7 +62,7 @@ from membackend.platform import (
     size,
     vmm_unsupported,
 )
-from membackend.types import Candidate, Machine, Score
+from membackend.types import Candidate, Machine, Score, format_size
 
 __all__ = ["PLATFORM", "probe", "headroom", "HEADROOM_ENV", "HEADROOM_FRACTION", "HEADROOM_MIN", "HEADROOM_MAX",
            "SCORE", "PAGE_SIZE", "SETTINGS"]
@@ -84,7 +84,7 @@ PAGE_SIZE = 32 * MiB  # comfy-aimdo's VBAR page: fewer map calls per multi-GB mo
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return format_size(n)  # as membackend writes every size
 
 
 def headroom(total: int, settings: PlatformValues | None = None) -> int:

@@ -71,7 +71,8 @@ def test_the_headroom_variable_replaces_the_default_read_once_and_a_live_change_
         b = s.budget_query(CUDA0)
         assert b.headroom == 8 * GIB and b.usable == b.free - 8 * GIB
         assert s.headroom_in_force(CUDA0) == (
-            8 * GIB, "platform unified_gb10's own (unified_gb10.headroom from env MEMBACKEND_UNIFIED_GB10_HEADROOM)")
+            8 * GIB,
+            "platform unified_gb10's own rule (unified_gb10.headroom from env MEMBACKEND_UNIFIED_GB10_HEADROOM)")
         monkeypatch.setenv(HEADROOM_ENV, "20GB")  # read once, when the backend was built: nothing changes
         assert s.budget_query(CUDA0).headroom == 8 * GIB
         s.set_headroom(CUDA0, 20 * GB, source="live")  # changed while running: through the session

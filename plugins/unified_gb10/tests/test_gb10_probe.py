@@ -31,17 +31,17 @@ def test_the_record_is_a_cuda_platform_on_the_unified_budget_that_refuses_past_t
 def test_an_integrated_cuda_device_fits_and_the_reason_names_it_and_the_pool():
     c = probe(machine(gpu()))
     assert c.score == SCORE and not c.opt_in
-    assert "cuda:0 NVIDIA GB10" in c.reason and "128.0 GB pool" in c.reason
+    assert "cuda:0 NVIDIA GB10" in c.reason and "119.2 GiB pool" in c.reason
 
 
 def test_a_jetson_fits_too_with_its_own_pool_size():
     c = probe(machine(gpu(name="Orin", total=30 * GB), ram=32 * GB))
-    assert c.score == SCORE and "cuda:0 Orin" in c.reason and "32.0 GB pool" in c.reason
+    assert c.score == SCORE and "cuda:0 Orin" in c.reason and "29.8 GiB pool" in c.reason
 
 
 def test_the_pool_is_the_cgroup_limit_when_it_is_smaller():
     c = probe(machine(gpu(), cgroup=64 * GB))
-    assert c.score == SCORE and "64.0 GB pool" in c.reason and "cgroup" in c.reason
+    assert c.score == SCORE and "59.6 GiB pool" in c.reason and "cgroup" in c.reason
 
 
 def test_unified_addressing_alone_does_not_fit():
@@ -52,7 +52,7 @@ def test_unified_addressing_alone_does_not_fit():
 
 def test_a_discrete_gpu_does_not_fit_and_the_reason_says_why():
     c = probe(machine(gpu(name="NVIDIA GeForce RTX 3050", total=6 * GB, integrated=False, unified=False)))
-    assert c.score == Score.NONE and "not integrated" in c.reason and "6.0 GB of its own memory" in c.reason
+    assert c.score == Score.NONE and "not integrated" in c.reason and "5.6 GiB of its own memory" in c.reason
 
 
 def test_integrated_next_to_discrete_is_left_to_the_generic_backend():

@@ -25,7 +25,7 @@ def test_auto_selected_on_the_gb10_profile():
     sel = BackendManager(load_settings(sim_profile="gb10-128gb")).select()
     assert sel.record.name == "unified_gb10" and sel.how == "auto"
     assert sel.candidates["unified_gb10"].score == SCORE > sel.candidates["vmm"].score
-    assert "NVIDIA GB10" in sel.reason and "128.0 GB pool" in sel.reason
+    assert "NVIDIA GB10" in sel.reason and "119.2 GiB pool" in sel.reason
 
 
 @pytest.mark.parametrize("profile, why", [("wddm-6gb", "NVIDIA GeForce RTX 3050 is not integrated"),
