@@ -21,10 +21,10 @@ distributions come from the wheels built here (pure Python: they install everywh
 Offline, the wheels and sdists are checked for what an index page and an install need: the
 GPL-3.0 ``LICENSE`` file (``license-files``), the SPDX licence, the project URLs, classifiers,
 each distribution's README as its description, every file of the package (data files included),
-and the plugins' compatible range of membackend. Every link in the README (which the index
-renders alone, so a relative link would break there) and in each plugin's README must be
-absolute on the repository's address and name a file or folder of this repository (a picture:
-its ``/raw/main/`` address, which serves the file itself).
+and the plugins' compatible range of membackend. Every link in the README and in each plugin's
+README is relative and names a file or folder of this repository, so it opens in a clone (the
+repository's public address in ``pyproject.toml`` is a placeholder until it is published; none
+points at it).
 
 The resolving tests and the fresh install ask the package index, so they carry the ``network``
 marker (deselect with ``-m "not network"``); where the index cannot be reached they are skipped
@@ -58,9 +58,10 @@ from packaging.utils import canonicalize_name  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PLUGINS = ("cuda_wddm", "rocm_windows", "unified_gb10")
-#: the repository's public address (a placeholder until the repository is published): every project URL
-#: and every README link is absolute on it
+#: every platform plugin that ships (each folder of plugins/ with a pyproject.toml): four
+PLUGINS = tuple(sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()))
+#: the repository's public address (a placeholder until the repository is published): every project URL is
+#: on it, and no README link (each is relative, so it opens in a clone)
 BASE = "https://github.com/membackend/membackend"
 #: the folder of every distribution in this repository: the core, the platform plugins, the example backend
 DISTRIBUTIONS = {"membackend": ROOT, **{f"membackend-{p.replace('_', '-')}": ROOT / "plugins" / p for p in PLUGINS},
@@ -338,7 +339,7 @@ def test_every_distribution_declares_its_licence_urls_classifiers_and_readme(dis
     urls = project["urls"]
     assert set(urls) == {"Homepage", "Documentation", "Source", "Issues"}, urls
     for url in urls.values():
-        assert url == BASE or url == f"{BASE}/issues" or _target(url), url
+        assert url in (BASE, f"{BASE}/issues") or _on_the_address(url), url
 
 
 def _members(archive: Path) -> dict[str, bytes]:
@@ -444,59 +445,55 @@ def _anchors(markdown: str) -> set[str]:
             for h in re.findall(r"(?m)^#{1,6}\s+(.+?)\s*#*$", text.replace("`", ""))}
 
 
-def _target(url: str, image: bool = False) -> tuple[Path, str]:
-    """The file or folder of this repository a link names, and its anchor; AssertionError when it names none.
+def _on_the_address(url: str) -> bool:
+    """Whether ``url`` names a folder (``/tree/main/``) or file (``/blob/main/``) of this repository on its address."""
+    for kind, is_file in (("tree", False), ("blob", True)):
+        path = url.removeprefix(f"{BASE}/{kind}/main/")
+        if path != url and (ROOT / path).exists() and (ROOT / path).is_file() == is_file:
+            return True
+    return False
 
-    A picture must come from ``/raw/main/`` (the file itself: a ``/blob/`` address is a web page, which
-    the index cannot show as an image); a link names a file with ``/blob/main/``, a folder with ``/tree/main/``.
-    """
-    for kind in (("raw",) if image else ("blob", "tree")):
-        prefix = f"{BASE}/{kind}/main/"
-        if url.startswith(prefix):
-            path, _, anchor = url[len(prefix):].partition("#")
-            target = ROOT / path
-            assert target.exists(), f"{url} names {path}, which is not in this repository"
-            assert (kind != "tree") == target.is_file(), f"{url}: use /blob/ for a file and /tree/ for a folder"
-            return target, anchor
-    where = f"{BASE}/raw/main/" if image else f"{BASE}/blob/main/ or /tree/main/"
-    raise AssertionError(f"{url} is not absolute on {where} (the index shows the README alone, so a relative "
-                         "link breaks there)")
+
+def _target(url: str, readme: Path) -> tuple[Path, str]:
+    """The file or folder of this repository a relative link of ``readme`` names, and its anchor;
+    AssertionError when it names none (or points at the placeholder address, or out of the repository)."""
+    assert not url.startswith(BASE), f"{url} points at {BASE}, a placeholder: link relatively (docs/...)"
+    path, _, anchor = url.partition("#")
+    target = (readme.parent / path).resolve() if path else readme
+    assert target == ROOT or ROOT in target.parents, f"{url} leaves the repository"
+    assert target.exists(), f"{url} names {target.relative_to(ROOT)}, which is not in this repository"
+    return target, anchor
 
 
 @pytest.mark.parametrize("readme", READMES)
-def test_every_readme_link_is_absolute_and_names_a_file_of_this_repository(readme):
+def test_every_readme_link_is_relative_and_names_a_file_of_this_repository(readme):
     text = (ROOT / readme).read_text()
-    for image in (False, True):
-        for url in _links(text, images=image):
-            if url.startswith(("https://", "http://")) and not url.startswith(BASE):
-                assert url.startswith("https://"), f"{readme}: {url} is not https"
-                continue
-            target, anchor = _target(url, image)
-            if anchor and target.suffix == ".md":
-                assert anchor in _anchors(target.read_text()), f"{readme}: {url}: no heading #{anchor} in {target.name}"
+    for url in _links(text):
+        if url.startswith(("https://", "http://")) and not url.startswith(BASE):
+            assert url.startswith("https://"), f"{readme}: {url} is not https"
+            continue
+        target, anchor = _target(url, ROOT / readme)
+        if anchor and target.suffix == ".md":
+            assert anchor in _anchors(target.read_text()), f"{readme}: {url}: no heading #{anchor} in {target.name}"
     if readme == "README.md":
         assert len(_links(text)) >= 10, _links(text)
 
 
-def test_the_link_check_refuses_what_breaks_on_the_index():
+def test_the_link_check_refuses_what_does_not_open_in_a_clone():
     text = "see [a](docs/a.md), ![p](x.png), `[code](no.md)`, <a href='y.md'>y</a> <img src=\"z.png\">"
     assert _links(text) == ["docs/a.md", "x.png", "y.md", "z.png"]
     assert _links(text, images=True) == ["x.png", "z.png"] and _links(text, images=False) == ["docs/a.md", "y.md"]
-    for bad in ("docs/architecture.md", f"{BASE}/blob/main/docs/no-such-page.md", f"{BASE}/tree/main/README.md",
-                f"{BASE}/blob/main/docs", f"{BASE}/raw/main/LICENSE"):
+    readme = ROOT / "README.md"
+    for bad in ("docs/no-such-page.md", f"{BASE}/blob/main/docs/architecture.md", "../outside.md"):
         with pytest.raises(AssertionError):
-            _target(bad)
-    with pytest.raises(AssertionError):
-        _target(f"{BASE}/blob/main/docs/replays/churn-wddm.png", image=True)  # a web page, not the picture
-    assert _target(f"{BASE}/raw/main/docs/replays/churn-wddm.png", image=True)[0].is_file()
-    assert _target(f"{BASE}/blob/main/docs/comfyui.md#start-up-cost") == (ROOT / "docs" / "comfyui.md", "start-up-cost")
-    assert "the-two-commands" in _anchors((ROOT / "README.md").read_text())
+            _target(bad, readme)
+    assert _target("docs/architecture.md#the-layers", readme) == (ROOT / "docs" / "architecture.md", "the-layers")
 
 
 def test_the_readme_indexes_every_page_of_docs():
     readme = (ROOT / "README.md").read_text()
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
-    missing = [p for p in pages if f"{BASE}/blob/main/docs/{p}" not in readme]
+    missing = [p for p in pages if f"](docs/{p})" not in readme]
     assert not missing, f"docs/ pages missing from the README's index: {missing}"
 
 

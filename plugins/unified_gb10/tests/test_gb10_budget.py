@@ -18,8 +18,7 @@ from membackend._session import Session
 from membackend._settings import load_settings
 from membackend.types import ConfigError
 from membackend_unified_gb10 import HEADROOM_ENV, PLATFORM
-
-from workload_unified_gb10 import CUDA0, GB, GIB, gb10_session, stock_session
+from membackend_unified_gb10.workload import CUDA0, GB, GIB, gb10_session, stock_session
 
 
 @pytest.fixture
