@@ -90,20 +90,24 @@ def test_a_misspelt_forced_name_gets_did_you_mean(typed, meant):
         manager([ALPHA, GAMMA], backend=typed).select()
 
 
-def test_forcing_a_broken_backend_says_why():
+def _refused(target: str, name: str) -> str:
+    """The one line ``BackendNotFound`` says when ``name`` (entry point ``target``) is forced on a machine
+    without a GPU."""
     with pytest.raises(BackendNotFound) as info:
-        manager([ep("raiser", "fakeplugins.backends:RaisingProbe")], backend="raiser",
-                machine={"devices": []}).select()
-    assert str(info.value) == ("backend 'raiser' cannot be used here: broken: probe raised RuntimeError: driver "
-                               "exploded while probing; choices here: host")
+        manager([ep(name, target)], backend=name, machine={"devices": []}).select()
+    return str(info.value)
+
+
+def test_forcing_a_broken_backend_says_why():
+    assert _refused("fakeplugins.backends:RaisingProbe", "raiser") == (
+        "backend 'raiser' cannot be used here: broken: probe raised RuntimeError: driver exploded while probing; "
+        "choices here: host")
 
 
 def test_forcing_a_backend_that_serves_no_device_here_gives_its_probes_reason():
-    with pytest.raises(BackendNotFound) as info:
-        manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly",
-                machine={"devices": []}).select()
-    assert str(info.value) == ("backend 'gpuonly' cannot be used here: it serves cuda devices and this machine has "
-                               "none; its probe says: no CUDA device; choices here: host")
+    assert _refused("fakeplugins.backends:GpuOnly", "gpuonly") == (
+        "backend 'gpuonly' cannot be used here: it serves cuda devices and this machine has none; its probe says: "
+        "no CUDA device; choices here: host")
     # with its device, forcing it overrides its probe, as for any backend that fits by device
     sel = manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly",
                   machine={"devices": [{"kind": "cuda", "total_memory": "8GiB"}]}).select()
