@@ -1,6 +1,6 @@
 """What the ComfyUI adapter adds to ComfyUI's start-up, as a ratio to ``python -c "import torch"``.
 
-A thin wrapper over :func:`membackend.bench.measure_startup_cost` (the measurement ``membackend bench``
+A thin wrapper over :func:`membackend.lab.bench.measure_startup_cost` (the measurement ``membackend bench``
 runs, whose docstring says what each side measures); rounds alternate the sides and each keeps its
 best round.
 Target: ratio <= 0.15.
@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from membackend.bench import format_startup, measure_startup_cost
+from membackend.lab.bench import format_startup, measure_startup_cost
 
 
 def main(argv: list[str] | None = None) -> int:

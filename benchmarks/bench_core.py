@@ -12,7 +12,7 @@
 
 Timings interleave the two sides and keep the best of several rounds, since
 this machine is shared and noisy. The measuring lives in the public module
-``membackend.bench`` (``membackend bench`` runs these with the free-sync and
+``membackend.lab.bench`` (``membackend bench`` runs these with the free-sync and
 start-up benchmarks and the replays).
 """
 
@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from membackend.bench import (
+from membackend.lab.bench import (
     GiB,
     MiB,
     bench_fault_throughput,

@@ -6,7 +6,7 @@ On the simulated ``wddm-6gb`` machine (a 6 GB RTX 3050 under WDDM), each seed
 draws a WDDM page-in latency, a copy bandwidth and the host's run-ahead per
 layer, then stages a 20 GB LTX-video-sized model, evicts it while loading a
 7.7 GB Z-Image text encoder, then 11.7 GB of Lumina2, and unloads everything
-(``membackend_cuda_wddm.comparison`` describes the workload and both sides).
+(``workload_cuda_wddm`` describes the workload and both sides).
 Printed per side, summed over the seeds, all from the simulated driver:
 
 * bugchecks: unmaps or releases while a page-in or a copy was pending (each
@@ -28,7 +28,7 @@ import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from membackend_cuda_wddm.comparison import MODELS, SIDES, run_seed
+from workload_cuda_wddm import MODELS, SIDES, run_seed
 
 MiB = 1 << 20
 

@@ -16,7 +16,7 @@ sync stalls every stream, torch's included); and what the driver did without
 the sync (on WDDM the free races the page-in of the fresh mapping: the
 bugcheck of ComfyUI #16246, which is why that platform keeps the sync).
 
-The measuring lives in the public module ``membackend.bench`` (``membackend bench`` runs it with the rest).
+The measuring lives in the public module ``membackend.lab.bench`` (``membackend bench`` runs it with the rest).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from membackend.bench import bench_free_sync, format_free_sync
+from membackend.lab.bench import bench_free_sync, format_free_sync
 
 
 def main(argv: list[str] | None = None) -> int:

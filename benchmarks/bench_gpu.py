@@ -104,7 +104,7 @@ class Check:
     """Every part, over one driver wrapper (real cuda-python, or a simulated one in the unit test)."""
 
     def __init__(self, driver: Any, index: int, total: int, reps: int, torch: Any = None):
-        from membackend.testing.real import this_machine
+        from membackend.lab.real import this_machine
 
         self.d, self.index, self.total, self.reps, self.torch = driver, index, total, reps, torch
         self.device = f"cuda:{index}"
@@ -122,8 +122,8 @@ class Check:
 
     def session(self, page: int = 32 * MiB, **caps: Any) -> Any:
         from membackend import Session
+        from membackend.lab.real import vmm_backend
         from membackend.platform import GENERIC
-        from membackend.testing.real import vmm_backend
 
         capabilities = _capabilities(GENERIC.capabilities, caps)
         return Session(vmm_backend(self.d, page_size=page, capabilities=capabilities), machine=self.machine)
@@ -289,7 +289,7 @@ class Check:
 
     def _g2_kernel(self, s: Any) -> dict[str, Any]:
         torch = self.torch
-        from membackend.testing.real import tensor_at
+        from membackend.lab.real import tensor_at
 
         size = 64 * MiB
         r = s.reserve(self.device, size)
@@ -460,7 +460,7 @@ def _aimdo(index: int, total: int, reps: int, command: list[str] | None) -> dict
 def aimdo_child(driver: Any, index: int, total: int, reps: int) -> dict[str, Any]:
     """The aimdo backend (comfy-aimdo's VBARs, 32 MiB pages) through the same measurements."""
     from membackend import Session
-    from membackend.testing.real import aimdo_backend, event_token
+    from membackend.lab.real import aimdo_backend, event_token
 
     check = Check(driver, index, total, reps)
     out: dict[str, Any] = {}
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": f"--device {args.device}: the driver lists {count} device(s)"}))
         return 2
     try:
-        from membackend.testing.real import cuda_driver
+        from membackend.lab.real import cuda_driver
 
         driver = cuda_driver()
     except Exception as exc:  # cuda-python or membackend's own dependencies missing

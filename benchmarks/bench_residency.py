@@ -18,7 +18,7 @@ import json
 import sys
 
 from membackend import ResidencyManager, Session
-from membackend.testing.simulated import StockPolicy, host_session, simulated_profiles, simulated_session
+from membackend.lab.simulated import StockPolicy, host_session, simulated_profiles, simulated_session
 from membackend.types import Device
 
 MiB = 1 << 20

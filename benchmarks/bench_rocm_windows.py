@@ -38,9 +38,10 @@ import os
 import sys
 
 from membackend import ResidencyManager, create_session
+from membackend.lab.simulated import StockPolicy, simulated_session
 from membackend.platform import GENERIC
-from membackend.testing.simulated import StockPolicy, simulated_session
-from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
+
+from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
 
 MiB, GiB = 1 << 20, 1 << 30
 PROFILE = "rocm-win-2gpu"

@@ -8,7 +8,7 @@ Writes two traces of the same workload (two models faulted, copied and unpinned 
 simulated H200, a workflow switch every 20 runs, everything unloaded every 100), ``N`` and ``10 N`` events
 long, then replays each, stock and plugin side by side as ``membackend replay`` does, in a fresh Python of
 its own (so each peak resident set size, ``ru_maxrss``, is that replay's alone), through
-``membackend.bench.replay``. Printed: events, peak RSS and seconds per size, and the ratio of the peaks
+``membackend.lab.bench.replay``. Printed: events, peak RSS and seconds per size, and the ratio of the peaks
 (1.0: memory does not grow with the trace).
 """
 
@@ -26,7 +26,7 @@ MODELS = {"unet": 8 * GiB, "text_encoder": 2 * GiB}
 
 _REPLAY_ONE = """
 import json, resource, sys, time
-from membackend.bench import replay
+from membackend.lab.bench import replay
 start = time.perf_counter()
 comparison = replay(sys.argv[1])
 seconds = time.perf_counter() - start

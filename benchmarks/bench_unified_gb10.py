@@ -38,8 +38,9 @@ import json
 import sys
 from dataclasses import asdict
 
-from membackend.testing.simulated import StockPolicy
-from membackend_unified_gb10.workload import CUDA0, GB, Workload, gb10_session, stock_session
+from membackend.lab.simulated import StockPolicy
+
+from workload_unified_gb10 import CUDA0, GB, Workload, gb10_session, stock_session
 
 PROFILE = "gb10-128gb"
 WARM_UP = ("image", "video", "audio")

@@ -29,19 +29,18 @@ What you may import, by who you are (everything else is internal):
     example, the helpers a probe uses) plus :mod:`membackend.types` and the kit.
 
 **Benchmark writers** (the repository's ``benchmarks/``, a plugin's comparison)
-    :mod:`membackend.bench` (the suite ``membackend bench`` runs, side by side)
-    and :mod:`membackend.testing.simulated` (sessions on simulated machines,
-    the stock comfy-aimdo models).
+    the lab, :mod:`membackend.lab` (tooling: may change in any version): sessions
+    on simulated machines, the stock comfy-aimdo models, a real GPU's pieces,
+    the suite ``membackend bench`` runs (:mod:`membackend.lab.bench`), the
+    replays and their pictures.
 
 **Internal** (may change without notice; each has its test in ``tests/``)
     every module whose name starts with ``_``: ``_session``, ``_manager``,
     ``_residency``, ``_ledger``, ``_fences``, ``_trace``, ``_settings``,
     ``_machine``, ``_hostmem``, ``_tensors``, ``_cli``, and the packages
     ``_backends`` (host, vmm, aimdo), ``_drivers`` (real and simulated drivers,
-    discovery, the one opener), ``_replay`` (traces, scenarios, the stock
-    comparison model, the side-by-side engine), ``_pictures`` (a replay's
-    timeline as a figure or an HTML page) and ``_comfyui`` (the ComfyUI adapter,
-    started by the custom node ``membackend comfyui install`` writes).
+    discovery, the one opener) and ``_comfyui`` (the ComfyUI adapter, started by
+    the custom node ``membackend comfyui install`` writes).
 
 The layers, and the module-by-module table with each module's test, are in the
 project's ``docs/architecture.md`` and ``docs/modules.md``.

@@ -4,9 +4,9 @@
 custom node that starts membackend inside ComfyUI (see ``docs/comfyui.md``).
 
 ``membackend replay SCENARIO|TRACE_FILE`` runs a seed report's workload (or a recorded
-trace) stock and plugin side by side (``membackend._replay``; ``--plot`` draws the timelines
-with ``membackend._pictures``); ``membackend bench`` runs the benchmark suite
-(``membackend.bench``).
+trace) stock and plugin side by side (``membackend.lab._replay``; ``--plot`` draws the timelines
+with ``membackend.lab._pictures``); ``membackend bench`` runs the benchmark suite
+(``membackend.lab.bench``).
 
 Exit codes: 0 ok; 1 the self-test failed, or a replay's plugin side broke a
 guarantee; 2 a configuration error (its message is printed, one line), including a
@@ -447,11 +447,11 @@ def _comfyui(action: str, folder: str) -> int:
 
 
 def _replay(a: argparse.Namespace) -> int:
-    from ._replay.compare import replay
+    from .lab._replay.compare import replay
 
     try:
         if a.plot is not None:  # before the replay runs: an empty path, a wrong suffix or a missing extra
-            from ._pictures import check_plot_target  # must not cost the run
+            from .lab._pictures import check_plot_target  # must not cost the run
 
             try:
                 check_plot_target(a.plot)
@@ -471,7 +471,7 @@ def _replay(a: argparse.Namespace) -> int:
     else:
         print(comparison.table())
     if a.plot is not None:
-        from ._pictures import write_plot
+        from .lab._pictures import write_plot
 
         sc = comparison.scenario
         reported = f"reported in {sc.report}: " + next(iter(sc.reported.values())) if sc and sc.reported else None
@@ -489,7 +489,7 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
-    from .bench import format_bench, run_bench
+    from .lab.bench import format_bench, run_bench
 
     result = run_bench(quick=a.quick, seeds=a.seeds,
                        progress=None if a.json else (lambda step: print(f"  ... {step}", file=sys.stderr)))
@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     comfy.add_argument("action", choices=("install", "uninstall"))
     comfy.add_argument("folder", help="the ComfyUI checkout (the folder holding main.py)")
     rp = command("replay", "a seed report's workload or a recorded trace, stock vs plugin")
-    from ._replay.scenarios import SCENARIOS  # names only: the replay machinery loads when a replay runs
+    from .lab._replay.scenarios import SCENARIOS  # names only: the replay machinery loads when a replay runs
 
     rp.add_argument("source", help=f"a built-in scenario ({', '.join(SCENARIOS)}) or a trace file written with "
                                    "MEMBACKEND_TRACE or --record")

@@ -34,7 +34,7 @@ module is policy, on top of a :class:`~membackend._session.Session`:
   run uses.
 
 Today's ComfyUI + comfy-aimdo behaviour, reproduced for side-by-side
-comparison, is a subclass in the replay layer (``membackend._replay.stock``):
+comparison, is a subclass in the lab (``membackend.lab._replay.stock``):
 policy code here stays free of comparison models. The hooks it overrides
 (``_keep``, ``_on_workflow_switch``, ``_fence_before_free``, ``_evict_models``,
 and the flag ``sheds_below_the_fault``) are the seams a policy variant may change.

@@ -266,7 +266,7 @@ def test_on_gb10_the_generic_budget_is_the_pool_s_memavailable_not_the_device_vi
 
 def test_a_unified_pool_is_capped_by_the_machine_s_ram_and_cgroup_facts():
     """A Jetson-sized machine on the GB10 profile: the RAM override reaches the budget and the headroom rule."""
-    from membackend.testing import simulated_session
+    from membackend.lab import simulated_session
 
     s = simulated_session("gb10-128gb", machine={"ram_total": "16GiB"})
     try:

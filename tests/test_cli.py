@@ -283,7 +283,7 @@ def test_replay_of_version_true_exits_2(tmp_path, capsys):
 
 def test_replay_of_an_unknown_backend_exits_2_naming_the_header(tmp_path, capsys, monkeypatch):
     ran = []
-    import membackend._replay.compare as compare
+    import membackend.lab._replay.compare as compare
 
     monkeypatch.setattr(compare, "run_side", lambda *a, **k: ran.append(a))
     path = _trace(tmp_path, dict(_HEADER, backend="nosuch"), _REGISTER)
@@ -329,7 +329,7 @@ class _FillsUp:
 
 def _watch_sim(monkeypatch):
     """Every simulated driver and ledger the replay makes, to look at after it."""
-    import membackend._replay.engine as engine
+    import membackend.lab._replay.engine as engine
 
     drivers, ledgers = [], []
     real_open = engine.open_sim_variant
@@ -438,7 +438,7 @@ sys.exit(code)
 def test_replay_runs_where_cuda_python_and_hip_python_are_not_installed(tmp_path):
     import pytest
 
-    from membackend._replay.traceformat import write_trace
+    from membackend.lab._replay.traceformat import write_trace
 
     events = [{"event": "register", "model": "m", "bytes": 4 * GiB, "devices": ["cuda:0"]},
               {"event": "use", "models": ["m"]}]
@@ -473,7 +473,7 @@ def test_the_stand_in_cuda_types_replay_exactly_as_cuda_python_does(monkeypatch)
 
     pytest.importorskip("cuda.bindings.driver")
     import membackend._drivers.sim.cuda as sim_cuda
-    from membackend._replay.compare import replay
+    from membackend.lab._replay.compare import replay
 
     with_bindings = replay("churn-wddm", seeds=1).to_json()
     monkeypatch.setattr(sim_cuda, "_bindings", lambda: sim_cuda.STAND_IN_TYPES)

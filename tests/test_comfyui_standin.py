@@ -185,7 +185,7 @@ def test_an_exception_in_the_idle_patch_restores_everything_and_the_queue_carrie
 def test_a_trace_recorded_inside_comfyui_replays_on_a_simulated_gpu(results, tmp_path):
     """MEMBACKEND_TRACE inside ComfyUI records what a replay needs, copies with their durations
     included; the file replays on another (simulated) machine."""
-    from membackend._replay.compare import replay
+    from membackend.lab._replay.compare import replay
 
     events = results["switch_tight"]["trace"]
     copies = [e for e in events if e["event"] == "copy"]

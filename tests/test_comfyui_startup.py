@@ -15,7 +15,7 @@ pytest.importorskip("comfy_aimdo")
 import comfy_aimdo.control as control  # noqa: E402
 import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 
-from membackend._comfyui import startup, vbar  # noqa: E402
+from membackend._comfyui import startup, status, vbar  # noqa: E402
 from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
 
 #: a machine with one CUDA device, whatever this one has (MEMBACKEND_MACHINE__DEVICES)
@@ -99,7 +99,6 @@ def test_where_membackend_cannot_serve_nothing_is_patched_and_one_short_line_say
     line = _one_short_line(lines)
     assert line.startswith("membackend ") and says in line, line
     assert "MEMBACKEND_DISABLE" in line
-    from membackend._comfyui import status
     got = status.status()
     assert got["running"] is False and got["state"] == state and got["line"] == line
 
@@ -212,7 +211,7 @@ def test_comfyuis_headroom_flags_reach_the_budget(monkeypatch, comfy_args, origi
     assert rt.init_devices([(0, 512 << 20)]) is True  # --vram-headroom 0.5: on top
     b = rt.session.budget_query(rt.devices[0])
     assert b.headroom == (1 << 30) + (512 << 20) and b.usable == max(0, b.free - b.headroom)
-    assert rt.status()["budgets"][str(rt.devices[0])]["headroom"] == b.headroom
+    assert status.runtime_status(rt)["budgets"][str(rt.devices[0])]["headroom"] == b.headroom
     rt.stop()
 
 
@@ -239,7 +238,6 @@ def test_a_failing_start_restores_everything_and_answers_with_the_original(
     assert rt.session is not None and rt.session.reservations() == []
     warn = [ln for ln in lines() if "switched off" in ln]
     assert len(warn) == 1 and "injected into the wiring" in warn[0] and "every original restored" in warn[0]
-    from membackend._comfyui import status
     assert status.status()["state"] == "switched-off"
     monkeypatch.setattr(control, "init_devices", originals[0])
     rt.stop()
@@ -276,8 +274,8 @@ def test_the_idle_patch_calls_on_idle_only_when_the_queue_is_empty_and_stop_rest
     assert q.done == [(7, len)] and calls == []
     q.pending = 0
     q.task_done(8, {}, None)
-    assert q.done == [(7, len), (8, None)] and calls == ["idle"] and rt.idles == 1
-    assert rt.status()["idle"] == {"times": 1, "bytes": 0}
+    assert q.done == [(7, len), (8, None)] and calls == ["idle"] and rt.journal.idles == 1
+    assert status.runtime_status(rt)["idle"] == {"times": 1, "bytes": 0}
     rt.stop()
     assert _Queue.task_done is original
 
@@ -325,66 +323,3 @@ def test_start_up_with_plain_settings_imports_no_pydantic_and_only_what_it_uses(
     if env.get("MEMBACKEND_BACKEND") == "host":
         assert {"membackend._residency", "membackend._comfyui.vbar", "membackend._comfyui.wiring"} <= loaded
 
-
-# ---------------------------------------------------------------------------- the start-up measurement
-
-from membackend._comfyui import startup_cost  # noqa: E402
-
-ROWS = {"torch", "adapter, auto", "adapter, started", "torch, after prestartup"}
-
-
-@pytest.mark.skipif(__import__("importlib").util.find_spec("torch") is None, reason="needs torch")
-def test_measure_startup_runs_and_reports_every_side():
-    """A real run (one round, no warm-up); shapes only, no timing threshold."""
-    r = startup_cost.measure_startup(1, bytecode_cache=False)
-    assert set(r["rows"]) == ROWS and r["rounds"] == 1 and r["bytecode_cache"] is False
-    assert r["torch_seconds"] > 0 and r["adapter_seconds"] > 0
-    assert r["adapter_seconds"] == max(r["rows"]["adapter, auto"]["seconds"], r["rows"]["adapter, started"]["seconds"])
-    assert r["ratio"] == pytest.approx(r["adapter_seconds"] / r["torch_seconds"])
-    assert "adapter, started" in startup_cost.format_startup(r)
-
-
-def test_without_torch_it_raises_torch_missing(monkeypatch):
-    real = startup_cost.importlib.util.find_spec
-    monkeypatch.setattr(startup_cost.importlib.util, "find_spec", lambda n, *a: None if n == "torch" else real(n, *a))
-    with pytest.raises(startup_cost.TorchMissing, match="torch is not installed"):
-        startup_cost.measure_startup(1)
-    # one class per meaning: the same TorchMissing a tensor view raises, importable from membackend.types
-    from membackend import _tensors, types
-    assert startup_cost.TorchMissing is types.TorchMissing is _tensors.TorchMissing
-
-
-def test_a_side_that_did_not_start_or_failed_is_an_error_not_a_figure(monkeypatch):
-    def not_started(code, extra, cwd, pycache):
-        if code == startup_cost.TORCH:
-            return {"seconds": 2.0}
-        return {"seconds": 0.01, "torch_seconds": 2.0, "armed": False, "started": False, "aborted": None}
-    monkeypatch.setattr(startup_cost, "_run", not_started)
-    with pytest.raises(startup_cost.StartupCostError, match="did not start on the host backend"):
-        startup_cost.measure_startup(1, bytecode_cache=False)
-    monkeypatch.undo()
-    monkeypatch.setattr(startup_cost, "ADAPTER", "raise SystemExit('broken adapter')")
-    with pytest.raises(startup_cost.StartupCostError, match="broken adapter"):
-        startup_cost.measure_startup(1, bytecode_cache=False)
-
-
-def test_rounds_alternate_the_sides_and_keep_each_sides_best(monkeypatch):
-    seen = []
-    figures = iter([2.0, 0.3, 0.2, 1.5, 0.4, 0.1, 1.8, 0.1, 0.5])  # torch, auto, started per round
-
-    def fake(code, extra, cwd, pycache):
-        side = "torch" if code == startup_cost.TORCH else ("started" if extra else "auto")
-        seen.append((side, pycache is not None))
-        step = next(figures)
-        return {"seconds": step, "torch_seconds": 3 * step, "armed": True, "started": True, "aborted": None}
-    monkeypatch.setattr(startup_cost, "_run", fake)
-    r = startup_cost.measure_startup(3, bytecode_cache=False)
-    assert [s for s, _ in seen] == ["torch", "auto", "started"] * 3 and not any(c for _, c in seen)
-    assert r["torch_seconds"] == 1.5 and r["rows"]["adapter, auto"]["seconds"] == 0.1
-    assert r["rows"]["adapter, started"]["seconds"] == 0.1 and r["adapter_seconds"] == 0.1
-    assert r["rows"]["torch, after prestartup"]["seconds"] == pytest.approx(0.3)
-    assert r["ratio"] == pytest.approx(0.1 / 1.5)
-    seen.clear()
-    figures = iter([0.5] * 6)
-    startup_cost.measure_startup(1)  # the cached-bytecode run: one warm-up of each kind first
-    assert seen == [("torch", True), ("auto", True), ("started", True)] * 2

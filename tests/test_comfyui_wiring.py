@@ -144,6 +144,6 @@ def test_requires_skips_an_optional_patch_and_names_the_missing_name_of_a_requir
 def test_the_adapters_index_names_every_module_of_it():
     folder = Path(adapter.__file__).parent
     modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
-    assert len(modules) >= 13
+    assert {"runtime", "vbar", "wiring"} <= set(modules)  # the glob found the adapter's own files
     missing = [m for m in modules if f":mod:`.{m}`" not in (adapter.__doc__ or "")]
     assert missing == []

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from membackend.lab.simulated import simulated_profiles
 from membackend.platform import Platform
-from membackend.testing.simulated import simulated_profiles
 from membackend.types import Device, DeviceInfo, Machine, Score
 
 ROOT = Path(__file__).resolve().parent.parent

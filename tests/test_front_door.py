@@ -1,5 +1,5 @@
 """The typed front door: a user's mypy reads ``create_session()``, ``Session``, ``ResidencyManager``,
-``load_settings()`` and the kit's session builders as their own types, never ``Any``; the lazy names' typing
+``load_settings()`` and the lab's session builders as their own types, never ``Any``; the lazy names' typing
 blocks name what the lazy lookups return; the settings' declared types are the tables' own; and every optional
 member membackend reads from a backend with ``getattr`` is declared, with its docstring, in the contract."""
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import membackend
+import membackend.lab
 import membackend.testing
 from membackend import hookspec
 from membackend._settings import rules
@@ -30,10 +31,10 @@ USER_FILE = '''
 from typing import assert_type
 
 import membackend
-import membackend.testing
+import membackend.lab
 from membackend import Budget, Fault, Reservation, ResidencyManager, Session, create_session, load_settings
 from membackend.hookspec import Backend
-from membackend.testing import host_session, simulated_session
+from membackend.lab import host_session, simulated_session
 
 
 def use(backend: Backend) -> None:
@@ -47,7 +48,7 @@ def use(backend: Backend) -> None:
     assert_type(settings.machine.devices, list[membackend._settings.DeviceOverride] | None)
     assert_type(settings.source_of("headroom"), str)
     assert_type(simulated_session("h200"), Session)
-    assert_type(membackend.testing.simulated_session("wddm-6gb"), Session)
+    assert_type(membackend.lab.simulated_session("wddm-6gb"), Session)
     assert_type(host_session(), Session)
     assert_type(Session(backend, machine=s.machine), Session)
     r = s.reserve("cpu", 1 << 20)
@@ -60,10 +61,10 @@ def use(backend: Backend) -> None:
 PLANTED = '''
 import json
 
-import membackend.testing
+import membackend.lab
 
 anything = json.loads("1")
-misspelt = membackend.testing.simulated_sesion
+misspelt = membackend.lab.simulated_sesion
 '''
 
 
@@ -92,10 +93,11 @@ def _typing_names(path: Path) -> set[str]:
 
 def test_each_lazy_name_is_imported_for_type_checkers_from_where_it_is_looked_up():
     assert _typing_names(PACKAGE / "__init__.py") == set(membackend._LAZY)
-    assert _typing_names(PACKAGE / "testing" / "__init__.py") == set(membackend.testing.__all__)
-    for name in membackend.testing.__all__:  # the block names the object the lookup returns
-        assert getattr(membackend.testing, name) is getattr(
-            sys.modules[f"membackend.testing.{membackend.testing._HOME.get(name, 'harness')}"], name), name
+    for package, default in ((membackend.testing, "harness"), (membackend.lab, None)):
+        assert _typing_names(PACKAGE.joinpath(*package.__name__.split(".")[1:], "__init__.py")) == set(package.__all__)
+        for name in package.__all__:  # the block names the object the lookup returns
+            home = package._HOME.get(name, default)
+            assert getattr(package, name) is getattr(sys.modules[f"{package.__name__}.{home}"], name), name
     from membackend._session import Session
 
     assert membackend.Session is Session  # the __getattr__ hidden from type checkers answers at run time

@@ -85,7 +85,7 @@ def test_the_conventional_names():
     assert conventional_test("membackend/_drivers/sim/profiles.py") == "tests/test_drivers_sim_profiles.py"
     assert conventional_test("membackend/_session.py") == "tests/test_session.py"
     assert conventional_test("membackend/platform.py") == "tests/test_platform.py"
-    assert conventional_test("membackend/_replay/__init__.py") == "tests/test_replay.py"
+    assert conventional_test("membackend/lab/_replay/__init__.py") == "tests/test_lab_replay.py"
     assert conventional_test("membackend/testing/fixtures.py") == "tests/test_testing_fixtures.py"
     assert conventional_test("membackend/__init__.py") == "tests/test_membackend.py"
     assert [is_public(m) for m in ("membackend/__init__.py", "membackend/testing/harness.py",

@@ -211,7 +211,7 @@ def test_the_dxgi_vtable_slots_follow_the_interfaces_method_lists():
 def test_amd_unfit_answers_for_every_amd_platform_why_the_machine_is_not_theirs():
     import dataclasses
 
-    from membackend.testing.simulated import simulated_machine
+    from membackend.lab.simulated import simulated_machine
 
     m = simulated_machine("rx7900xtx-linux")
     assert amd_unfit(m, "mine", "the driver") is None

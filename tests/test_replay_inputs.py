@@ -116,7 +116,7 @@ def test_a_trace_swapped_for_a_fifo_between_readings_is_refused_without_blocking
     trace.write_text(f"{HEADER}\n{REGISTER}\n")
     script = textwrap.dedent(f"""
         import os
-        from membackend._replay.traceformat import TraceError, read_trace
+        from membackend.lab._replay.traceformat import TraceError, read_trace
         t = read_trace({str(trace)!r})
         os.unlink({str(trace)!r})
         os.mkfifo({str(trace)!r})
@@ -144,7 +144,7 @@ def test_record_into_a_fifo_nobody_reads_is_refused_without_blocking(tmp_path):
 
 
 def test_a_regular_trace_file_still_reads(tmp_path):
-    from membackend._replay.traceformat import read_trace
+    from membackend.lab._replay.traceformat import read_trace
 
     trace = tmp_path / "run.jsonl"
     trace.write_text(f"{HEADER}\n{REGISTER}\n")

@@ -27,11 +27,11 @@ from membackend._drivers.host import resident_bytes
 from membackend._drivers.sim import get_profile
 from membackend._ledger import Ledger
 from membackend._machine import gather_machine
-from membackend._replay.stock import StockPolicy
 from membackend._residency import ModelKind, ResidencyManager
 from membackend._session import Session
 from membackend._trace import TraceObserver
-from membackend.testing import simulated_session
+from membackend.lab import simulated_session
+from membackend.lab._replay.stock import StockPolicy
 from membackend.types import (
     Device,
     DriverError,

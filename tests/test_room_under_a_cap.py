@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from membackend.testing import simulated_profiles, simulated_session
+from membackend.lab import simulated_profiles, simulated_session
 
 MiB = 1 << 20
 FLAGS = "comfyui --reserve-vram/--vram-headroom"
@@ -144,7 +144,7 @@ def test_the_adapter_answers_comfyui_the_same_free_memory_with_and_without_reser
         monkeypatch.setenv("MEMBACKEND_BACKEND", "vmm")
         monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "h200")
         if reserve:
-            from membackend.testing import simulated_driver
+            from membackend.lab import simulated_driver
             total = simulated_driver("h200").budget("device", 0)[0]
             args.reserve_vram = (total - 922 * MiB) / 1024 ** 3  # GB kept free of the card: 922 MiB left
         rt = startup.prestartup()

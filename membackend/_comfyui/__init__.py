@@ -5,7 +5,6 @@ Every module of the adapter, in the order ComfyUI meets them:
 * :mod:`.install` — ``membackend comfyui install|uninstall <folder>``;
 * :mod:`.startup` — the prestartup script's work: selection, one log line, the
   ``comfy_aimdo.control.init_devices`` wrapper; every patch reversible (G6);
-* :mod:`.startup_cost` — what the adapter adds to ComfyUI's start-up, as a ratio to ``import torch``;
 * :mod:`.runtime` — the one running adapter of the process: its session and residency manager, the G6
   guard around every patched function, the per-load lines and the status answer;
 * :mod:`.patches` — reversible attribute patches, each remembering the original;
@@ -21,6 +20,9 @@ Every module of the adapter, in the order ComfyUI meets them:
 * :mod:`.keepwarm` — keep warm by budget (G4): the dynamic patchers ComfyUI still holds, watched weakly;
 * :mod:`.status` — the ``GET /membackend/status`` route and the memory panel's headroom route
   (the panel's script is ``web/membackend_panel.js``).
+
+What the adapter adds to ComfyUI's start-up is measured outside it, in the lab
+(:mod:`membackend.lab.startup_cost`): the adapter imports neither the lab nor the kit.
 
 See ``docs/comfyui.md``.
 """

@@ -35,7 +35,8 @@ budget's headroom, ``--cuda-device`` is the device set ComfyUI passes.
 
 Cheap by design: settings come from :func:`membackend._settings.quick_settings`
 (no pydantic unless a value needs it); the policy, the facade and the buffers are
-imported only when ``init_devices`` starts membackend (:mod:`.startup_cost`).
+imported only when ``init_devices`` starts membackend (:mod:`membackend.lab.startup_cost`
+measures what it costs).
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ any pytest run, they change nothing until a test or a conftest asks for them):
 * ``membackend_simulated``: :func:`simulated_session` that closes, after the
   test, every session it made.
 
-The builder the second fixture wraps, :func:`simulated_session`, lives in
-:mod:`membackend.testing.simulated` (which needs no pytest, so benchmarks and a
-plugin's own comparison code use it too) and is imported here for the
-fixtures' users.
+The builder the second fixture wraps, :func:`~membackend.lab.simulated_session`,
+is the lab's (:mod:`membackend.lab.simulated`, which needs no pytest, so
+benchmarks use it too).
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ from typing import Any, Callable, Iterable, Iterator
 import pytest
 
 from .._session import Session
+from ..lab.simulated import simulated_session
 from ..platform import Platform
-from .simulated import simulated_session
 
-__all__ = ["ENV_PREFIX", "clean_environment", "simulated_session", "membackend_clean_env", "membackend_simulated"]
+__all__ = ["ENV_PREFIX", "clean_environment", "membackend_clean_env", "membackend_simulated"]
 
 #: every variable membackend and its platform plugins read starts with this
 ENV_PREFIX = "MEMBACKEND_"
@@ -63,7 +62,7 @@ def membackend_clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Pat
 
 @pytest.fixture
 def membackend_simulated() -> Iterator[Callable[..., Session]]:
-    """:func:`simulated_session`, every session it made closed after the test."""
+    """:func:`~membackend.lab.simulated_session`, every session it made closed after the test."""
     made: list[Session] = []
 
     def make(profile: str, platform: Platform | None = None, **kwargs: Any) -> Session:

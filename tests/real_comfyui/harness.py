@@ -898,7 +898,7 @@ COST_SIDES = {
 
 MEASURE_CHILD = """if True:
     import json
-    from membackend._comfyui.startup_cost import measure_startup
+    from membackend.lab.startup_cost import measure_startup
     print(json.dumps(measure_startup(rounds=3)))
 """
 
@@ -907,7 +907,7 @@ def measure_cost(tree: Path, *, python: ComfyPython, rounds: int = 5) -> dict[st
     """``import torch`` against the installed prestartup script under the real tree's ``sys.path``, each in a
     fresh interpreter, sides alternating, ``rounds`` rounds after one warm-up (which also fills a private
     bytecode cache all sides read); medians and ratios. Also
-    :func:`membackend._comfyui.startup_cost.measure_startup` run in the ComfyUI Python (it adds the
+    :func:`membackend.lab.startup_cost.measure_startup` run in the ComfyUI Python (it adds the
     ``init_devices`` start over stand-ins)."""
     script = tree / "custom_nodes" / "membackend" / "prestartup_script.py"
     seen: dict[str, list[float]] = {k: [] for k in COST_SIDES}
@@ -916,7 +916,7 @@ def measure_cost(tree: Path, *, python: ComfyPython, rounds: int = 5) -> dict[st
         for i in range(rounds + 1):
             for side, (mode, flags, env) in COST_SIDES.items():
                 # every side reads compiled bytecode from one private cache, filled by the warm-up round (as
-                # membackend._comfyui.startup_cost does): an editable checkout has none of its own
+                # membackend.lab.startup_cost does): an editable checkout has none of its own
                 env = child_env({**env, "PYTHONPYCACHEPREFIX": pycache})
                 env.pop("PYTHONDONTWRITEBYTECODE", None)
                 p = run_child([python.path, "-c", COST_CHILD, mode, str(tree), str(script), *flags], cwd=tree,
@@ -1060,7 +1060,7 @@ class Report:
                 out.append(f"| {side} | {row['median_seconds']:.4f} | {row['ratio_to_import_torch']:.3f} |")
             ms = cost.get("measure_startup")
             if ms:
-                out += ["", f"`membackend._comfyui.startup_cost.measure_startup` in the ComfyUI Python: adapter "
+                out += ["", f"`membackend.lab.startup_cost.measure_startup` in the ComfyUI Python: adapter "
                         f"{ms['adapter_seconds']:.3f} s = {ms['ratio']:.3f} of `import torch` "
                         f"({ms['torch_seconds']:.3f} s; target {ms['target']})"]
             elif cost.get("measure_startup_error"):

@@ -1,5 +1,5 @@
 """The ComfyUI #16246 seed on wddm-6gb, side by side over many seeds of copy durations and page-in latencies:
-stock ComfyUI + comfy-aimdo 0.5.x against this plugin (``membackend_cuda_wddm.comparison`` describes both).
+stock ComfyUI + comfy-aimdo 0.5.x against this plugin (``workload_cuda_wddm`` describes both).
 CI runs a few dozen seeds; ``benchmarks/bench_cuda_wddm.py`` runs 1,000 and prints the figures."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from membackend._drivers.sim import SimulatedBugcheck
-from membackend_cuda_wddm.comparison import MODELS, run_seed, timing_for
+
+from workload_cuda_wddm import MODELS, run_seed, timing_for
 
 SEEDS = range(24)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from membackend.testing.simulated import simulated_session
+from membackend.lab.simulated import simulated_session
 from membackend_rocm_linux import PLATFORM
 
 MiB, GiB = 1 << 20, 1 << 30

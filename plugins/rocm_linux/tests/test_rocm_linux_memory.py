@@ -12,7 +12,7 @@ from rocm_linux_sessions import GiB, MiB, session, sim, used
 
 from membackend import ResidencyManager
 from membackend._backends.vmm import VmmBackend
-from membackend.testing.simulated import simulated_driver, simulated_session
+from membackend.lab.simulated import simulated_driver, simulated_session
 from membackend.types import Capabilities, Device, DriverError
 from membackend_rocm_linux import PLATFORM
 

@@ -11,7 +11,7 @@ from rocm_linux_sessions import SELECTED
 
 from membackend._manager import BackendManager
 from membackend._settings import load_settings
-from membackend.testing.simulated import simulated_machine, simulated_profiles
+from membackend.lab.simulated import simulated_machine, simulated_profiles
 from membackend.types import Score
 from membackend_rocm_linux import PLATFORM, SCORE_LISTED, SCORE_TORCH, probe
 

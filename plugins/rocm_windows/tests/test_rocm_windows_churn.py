@@ -17,9 +17,9 @@ import pytest
 from membackend._backends.vmm import AddressSpaceExhausted, AddressWindowsExhausted
 from membackend._residency import ResidencyManager
 from membackend.types import DriverError
-from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
 from rocm_windows_sessions import ALLOWED, GiB, session, sim, window
+from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
 
 
 def load(policy, models) -> None:

@@ -30,9 +30,9 @@ from membackend._manager import BackendManager
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
 from membackend.types import ConfigError, DriverError
-from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
 
 from rocm_windows_sessions import ALLOWED, PROFILE, GiB, MiB, session, sim, window
+from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
 
 
 def values(**platform):

@@ -14,10 +14,11 @@ import pytest
 
 from membackend._backends.vmm import AddressSpaceExhausted
 from membackend._manager import BackendManager
-from membackend._replay.stock import StockPolicy
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
-from membackend_rocm_windows.workload import HIP0, HIP1, KREA2, run_cycles
+from membackend.lab._replay.stock import StockPolicy
+
+from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
 
 MiB, GiB = 1 << 20, 1 << 30
 PROFILE = "rocm-win-2gpu"
@@ -100,7 +101,7 @@ def test_each_full_unload_traces_private_commit_and_keeps_only_the_bounded_pool_
 
 
 def cycles(s, n: int, unload_everything: bool = False) -> dict:
-    """The shared cycles (``membackend_rocm_windows.workload``) under the membackend policy."""
+    """The shared cycles (``workload_rocm_windows``) under the membackend policy."""
     r = run_cycles(s, ResidencyManager(s), n, unload_everything)
     assert s.capabilities.address_quota is None or r.peak_quota_used <= s.capabilities.address_quota
     return {"done": r.done, "commit": r.commits, "peak_quota_used": r.peak_quota_used, "error": r.error}

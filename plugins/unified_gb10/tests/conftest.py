@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from membackend._replay.stock import StockPolicy
 from membackend._residency import ResidencyManager
-from membackend_unified_gb10.workload import Workload, gb10_session, stock_session
+from membackend.lab._replay.stock import StockPolicy
+
+from workload_unified_gb10 import Workload, gb10_session, stock_session
 
 
 @pytest.fixture(autouse=True)

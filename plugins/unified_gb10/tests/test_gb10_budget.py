@@ -18,7 +18,8 @@ from membackend._session import Session
 from membackend._settings import load_settings
 from membackend.types import ConfigError
 from membackend_unified_gb10 import HEADROOM_ENV, PLATFORM
-from membackend_unified_gb10.workload import CUDA0, GB, GIB, gb10_session, stock_session
+
+from workload_unified_gb10 import CUDA0, GB, GIB, gb10_session, stock_session
 
 
 @pytest.fixture

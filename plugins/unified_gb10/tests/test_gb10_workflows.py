@@ -8,7 +8,7 @@ on every workflow change) on the generic VMM.
 
 from __future__ import annotations
 
-from membackend_unified_gb10.workload import CUDA0, GB, WORKFLOWS
+from workload_unified_gb10 import CUDA0, GB, WORKFLOWS
 
 
 def test_the_plugin_is_what_runs_the_plugin_side(workload):
@@ -80,7 +80,7 @@ def test_a_pool_that_fits_two_workflows_evicts_least_recently_used_models_and_ne
 
 
 def test_a_fault_past_the_pool_is_refused_before_the_driver_is_asked():
-    from membackend_unified_gb10.workload import gb10_session
+    from workload_unified_gb10 import gb10_session
 
     session = gb10_session()
     try:

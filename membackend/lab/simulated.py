@@ -47,11 +47,11 @@ from .._drivers.open import (
 from .._drivers.open import simulated_failures as _simulated_failures
 from .._ledger import Ledger
 from .._machine import gather_machine
-from .._replay.stock import AimdoLoadPolicy, AimdoStockVmm, StockPolicy
 from .._session import Session
 from .._settings import load_settings
 from ..platform import GENERIC, Platform
 from ..types import Capabilities, ConfigError, Machine
+from ._replay.stock import AimdoLoadPolicy, AimdoStockVmm, StockPolicy
 
 if TYPE_CHECKING:
     from .._drivers.gpu import GpuDriver

@@ -1,7 +1,7 @@
 """What both renderers draw: the sides and devices in order, every sample and marker placed on the
 step axis, the series as step vertices, the release marks, each panel's summary, the scales.
 
-:func:`lay_out` turns the :class:`~membackend._replay.timeline.Timeline` of each side into a
+:func:`lay_out` turns the :class:`~membackend.lab._replay.timeline.Timeline` of each side into a
 :class:`Layout`: one :class:`Panel` per side (a row) and device (a column). The x axis counts
 replay steps; every step is equally wide except the steps of an unload (the unload's own and the
 instantaneous ones after it), which share about a third of the width (:func:`step_edges`).

@@ -1,7 +1,7 @@
 """Running a trace through the residency policy and a backend on a simulated machine, per side.
 
-* **stock**: today's ComfyUI + comfy-aimdo — :class:`~membackend._replay.stock.AimdoLoadPolicy`
-  over :class:`~membackend._replay.stock.AimdoStockVmm` (32 MiB pages, budget as aimdo reads it,
+* **stock**: today's ComfyUI + comfy-aimdo — :class:`~membackend.lab._replay.stock.AimdoLoadPolicy`
+  over :class:`~membackend.lab._replay.stock.AimdoStockVmm` (32 MiB pages, budget as aimdo reads it,
   no fence tokens: aimdo has none).
 * **plugin**: membackend — :class:`~membackend._residency.ResidencyManager` over the backend the
   scenario names (found through its entry point, as membackend finds it), or over what
@@ -15,13 +15,13 @@ A fault that finds no memory is streamed instead (the copy still costs its time)
 does. A simulated bugcheck or crash ends that side's run, as it would end the machine; so does
 a typed failure the side cannot go on from (an address quota refused, an unload that failed):
 ``stopped`` says where. An event the trace gets wrong (a model never registered, a range outside
-its model) is a :class:`~membackend._replay.traceformat.TraceError` naming its line.
+its model) is a :class:`~membackend.lab._replay.traceformat.TraceError` naming its line.
 
 A side holds one event at a time (a file's events are streamed) and a bounded timeline
 (:data:`MAX_SAMPLES_PER_DEVICE`), so its memory does not grow with the trace's length. A record
 file (``record``) that cannot be written -- a full disk -- ends the run at that event: everything
 the side reserved is released, and the failure is a
-:class:`~membackend._replay.traceformat.TraceWriteError` naming the file, never one of the backend.
+:class:`~membackend.lab._replay.traceformat.TraceWriteError` naming the file, never one of the backend.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from .._drivers.open import machine_for, open_sim_variant, simulated_failures
-from .._ledger import Ledger
-from .._residency import ResidencyManager
-from .._session import Session
-from .._settings import load_settings
-from .._trace import TraceObserver
-from ..platform import Platform
-from ..types import Device, MembackendError, PluginMissing, ReplayError, TraceError, TraceWriteError
+from ..._drivers.open import machine_for, open_sim_variant, simulated_failures
+from ..._ledger import Ledger
+from ..._residency import ResidencyManager
+from ..._session import Session
+from ..._settings import load_settings
+from ..._trace import TraceObserver
+from ...platform import Platform
+from ...types import Device, MembackendError, PluginMissing, ReplayError, TraceError, TraceWriteError
 from .stock import AimdoLoadPolicy, AimdoStockVmm
 from .timeline import Marker, Sample, Timeline
 from .traceformat import Trace, shown_path
@@ -105,7 +105,7 @@ def _distribution(backend: str) -> str:
 
 
 def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) -> Session:
-    from .._backends.vmm import VmmBackend
+    from ..._backends.vmm import VmmBackend
 
     settings = load_settings(sim_profile=profile, backend=backend, disable=False)
     name, platform = _plugin_platform(settings, profile, backend)
@@ -125,8 +125,8 @@ def _plugin_platform(settings: Any, profile: str, backend: str | None) -> tuple[
     """The plugin side's backend (``backend``, else what membackend selects on ``profile``): its name
     and its platform. :class:`PluginMissing` when it is not installed, :class:`ReplayError` when it
     is not built on the VMM mechanism (only those run on a simulated profile)."""
-    from .._backends.vmm import VmmBackend
-    from .._manager import BackendManager
+    from ..._backends.vmm import VmmBackend
+    from ..._manager import BackendManager
 
     manager = BackendManager(settings)
     if backend is not None and backend not in manager.records:

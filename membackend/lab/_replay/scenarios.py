@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..types import UnknownScenario
+from ...types import UnknownScenario
 
 __all__ = ["Scenario", "SCENARIOS", "get_scenario", "UnknownScenario", "layered_run"]
 

@@ -1,18 +1,18 @@
 """The replay's pictures: one picture comparing the stock side's timeline with the plugin side's.
 
-:func:`write_plot` takes the :class:`~membackend._replay.timeline.Timeline` of each side that
+:func:`write_plot` takes the :class:`~membackend.lab._replay.timeline.Timeline` of each side that
 ran (keys ``"stock"`` and/or ``"plugin"``) and writes one file whose suffix picks the format:
 
 * ``.png``, ``.svg``, ``.pdf``: a static figure drawn with matplotlib (the optional extra
-  ``membackend[plot]``), :mod:`~membackend._pictures.figure`. matplotlib is imported only there,
+  ``membackend[plot]``), :mod:`~membackend.lab._pictures.figure`. matplotlib is imported only there,
   and only when drawing.
 * ``.html``: one self-contained page (inline SVG, CSS and JavaScript for hover tooltips and
-  toggling series), :mod:`~membackend._pictures.page`. It loads nothing from anywhere and needs
+  toggling series), :mod:`~membackend.lab._pictures.page`. It loads nothing from anywhere and needs
   no extra package.
 
-Both draw the same :class:`~membackend._pictures.layout.Layout`
-(:mod:`~membackend._pictures.layout`, with the look both share in
-:mod:`~membackend._pictures.style`). The picture has one column per device and one row per side
+Both draw the same :class:`~membackend.lab._pictures.layout.Layout`
+(:mod:`~membackend.lab._pictures.layout`, with the look both share in
+:mod:`~membackend.lab._pictures.style`). The picture has one column per device and one row per side
 (stock above plugin). Within a device both sides share the y scale. Each panel draws reserved
 (address space), resident and committed bytes in GiB as steps: committed wide and pale, resident
 on it, reserved dashed on top, so every line shows where values are equal; a triangle marks each
@@ -44,8 +44,8 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
+from ...types import PlotFormatError, PlotUnavailable
 from .._replay.timeline import Timeline
-from ..types import PlotFormatError, PlotUnavailable
 from .figure import draw_figure, save_figure
 from .layout import lay_out
 from .page import html_page

@@ -10,7 +10,7 @@ The profile is the one asked for: a trace's (or scenario's) recorded ``machine``
 only on the profile it was recorded on, unless ``keep_machine`` says to apply them elsewhere too
 (the table says what was left out). Everything a trace file names -- its profile, its backend, its
 machine fields -- is checked before any side runs; what it gets wrong is a
-:class:`~membackend._replay.traceformat.TraceError` naming the file and the line.
+:class:`~membackend.lab._replay.traceformat.TraceError` naming the file and the line.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..types import ConfigError
+from ...types import ConfigError
 from .engine import SIDES, PluginMissing, ReplayError, SideResult, run_side
 from .scenarios import SCENARIOS, Scenario, get_scenario
 from .timeline import Timeline
@@ -300,7 +300,7 @@ def _fits(kind: str, value: Any) -> bool:
 def _check_machine(changes: dict[str, Any], profile: str, where: str) -> None:
     """Each changed profile field is one the simulation takes, with a value of its kind; else a
     :class:`TraceError` at ``where`` saying what is accepted."""
-    from .._drivers.open import open_sim_variant
+    from ..._drivers.open import open_sim_variant
 
     driver: Any = open_sim_variant(profile, hold_bytes=False)  # a simulated driver: it has ``sim``
     base = driver.sim.profile
@@ -450,7 +450,7 @@ def _applied(changes: dict[str, Any], *, elsewhere: bool) -> tuple[dict[str, Any
 def _checked_profile(asked: str | None, home: str | None, trace: Trace) -> str:
     """The profile the replay runs on: ``asked``, else ``home`` (the scenario's, or the one the trace
     was recorded on); a simulated one, else :class:`ReplayError` (:class:`TraceError` for the header's)."""
-    from .._drivers.open import profile_names
+    from ..._drivers.open import profile_names
 
     prof = asked or home
     if not prof:

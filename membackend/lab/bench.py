@@ -63,16 +63,16 @@ from typing import Any
 
 import pluggy
 
-from . import hookspec
-from ._backends.host import HostBackend
-from ._comfyui.startup_cost import format_startup
-from ._comfyui.startup_cost import measure_startup as measure_startup_cost
-from ._ledger import Ledger
-from ._machine import gather_machine
+from .. import hookspec
+from .._backends.host import HostBackend
+from .._ledger import Ledger
+from .._machine import gather_machine
+from .._session import Session
 from ._replay import compare
 from ._replay.compare import FIGURES, format_cells, replay
 from ._replay.engine import SIDES
-from ._session import Session
+from .startup_cost import format_startup
+from .startup_cost import measure_startup as measure_startup_cost
 
 __all__ = [
     "run_bench",
@@ -243,10 +243,10 @@ def _free_sync_side(profile: str, mode: str, kernel_seconds: float, pages: int) 
     ``step()`` that frees a fresh range while another range's kernel runs."""
     import dataclasses
 
-    from ._backends.vmm import VmmBackend
-    from ._drivers.open import machine_for, open_gpu_driver, resolve_vendor, simulated_failures
-    from ._settings import load_settings
-    from .platform import GENERIC
+    from .._backends.vmm import VmmBackend
+    from .._drivers.open import machine_for, open_gpu_driver, resolve_vendor, simulated_failures
+    from .._settings import load_settings
+    from ..platform import GENERIC
 
     settings = load_settings(sim_profile=profile)
     driver: Any = open_gpu_driver(resolve_vendor(None, settings), profile)  # simulated: it has ``sim``
@@ -373,7 +373,7 @@ def bench_startup(rounds: int) -> dict[str, Any]:
     measurement cannot be imported or run (no torch, say)."""
     try:
         # looked up when run (not the name imported above): a test may stand another module in for it
-        from ._comfyui.startup_cost import measure_startup as measure
+        from .startup_cost import measure_startup as measure
         got = measure(rounds=rounds)
         entry = {k: float(got[k]) for k in ("torch_seconds", "adapter_seconds", "ratio")}
     except Exception as exc:  # any failure of an optional measurement is recorded, not raised

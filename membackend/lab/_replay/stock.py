@@ -13,15 +13,15 @@ import math
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .._backends.vmm import VmmBackend
-from .._drivers.open import simulated_failures
-from .._residency import Model, ResidencyManager, _locked, _Slot
-from ..platform import Platform
-from ..types import Candidate, Capabilities, Device, Score
+from ..._backends.vmm import VmmBackend
+from ..._drivers.open import simulated_failures
+from ..._residency import Model, ResidencyManager, _locked, _Slot
+from ...platform import Platform
+from ...types import Candidate, Capabilities, Device, Score
 
 if TYPE_CHECKING:
-    from .._session import Session
-    from .._trace import TraceObserver
+    from ..._session import Session
+    from ..._trace import TraceObserver
 
 __all__ = ["StockPolicy", "stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
 

@@ -3,12 +3,12 @@
 Build a session on a real device from these and :class:`membackend.Session`::
 
     from membackend import Session
-    from membackend.testing.real import cuda_driver, this_machine, vmm_backend
+    from membackend.lab.real import cuda_driver, this_machine, vmm_backend
 
     driver = cuda_driver()
     session = Session(vmm_backend(driver, page_size=32 << 20), machine=this_machine())
 
-The same calls take a simulated driver (:func:`membackend.testing.simulated.simulated_driver`),
+The same calls take a simulated driver (:func:`membackend.lab.simulated.simulated_driver`),
 which is how the check is tested on a machine without a GPU. Importing this module imports
 neither a GPU binding, torch nor pytest: each function imports what it needs when called.
 """
@@ -69,7 +69,7 @@ def vmm_backend(driver: GpuDriver, platform: Platform | None = None, *, page_siz
     vendor = getattr(driver, "vendor", None)
     if vendor not in ("cuda", "hip"):
         raise ConfigError("driver", where, f"{driver!r} is no GPU driver wrapper (vendor {vendor!r})",
-                          "cuda_driver(), or a simulated driver (membackend.testing.simulated.simulated_driver)")
+                          "cuda_driver(), or a simulated driver (membackend.lab.simulated.simulated_driver)")
     if platform is not None and not isinstance(platform, Platform):
         raise ConfigError("platform", where, f"{platform!r} is not a Platform",
                           "a membackend.platform.Platform, or None for the generic platform")

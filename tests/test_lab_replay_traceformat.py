@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from membackend._replay import traceformat
-from membackend._replay.traceformat import (
+from membackend.lab._replay import traceformat
+from membackend.lab._replay.traceformat import (
     MAX_LINE_BYTES,
     TraceError,
     TraceEvents,

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .._trace import TRACE_FORMAT, TRACE_VERSION, trace_header
-from ..types import TraceError, TraceWriteError
+from ..._trace import TRACE_FORMAT, TRACE_VERSION, trace_header
+from ...types import TraceError, TraceWriteError
 
 __all__ = ["TraceError", "TraceWriteError", "Trace", "TraceEvents", "WORKLOAD_EVENTS", "MAX_LINE_BYTES",
            "MAX_COUNT", "MAX_SHOWN", "HEADER_MACHINE_FIELDS", "parse_lines", "read_trace", "write_trace",
@@ -65,7 +65,7 @@ WORKLOAD_EVENTS: dict[str, tuple[str, ...]] = {
 }
 
 #: the header's ``machine`` fields replays write, with what each accepts (any other key is checked
-#: against the profile it is applied to, see ``membackend._replay.compare``)
+#: against the profile it is applied to, see ``membackend.lab._replay.compare``)
 HEADER_MACHINE_FIELDS = {
     "device_memory": "a whole number of bytes from 1 to 2**63 - 1",
     "pagein_seconds": "a finite number of seconds >= 0",

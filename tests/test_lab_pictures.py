@@ -1,4 +1,4 @@
-"""``membackend._pictures.write_plot`` and the modules it draws with (``layout``, ``figure``, ``page``): every
+"""``membackend.lab._pictures.write_plot`` and the modules it draws with (``layout``, ``figure``, ``page``): every
 format, the escaping, the typed errors, the atomic write, what the pictures must show."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-import membackend._pictures as pictures
-from membackend._pictures import ACCEPTED_SUFFIXES, style, write_plot
-from membackend._pictures.figure import draw_figure
-from membackend._pictures.layout import MAX_LANES, assign_lanes, lay_out, step_segments
-from membackend._replay.timeline import Marker, Sample, Timeline
+import membackend.lab._pictures as pictures
+from membackend.lab._pictures import ACCEPTED_SUFFIXES, style, write_plot
+from membackend.lab._pictures.figure import draw_figure
+from membackend.lab._pictures.layout import MAX_LANES, assign_lanes, lay_out, step_segments
+from membackend.lab._replay.timeline import Marker, Sample, Timeline
 from membackend.types import MembackendError, PlotFormatError, PlotUnavailable
 
 GiB = 1 << 30
@@ -120,8 +120,8 @@ def test_matplotlib_is_imported_only_when_drawing_and_never_pyplot(tmp_path):
     pytest.importorskip("matplotlib")
     script = (
         "import sys\n"
-        "from membackend._pictures import write_plot\n"
-        "from membackend._replay.timeline import Sample, Timeline\n"
+        "from membackend.lab._pictures import write_plot\n"
+        "from membackend.lab._replay.timeline import Sample, Timeline\n"
         "assert 'matplotlib' not in sys.modules, 'imported at module load'\n"
         f"write_plot({str(tmp_path / 'x.png')!r}, {{'stock': Timeline('stock', [Sample(0, 'cpu', 1, 1)])}},"
         " title='t')\n"
@@ -293,7 +293,7 @@ def test_missing_folder_is_an_os_error(tmp_path):
 # --------------------------------------------------------------------------- what the pictures must show
 
 
-from membackend._replay.timeline import TALLY_MARKERS, TimelineError  # noqa: E402
+from membackend.lab._replay.timeline import TALLY_MARKERS, TimelineError  # noqa: E402
 
 
 def _figure(timelines, *, title="t", reported=None):
@@ -323,14 +323,14 @@ def _inside(box, figure, slack=0.5):
 
 @pytest.fixture(scope="module")
 def rocm():
-    from membackend._replay.compare import replay
+    from membackend.lab._replay.compare import replay
 
     return replay("full-unload-rocm", seeds=1)
 
 
 @pytest.fixture(scope="module")
 def churn():
-    from membackend._replay.compare import replay
+    from membackend.lab._replay.compare import replay
 
     return replay("churn-wddm", seeds=1)
 

@@ -5,7 +5,7 @@ matplotlib is imported inside the functions here, never when membackend is impor
 non-interactive Agg canvas is used (never pyplot), so nothing ever opens a window. The figure has
 one column per device and one row per side; a footer row holds the legend and the caption. Marker
 labels are placed in passes: the layout engine places the panels, the labels are sorted into lanes
-that do not overlap (:func:`~membackend._pictures.layout.assign_lanes`), and the figure is laid out
+that do not overlap (:func:`~membackend.lab._pictures.layout.assign_lanes`), and the figure is laid out
 again with room for them. :func:`save_figure` writes no date and no random id, so the same replay
 gives the same bytes.
 """

@@ -9,11 +9,11 @@ import pytest
 
 from membackend import _cli as cli
 from membackend._manager import BackendManager
-from membackend._replay import scenarios
-from membackend._replay.compare import replay
-from membackend._replay.traceformat import TraceError, parse_lines, read_trace
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
+from membackend.lab._replay import scenarios
+from membackend.lab._replay.compare import replay
+from membackend.lab._replay.traceformat import TraceError, parse_lines, read_trace
 
 GiB = 1 << 30
 
@@ -126,7 +126,7 @@ def test_devices_the_profile_lacks_are_mapped_and_said(tmp_path):
     events = [{"event": "register", "model": "m", "bytes": GiB, "devices": ["cuda:3"]},
               {"event": "fault", "model": "m", "device": "cuda:3", "offset": 0, "bytes": GiB},
               {"event": "unload_all"}]
-    from membackend._replay.traceformat import write_trace
+    from membackend.lab._replay.traceformat import write_trace
 
     path = write_trace(tmp_path / "t.jsonl", events)
     c = replay(str(path), profile="h200")
@@ -205,7 +205,7 @@ def test_cli_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monke
 
 
 def _trace_file(tmp_path, events, name="t.jsonl", **header):
-    from membackend._replay.traceformat import write_trace
+    from membackend.lab._replay.traceformat import write_trace
 
     return str(write_trace(tmp_path / name, events, **header))
 
@@ -278,7 +278,7 @@ def test_a_side_that_cannot_go_on_is_shown_and_breaks_the_guarantee(tmp_path, ca
 
 def test_bad_replay_arguments_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
     ran = []
-    import membackend._replay.compare as compare
+    import membackend.lab._replay.compare as compare
 
     monkeypatch.setattr(compare, "run_side", lambda *a, **k: ran.append(a))
     assert cli.main(["replay", "hook-unload", "--plot", str(tmp_path / "t.txt")]) == 2
@@ -316,7 +316,7 @@ def test_unregistering_an_owner_replays_once(tmp_path):
 
 def _watch_profiles(monkeypatch):
     """The profile of every simulated machine the replay opens."""
-    import membackend._replay.engine as engine
+    import membackend.lab._replay.engine as engine
 
     opened = []
     real_open = engine.open_sim_variant
@@ -359,8 +359,8 @@ def test_a_scenario_on_another_profile_runs_that_profile_as_it_is(monkeypatch, c
 
 
 def test_a_long_trace_reports_its_progress_on_stderr(tmp_path, capsys, monkeypatch):
-    import membackend._replay.compare as compare
-    import membackend._replay.engine as engine
+    import membackend.lab._replay.compare as compare
+    import membackend.lab._replay.engine as engine
 
     monkeypatch.setattr(compare, "LONG_TRACE_EVENTS", 20)  # "long", so that a test need not replay a million
     monkeypatch.setattr(engine, "PROGRESS_EVERY", 10)
@@ -381,7 +381,7 @@ def test_a_long_trace_reports_its_progress_on_stderr(tmp_path, capsys, monkeypat
 def test_a_side_keeps_a_bounded_timeline(tmp_path, monkeypatch):
     """Samples that repeat only move a plateau's end; past the bound the series is thinned, keeping the
     lowest and highest of each run of four."""
-    import membackend._replay.engine as engine
+    import membackend.lab._replay.engine as engine
 
     monkeypatch.setattr(engine, "MAX_SAMPLES_PER_DEVICE", 8)
     L = 64 << 20

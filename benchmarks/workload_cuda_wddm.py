@@ -15,7 +15,7 @@ finds no memory is streamed instead (ComfyUI's fallback), as is one that
 raises a typed driver error. At the end everything is unloaded.
 
 **Stock** (:func:`stock_session`): membackend's own model of stock ComfyUI +
-comfy-aimdo 0.5.x (from ``membackend.testing.simulated``, shared with
+comfy-aimdo 0.5.x (from ``membackend.lab.simulated``, shared with
 ``membackend replay``): :class:`AimdoStockVmm` (the VMM mechanism doing what
 aimdo does on this path) under :class:`AimdoLoadPolicy` (evictions made by a fault skip the
 device sync, as aimdo's ``vbars_free`` does while the prefetch's malloc graph
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from membackend import ResidencyManager, Session
-from membackend.testing.simulated import (
+from membackend.lab.simulated import (
     AimdoLoadPolicy,
     AimdoStockVmm,
     simulated_driver,
@@ -47,8 +47,7 @@ from membackend.testing.simulated import (
     simulated_session,
 )
 from membackend.types import Device, MembackendError
-
-from . import PLATFORM
+from membackend_cuda_wddm import PLATFORM
 
 __all__ = ["MODELS", "Timing", "timing_for", "AimdoStockVmm", "AimdoLoadPolicy", "stock_session",
            "plugin_session", "run_seed", "SeedResult", "PROFILE", "LAYER", "SIDES"]
@@ -72,7 +71,7 @@ class Timing:
 
     def driver(self) -> Any:
         """A driver over a fresh simulated machine of :data:`PROFILE` with this seed's timing
-        (``membackend.testing.simulated.simulated_driver``, a variant of the profile)."""
+        (``membackend.lab.simulated.simulated_driver``, a variant of the profile)."""
         return simulated_driver(PROFILE, hold_bytes=False,  # modelled copies: sizes and times, no bytes
                                 pagein_seconds=self.pagein_seconds, copy_bandwidth=self.copy_bandwidth)
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from membackend import ResidencyManager, Session, create_session
+from membackend.lab.simulated import simulated_session
 from membackend.platform import GENERIC
-from membackend.testing.simulated import simulated_session
 from membackend.types import Device
-
-from . import PAGE_SIZE
+from membackend_unified_gb10 import PAGE_SIZE
 
 GB = 10**9
 GIB = 1 << 30

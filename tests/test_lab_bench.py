@@ -1,4 +1,4 @@
-"""``membackend.bench``: every entry comes out with sane types, as JSON and as a table; the public names the
+"""``membackend.lab.bench``: every entry comes out with sane types, as JSON and as a table; the public names the
 benchmark scripts import.
 
 No timing thresholds: the machines are shared and noisy, so only shapes and signs are checked.
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from membackend import bench
-from membackend._replay import compare, scenarios
-from membackend._replay.scenarios import SCENARIOS
+from membackend.lab import bench
+from membackend.lab._replay import compare, scenarios
+from membackend.lab._replay.scenarios import SCENARIOS
 
-STARTUP = "membackend._comfyui.startup_cost"
+STARTUP = "membackend.lab.startup_cost"
 BENCH_CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
 ENTRIES = ("dispatch", "dispatch_free", "host_fault", "pages_alive", "startup")
 
@@ -211,7 +211,7 @@ def test_bench_core_script_still_runs(tmp_path):
 def test_the_public_face_benchmark_scripts_import():
     """Everything in ``__all__`` is there; the re-exports are the replay's and the start-up measurement's own
     functions, under names that do not clash with the suite's ``bench_startup``."""
-    from membackend._comfyui import startup_cost
+    from membackend.lab import startup_cost
 
     assert all(hasattr(bench, name) for name in bench.__all__)
     assert bench.replay is compare.replay
@@ -231,7 +231,7 @@ def test_benchmark_scripts_import_the_public_bench_module_only():
         source = BENCH_CORE.with_name(script).read_text()
         modules = [node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)]
         modules += [a.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import) for a in node.names]
-        assert "from membackend.bench import" in source, script  # bench_trace_stream's is in its replaying child
+        assert "from membackend.lab.bench import" in source, script  # bench_trace_stream's is in its replaying child
         internal = [m for m in modules if m and m.startswith("membackend")
                     and any(part.startswith("_") for part in m.split("."))]
         assert internal == [] and "membackend._" not in source, (script, internal)
