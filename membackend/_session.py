@@ -661,6 +661,21 @@ class Session:
                 raise
             raise untyped from exc
 
+    def page_size(self, device: Any) -> int:
+        """The page size the backend maps on ``device``, in bytes: the ``page_size`` of every reservation made
+        there (the backend's optional ``page_size_on(device)``, else its ``page_size``, else 2 MiB). A backend
+        that fails raises its error, typed as every hook's (``PluginError`` for an untyped one)."""
+        d = self._device(device)
+        per_device = getattr(self.backend, "page_size_on", None)
+        if not callable(per_device):
+            return int(getattr(self.backend, "page_size", 2 << 20))
+        try:
+            return int(per_device(d))
+        except Exception as exc:
+            if (untyped := self._failed("page_size_on", exc)) is None:
+                raise
+            raise untyped from exc
+
     def tensor_device(self, device: Any) -> str:
         """The torch device that reads the backend's memory on ``device``: ``cpu`` for host memory, or
         where the backend says its device memory is memory of this process the CPU addresses directly

@@ -96,7 +96,7 @@ OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_fa
 #: uses it (:class:`OptionalMembers` declares each)
 OPTIONAL_MEMBERS = ("version", "capabilities", "settings", "from_settings", "platform", "platform_values",
                     "page_size", "own_headroom", "follow_headroom", "tensor_device", "room_split", "kept_windows",
-                    "fence_token", "host_unregister", "driver")
+                    "fence_token", "host_unregister", "driver", "page_size_on")
 
 __all__ = ["PROJECT", "hookspec", "hookimpl", "VERBS", "HOOKS", "OPTIONAL_HOOKS", "OPTIONAL_MEMBERS", "Backend",
            "OptionalHooks", "OptionalMembers", *HOOKS, *OPTIONAL_HOOKS]
@@ -415,7 +415,8 @@ class OptionalMembers(Protocol):
 
     None is required: membackend reads each with ``getattr`` and uses the default said here when it is
     missing. A backend that has one must give it this type and meaning. The generic virtual-memory backend
-    (a :class:`~membackend.platform.Platform` record's) has all of them; ``host`` and ``aimdo`` have
+    (a :class:`~membackend.platform.Platform` record's) has all of them but ``page_size`` (its page is per
+    device: :meth:`page_size_on`); ``host`` and ``aimdo`` have
     ``version``, ``capabilities``, ``from_settings`` and ``own_headroom``.
     """
 
@@ -430,7 +431,8 @@ class OptionalMembers(Protocol):
     platform_values: Any
     #: the platform record the backend was built from (the VMM backend's); the kit's platform rules use it
     platform: Platform
-    #: the page size the backend maps, in bytes (missing: 2 MiB); the ComfyUI adapter sizes its facade by it
+    #: the page size the backend maps, in bytes, where it is one for every device (missing: 2 MiB); read by
+    #: ``Session.page_size`` where the backend has no :meth:`page_size_on`
     page_size: int
     #: the vendor driver the backend calls (a ``membackend._drivers`` driver); the kit queues real copies
     #: through it (``memcpy_htod_async``, with :meth:`fence_token`) where it has them, else timer tokens
@@ -487,4 +489,11 @@ class OptionalMembers(Protocol):
         ``cudaHostRegister`` makes one): True when one started there, False when none did. Called before that
         memory is unmapped (``Session.host_unregister``). Missing: False (the backend's devices read host
         memory as it is)."""
+        ...
+
+    def page_size_on(self, device: Device) -> int:
+        """The page size the backend maps on ``device``, in bytes: the ``page_size`` of every reservation it
+        makes there (the VMM backend's: its page rounded up to the device's mapping granularity). Read by
+        ``Session.page_size``, by which the ComfyUI adapter sizes a model without a live reservation.
+        Missing: :attr:`page_size`."""
         ...

@@ -431,6 +431,21 @@ def test_describe_load_says_nothing_loaded_and_streamed():
     assert describe_load({"kind": "cold", "loaded": 2 * GiB}, pages=2 * GiB) == "loaded 2.0 GiB (cold)"
 
 
+@pytest.mark.parametrize("settings", [{"sim_profile": "h200"}, {"backend": "host", "page_size": 4 * MiB}])
+def test_the_runtimes_page_size_is_the_page_the_backend_maps_on_the_device(settings):
+    """The facade sizes a VBAR without a live reservation by it: the vmm backend's page on the device (its
+    platform's page rounded up to the device's granularity: 32 MiB on the H200), not a 2 MiB default; the host
+    backend's ``page_size`` setting."""
+    with _running(headroom=0, **settings) as rt:
+        d = rt.devices[0]
+        r = rt.session.reserve(d, 1)
+        try:
+            assert rt.page_size(d) == rt.session.page_size(d) == r.page_size
+            assert r.page_size == settings.get("page_size", 32 * MiB)
+        finally:
+            rt.session.release_reservation(r)
+
+
 def test_a_models_size_is_its_weights_not_its_address_range(rt, caplog):
     """ComfyUI reserves ten times a model's size of address space; the status, the panel and the per-load line
     show the weights' bytes (what ComfyUI staged in the VBAR), and "warm" means those pages are resident."""

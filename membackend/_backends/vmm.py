@@ -561,6 +561,13 @@ class VmmBackend:
 
     # ------------------------------------------------------------------ contract
 
+    def page_size_on(self, device: Device) -> int:
+        """The page this backend maps on ``device``: its page size (the platform's, or the one it was given)
+        rounded up to the device's mapping granularity; every reservation there has it as ``page_size``."""
+        index = self._device_index(device)
+        with self._lock:
+            return self._use(index).page_size
+
     def tensor_device(self, device: Device) -> str:
         """The torch device that reads this backend's pages: ``cuda:N``, or ``cpu`` where the driver's
         device memory is memory of this process the CPU addresses directly (``GpuDriver.cpu_addressable``)."""

@@ -610,7 +610,9 @@ class Runtime:
         return kind == ("cpu" if self.kind == "cpu" else "cuda")  # torch calls HIP devices cuda
 
     def page_size(self, device: Device) -> int:
-        return int(getattr(self.record.plugin, "page_size", 2 << 20))
+        """The page size the backend maps on ``device`` (``Session.page_size``): the facade sizes a model whose
+        reservation is not alive by it."""
+        return int(self.session.page_size(device))
 
     def unload_vbar(self, vbar: Any, reason: str, earlier: int = 0) -> None:
         """Full unload of a VBAR's model (G1), now when nothing is pinned, else at the next quiescent point.
