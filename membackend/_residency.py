@@ -1104,6 +1104,18 @@ class ResidencyManager:
         return [(1 if r else 0) | (2 if p else 0) for r, p in zip(slot.resident, slot.pins)]
 
     @_locked
+    def pinned_and_evictable(self, model: Model, device: Any = None) -> tuple[int, int]:
+        """Bytes of the model's pages on ``device`` that are pinned (a layer in use now) and that are resident
+        (or possibly resident) and not pinned; ``(0, 0)`` when the reservation is not alive. The status's
+        figures per model: the page map, as :meth:`residency` gives it, summed."""
+        slot = self._slot(model, device)
+        if not slot.alive:
+            return 0, 0
+        pins, ps = slot.pins, slot.bound.page_size
+        evictable = sum(1 for r, p in zip(slot.resident, pins) if r and not p)
+        return (len(pins) - pins.count(0)) * ps, evictable * ps
+
+    @_locked
     def evictable(self, device: Any) -> int:
         """Bytes of unpinned resident pages on ``device`` (what eviction could give back now)."""
         device = Device.parse(device)

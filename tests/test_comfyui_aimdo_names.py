@@ -34,7 +34,8 @@ import comfy_aimdo.host_buffer as host_buffer  # noqa: E402
 
 from membackend._comfyui import aimdo_names, aimdo_newer, wiring  # noqa: E402
 from membackend._comfyui import runtime as adapter  # noqa: E402
-from membackend._comfyui.runtime import LIVE_SOURCE, Runtime  # noqa: E402
+from membackend._comfyui.headroom import LIVE_SOURCE  # noqa: E402
+from membackend._comfyui.runtime import Runtime  # noqa: E402
 from membackend._drivers.open import machine_for  # noqa: E402
 from membackend._manager import BackendManager  # noqa: E402
 from membackend._settings import load_settings  # noqa: E402
@@ -405,18 +406,18 @@ def test_the_simple_headroom_is_the_sessions_live_headroom(running):
     dev = running.devices[0]
     extra = int(0.001 * 1024 ** 3)  # --vram-headroom, kept apart as aimdo keeps it
     control.set_simple_vram_headroom(4 << 20)
-    assert running.headroom_in_force(dev) == ((4 << 20) + extra, LIVE_SOURCE)
+    assert running.headroom.in_force(dev) == ((4 << 20) + extra, LIVE_SOURCE)
     assert running.session.budget_query(dev).headroom == (4 << 20) + extra
     assert control.get_simple_vram_headroom() == 4 << 20  # what a custom node reads back, then restores
     control.set_simple_vram_headroom(0)
-    assert control.get_simple_vram_headroom() == 0 and running.headroom_in_force(dev)[0] == extra
+    assert control.get_simple_vram_headroom() == 0 and running.headroom.in_force(dev)[0] == extra
     total = running.session.budget_query(dev).total
     control.set_simple_vram_headroom(1 << 60)  # aimdo's largest: capped at the device's total
-    assert running.headroom_in_force(dev)[0] == total
+    assert running.headroom.in_force(dev)[0] == total
     for bad in (-1, (1 << 60) + 1):
         with pytest.raises(ValueError, match="between 0 and 2\\*\\*60"):
             control.set_simple_vram_headroom(bad)
-    assert running.headroom_in_force(dev)[0] == total  # a refused value changes nothing
+    assert running.headroom.in_force(dev)[0] == total  # a refused value changes nothing
 
 
 def test_without_a_running_adapter_the_headroom_fails_like_an_uninitialised_aimdo():

@@ -106,8 +106,8 @@ def test_a_collected_vbar_returns_its_reservation_at_once(rt):
     gc.collect()  # ComfyUI dropped the model: its nn.Module and the VBAR go
     assert _until(lambda: rt.session.reservations() == []), rt.session.reservations()
     assert rt.session.ledger.account(dev).resident == 0 and rt.residency.models() == []
-    assert rt.dropped_count == 1 and rt.dropped_bytes == resident
-    entry = rt.unloads[-1]
+    assert rt.journal.dropped_count == 1 and rt.journal.dropped_bytes == resident
+    entry = rt.journal.unloads[-1]
     assert entry["reason"] == "dropped by ComfyUI" and entry["bytes"] == resident and entry["reservations"] == 1
 
 
@@ -148,7 +148,7 @@ def test_a_vbar_collected_while_its_thread_holds_the_adapters_lock_does_not_dead
 
     def drop_under_the_lock():
         nonlocal v
-        with rt._pending_lock:
+        with rt.unloader.pending_lock:
             del v
             gc.collect()
         done.set()
@@ -170,7 +170,7 @@ def test_an_explicit_close_returns_the_reservation_before_it_returns(rt):
 
 
 def test_without_a_reaper_the_next_quiescent_point_retires_a_dropped_model(rt):
-    rt._stop_reaper()
+    rt.unloader.stop_reaper()
     v = _loaded()
     del v
     gc.collect()
@@ -192,7 +192,7 @@ def test_a_failed_retirement_is_told_and_retried_between_nodes(rt, monkeypatch, 
         return real(m)
 
     monkeypatch.setattr(rt.residency, "unregister", failing)
-    rt._stop_reaper()
+    rt.unloader.stop_reaper()
     del v
     gc.collect()
     with caplog.at_level("WARNING", logger="membackend"):

@@ -16,9 +16,11 @@ import types
 
 import pytest
 
+from membackend._comfyui import history
 from membackend._comfyui import runtime as adapter
 from membackend._comfyui import status as routes
-from membackend._comfyui.runtime import LIVE_SOURCE, Runtime, describe_load
+from membackend._comfyui.headroom import LIVE_SOURCE
+from membackend._comfyui.runtime import Runtime, describe_load
 from membackend._drivers.open import machine_for
 from membackend._manager import BackendManager
 from membackend._settings import SIZE_ACCEPTED, load_settings
@@ -76,7 +78,8 @@ def _ledger_matches_driver(rt):
 
 
 def _failing_start(monkeypatch, where):
-    """A runtime on the simulated H200 whose start fails at ``where`` (a method of the runtime)."""
+    """A runtime on the simulated H200 whose start fails at ``where`` (a method of the runtime, or of one of its
+    parts: ``headroom.apply_comfy_flags``)."""
     settings = load_settings(sim_profile="h200", headroom=0)
     mgr = BackendManager(settings)
     machine = machine_for(settings)
@@ -84,25 +87,26 @@ def _failing_start(monkeypatch, where):
 
     def fail(*args, **kwargs):
         raise RuntimeError(f"{where} failed")
-    monkeypatch.setattr(runtime, where, fail)
+    part, _, name = where.rpartition(".")
+    monkeypatch.setattr(getattr(runtime, part) if part else runtime, name, fail)
     return runtime
 
 
-@pytest.mark.parametrize("where", ["_apply_headroom", "_wire"])
+@pytest.mark.parametrize("where", ["headroom.apply_comfy_flags", "_wire"])
 def test_the_status_of_a_start_that_failed_part_way_says_why_and_never_raises(monkeypatch, where):
     runtime = _failing_start(monkeypatch, where)
     assert runtime.init_devices([(0, 0)]) is False  # ComfyUI runs stock
-    out = runtime.status()
+    out = routes.runtime_status(runtime)
     assert out["state"] == "switched-off" and f"{where} failed" in out["reason"], out
     assert "budgets" not in out and "models" not in out  # the session of a failed start is closed: no figures
     runtime.stop()
 
 
 def test_the_status_while_start_is_under_way_answers_without_figures(monkeypatch):
-    runtime = _failing_start(monkeypatch, "_apply_headroom")
+    runtime = _failing_start(monkeypatch, "headroom.apply_comfy_flags")
     with pytest.raises(RuntimeError):  # start itself, as init_devices calls it: the session is open, no policy yet
         runtime.start([(0, 0)])
-    out = runtime.status()
+    out = routes.runtime_status(runtime)
     assert out["state"] == "armed" and "budgets" not in out, out
     runtime._close_quietly()
     runtime.stop()
@@ -153,7 +157,7 @@ def test_bad_values_are_refused_with_the_accepted_range_and_change_nothing(rt, b
     total = before.total
     assert f"from 0 to {total} bytes" in answer["accepted"] and SIZE_ACCEPTED in answer["accepted"], answer
     assert rt.session.budget_query(d).headroom == before.headroom
-    assert "start-up setting" in rt.headroom_in_force(d)[1]
+    assert "start-up setting" in rt.headroom.in_force(d)[1]
 
 
 def test_a_saved_headroom_is_written_to_membackend_toml_and_read_at_the_next_start(rt, tmp_path, monkeypatch):
@@ -180,10 +184,10 @@ def test_a_save_that_fails_puts_the_previous_headroom_back(rt, tmp_path, monkeyp
     monkeypatch.setenv("MEMBACKEND_CONFIG", str(tmp_path / "broken.toml"))
     (tmp_path / "broken.toml").write_text("this is = = not toml\n")
     d = rt.devices[0]
-    before = rt.headroom_in_force(d)
+    before = rt.headroom.in_force(d)
     code, answer = routes.change_headroom({"device": str(d), "headroom": "1GiB", "save": True})
     assert code == 500 and answer["error"] == "ConfigError" and "broken.toml" in answer["message"], answer
-    assert rt.headroom_in_force(d) == before and rt.session.budget_query(d).headroom == before[0]
+    assert rt.headroom.in_force(d) == before and rt.session.budget_query(d).headroom == before[0]
     assert (tmp_path / "broken.toml").read_text() == "this is = = not toml\n"
     code, answer = routes.change_headroom({"device": str(d), "headroom": None, "save": True})
     assert code == 400 and answer["error"] == "ConfigError"  # nothing to save: refused before any change
@@ -254,12 +258,12 @@ def test_lowering_the_free_room_evicts_idle_models_whole_never_a_pinned_page(rt)
     rt.residency.use([busy])
     assert rt.residency.fault(busy, 0, 32 * MiB, d).ok  # stays pinned: a layer in use now
     b = rt.session.budget_query(d)
-    answer = rt.set_headroom_live(d, b.free + 40 * MiB)  # 40 MiB must go: all of idle, then busy's unpinned
+    answer = rt.headroom.set_live(d, b.free + 40 * MiB)  # 40 MiB must go: all of idle, then busy's unpinned
     assert answer["freed"] == 32 * MiB, answer
     assert rt.residency.stats(d)["idle"]["resident"] == 0
     assert rt.residency.stats(d)["busy"]["resident"] == 32 * MiB  # pinned: never freed
     assert all(bit == 3 for bit in rt.residency.residency(busy, d))
-    lost = rt.status()["evictions"]["idle"]
+    lost = routes.runtime_status(rt)["evictions"]["idle"]
     assert lost["bytes"] == 32 * MiB and "headroom raised" in lost["reason"] and lost["for"] == ["busy"]
     rt.residency.unpin(busy, 0, 32 * MiB, d)
     _ledger_matches_driver(rt)
@@ -311,7 +315,7 @@ def test_raising_and_lowering_the_cap_under_load_keeps_pins_and_the_ledger(rt):
                 time.sleep(0.001)
             tight = step % 2 == 0
             value = total - 3 * layer if tight else 0  # room for ~3 layers of 4 threads: eviction under pins
-            answer = rt.set_headroom_live(d, value)
+            answer = rt.headroom.set_live(d, value)
             assert answer["headroom"] == value
             assert rt.session.budget_query(d).headroom == value
     finally:
@@ -322,7 +326,7 @@ def test_raising_and_lowering_the_cap_under_load_keeps_pins_and_the_ledger(rt):
     assert all(faults), faults  # every thread got layers in
     assert not any(any(b & 2 for b in rt.residency.residency(m, d)) for m in models)  # every pin went
     _ledger_matches_driver(rt)
-    rt.set_headroom_live(d, None)
+    rt.headroom.set_live(d, None)
     assert rt.session.budget_query(d).headroom == 0
 
 
@@ -342,7 +346,7 @@ def test_a_failed_shed_puts_the_previous_headroom_back(rt, monkeypatch):
     total = rt.session.budget_query(d).total
     code, answer = routes.change_headroom({"headroom": total})
     assert code == 500 and answer["error"] == "PartialFailure", answer
-    assert rt.session.budget_query(d).headroom == 0 and "start-up setting" in rt.headroom_in_force(d)[1]
+    assert rt.session.budget_query(d).headroom == 0 and "start-up setting" in rt.headroom.in_force(d)[1]
 
 
 # ---------------------------------------------------------------------------------------------- per-load lines
@@ -364,11 +368,11 @@ def test_one_line_per_load_says_kept_reloaded_or_cold(rt, caplog):
         run(unet)
         run(unet)
         # the VAE needs the room: the headroom leaves space for it alone, so the UNet is evicted for it
-        rt.set_headroom_live(d, rt.session.budget_query(d).free - 8 * MiB)
+        rt.headroom.set_live(d, rt.session.budget_query(d).free - 8 * MiB)
         run(vae)
-        rt.set_headroom_live(d, None)
+        rt.headroom.set_live(d, None)
         run(unet)
-    loads = rt.status()["loads"]
+    loads = routes.runtime_status(rt)["loads"]
     texts = [(x["name"], x["kind"], x["text"]) for x in loads]
     page = rt.session.reservations()[0].page_size
     assert texts[0] == ("SDXL", "cold", f"loaded {_mb(_paged(16 * MiB, page))} (cold)"), texts
@@ -380,7 +384,7 @@ def test_one_line_per_load_says_kept_reloaded_or_cold(rt, caplog):
     assert "evicted at " in text and text.endswith("for AutoencoderKL (to keep the headroom free)"), text
     lines = [r.getMessage() for r in caplog.records if "load of " in r.getMessage()]
     assert len(lines) == 4 and f"load of SDXL (16.0 MiB): reloaded {_mb(_paged(16 * MiB, page))}" in lines[3], lines
-    assert rt.status()["load_count"] == 4
+    assert routes.runtime_status(rt)["load_count"] == 4
 
 
 def test_load_records_reach_the_trace(tmp_path):
@@ -461,13 +465,31 @@ def test_a_models_size_is_its_weights_not_its_address_range(rt, caplog):
         facade.vbar_unpin(a)
     with caplog.at_level(logging.INFO, logger="membackend"):
         rt.quiescent()
-    row = rt.status()["models"][v._model.id]
+    row = routes.runtime_status(rt)["models"][v._model.id]
     assert row["size"] == 6 * MiB and row["address_range"] == 60 * MiB, row
     assert row["state"] == "warm", row  # every page of the weights resident: not "partly resident"
     line = next(r.getMessage() for r in caplog.records if "load of UNet" in r.getMessage())
     assert f"load of UNet (6.0 MiB): loaded {_mb(_paged(6 * MiB, v._model.reservation(d).page_size))} (cold)" in line, line
     v.close()
     assert d in rt.devices
+
+
+def test_a_models_pinned_and_evictable_bytes_are_its_pages_in_use_and_the_rest_resident(rt):
+    from membackend._comfyui import vbar as facade
+
+    v = facade.ModelVBAR(10 * 2 * 32 * MiB, 0)
+    page = rt.page_size(rt.devices[0])
+    first, second = v.alloc(page), v.alloc(page)  # one page each
+    assert facade.vbar_fault(first) is not None and facade.vbar_fault(second) is not None
+    facade.vbar_unpin(second)
+    row = routes.runtime_status(rt)["models"][v._model.id]
+    assert (row["pinned"], row["evictable"], row["resident"], row["state"]) == (page, page, 2 * page, "pinned"), row
+    facade.vbar_unpin(first)
+    row = routes.runtime_status(rt)["models"][v._model.id]
+    assert (row["pinned"], row["evictable"], row["state"]) == (0, 2 * page, "warm"), row
+    v.close()
+    row = routes.runtime_status(rt)["models"].get(v._model.id)
+    assert row is None, row  # a closed VBAR's model is retired: the status has no row for it
 
 
 def test_unloading_everything_gives_back_what_the_backend_keeps(rt):
@@ -479,7 +501,7 @@ def test_unloading_everything_gives_back_what_the_backend_keeps(rt):
     facade.vbar_unpin(a)
     rt.unload_vbar(v, "test")
     rt.give_back()
-    st = rt.status()
+    st = routes.runtime_status(rt)
     assert st["reservations"] == [] and all(k["committed"] == 0 for k in st["kept"].values()), st["kept"]
 
 
@@ -514,15 +536,15 @@ def test_a_hook_delegate_unloaded_in_place_of_its_owner_lets_the_owner_drop_it(r
     owner = Patcher(torch.nn.Linear(4, 4))
     delegate = Patcher(torch.nn.Linear(4, 4))
     owner.non_dynamic_delegate_model = (delegate.model, ({}, {}, {}, {}))
-    rt.track_delegate(owner, delegate)
-    assert rt.status()["delegates"] == [{"owner": "Linear", "bytes": 4 * MiB}]
-    assert rt.status()["delegates_alive"] == 1
-    assert rt.drop_delegate(delegate)  # ComfyUI's free_memory removed the delegate's LoadedModel
-    assert owner.non_dynamic_delegate_model is None and rt.status()["delegates"] == []
+    rt.delegates.track(owner, delegate)
+    assert routes.runtime_status(rt)["delegates"] == [{"owner": "Linear", "bytes": 4 * MiB}]
+    assert routes.runtime_status(rt)["delegates_alive"] == 1
+    assert rt.delegates.drop(delegate)  # ComfyUI's free_memory removed the delegate's LoadedModel
+    assert owner.non_dynamic_delegate_model is None and routes.runtime_status(rt)["delegates"] == []
     del delegate
     gc.collect()
-    assert rt.status()["delegates_alive"] == 0
-    assert not rt.drop_delegate(owner)  # dropped once: nothing more to do
+    assert routes.runtime_status(rt)["delegates_alive"] == 0
+    assert not rt.delegates.drop(owner)  # dropped once: nothing more to do
 
 
 def test_the_status_answers_when_inspecting_a_device_fails(rt, monkeypatch):
@@ -533,7 +555,7 @@ def test_the_status_answers_when_inspecting_a_device_fails(rt, monkeypatch):
         raise DriverError(12, "mincore", "a range went away")
 
     monkeypatch.setattr(rt.session, "inspect", broken)
-    st = rt.status()
+    st = routes.runtime_status(rt)
     assert st["running"] and st["kept"] == {} and st["budgets"]
 
 
@@ -545,11 +567,11 @@ def test_the_status_answers_when_inspecting_a_device_fails(rt, monkeypatch):
                          ids=["5000 digits", "10**5000", "-10**5000", "10 MB text", "1e300", "8.5EiB", "inf",
                               "a long list", "a 1 MB table"])
 def test_a_huge_headroom_is_a_typed_refusal_with_a_short_answer(rt, headroom):
-    before = rt.headroom_in_force(rt.devices[0])
+    before = rt.headroom.in_force(rt.devices[0])
     code, answer = routes.change_headroom({"headroom": headroom})
     assert code == 400 and answer["error"] in ("InvalidSize", "ConfigError"), str(answer)[:500]
     assert len(json.dumps(answer)) < 3000, len(json.dumps(answer))
-    assert rt.headroom_in_force(rt.devices[0]) == before
+    assert rt.headroom.in_force(rt.devices[0]) == before
     code, answer = routes.change_headroom({"headroom": headroom, "extra": 1})  # the whole body refused, quoted short
     assert code == 400 and len(json.dumps(answer)) < 3000
     json.dumps(routes.status(), allow_nan=False)
@@ -585,10 +607,10 @@ def test_a_save_that_meets_an_edit_answers_409_and_keeps_both(rt, tmp_path, monk
     # (the lease's own path: tests/test_settings_save.py)
     monkeypatch.setattr(saving._Lease, "take", lambda self: None)
     d = rt.devices[0]
-    before = rt.headroom_in_force(d)
+    before = rt.headroom.in_force(d)
     code, answer = routes.change_headroom({"headroom": "1GiB", "save": True})
     assert code == 409 and answer["error"] == "ConfigChanged" and "your edit is kept" in answer["message"], answer
-    assert config.read_text() == 'log_level = "debug"\n' and rt.headroom_in_force(d) == before
+    assert config.read_text() == 'log_level = "debug"\n' and rt.headroom.in_force(d) == before
 
 
 
@@ -599,28 +621,28 @@ def test_a_save_while_an_editor_rewrites_the_file_in_place_answers_409_and_keeps
     monkeypatch.setenv("MEMBACKEND_CONFIG", str(config))
     monkeypatch.delenv("MEMBACKEND_HEADROOM", raising=False)
     d = rt.devices[0]
-    before = rt.headroom_in_force(d)
+    before = rt.headroom.in_force(d)
     with open(config, "w") as editor:  # nano's save: truncated, not yet written
         code, answer = routes.change_headroom({"headroom": "3GiB", "save": True})
         editor.write(text)
     assert config.read_text() == text, answer  # on main: the file was 'headroom = "3GiB"' alone
     assert code == 409 and answer["error"] == "ConfigChanged" and "is open for writing" in answer["message"], answer
-    assert rt.headroom_in_force(d) == before
+    assert rt.headroom.in_force(d) == before
 
 def test_the_status_stays_small_under_20000_headroom_changes(rt, monkeypatch):
     before = len(json.dumps(routes.status()))
     clock = [1_000_000.0]
-    monkeypatch.setattr(adapter.time, "time", lambda: clock[0])
+    monkeypatch.setattr(history.time, "time", lambda: clock[0])
     for i in range(20_000):
         clock[0] += 0.01  # 100 changes a second for 200 s
         assert routes.change_headroom({"headroom": f"{i % 7}MiB"})[0] == 200
     st = routes.status()
     samples = st["history"][str(rt.devices[0])]
     assert len(samples) <= 202 and len(json.dumps(st)) < before + 20_000, (before, len(json.dumps(st)))
-    for i in range(2 * adapter.HISTORY_KEPT):  # forced samples a second apart: the count bound holds too
+    for i in range(2 * history.HISTORY_KEPT):  # forced samples a second apart: the count bound holds too
         clock[0] += 0.001
         rt.sample(force=True)
-    assert len(routes.status()["history"][str(rt.devices[0])]) == adapter.HISTORY_KEPT
+    assert len(routes.status()["history"][str(rt.devices[0])]) == history.HISTORY_KEPT
 
 
 def test_the_routes_answer_strict_json_whatever_the_status_holds():

@@ -15,6 +15,7 @@ import comfy_aimdo.model_vbar as aimdo_vbar  # noqa: E402
 import comfy_aimdo.torch as aimdo_torch  # noqa: E402
 
 from membackend._comfyui import runtime as adapter  # noqa: E402
+from membackend._comfyui import status  # noqa: E402
 from membackend._comfyui import vbar as facade  # noqa: E402
 from membackend._comfyui.runtime import Runtime  # noqa: E402
 from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
@@ -211,7 +212,7 @@ def test_a_full_unload_is_put_off_while_pages_are_pinned(rt):
     assert len(rt.session.reservations()) == 1 and v in rt.pending  # pinned: never destroyed under a copy
     facade.vbar_unpin(a)
     facade.vbars_reset_watermark_limits()  # ComfyUI's between-nodes call: the quiescent point
-    assert rt.session.reservations() == [] and rt.unloads[-1]["reservations"] == 1
+    assert rt.session.reservations() == [] and rt.journal.unloads[-1]["reservations"] == 1
     sig = facade.vbar_fault(a)  # used again: reserved again, transparently
     assert sig is not None and len(rt.session.reservations()) == 1
 
@@ -309,13 +310,13 @@ def _loaded(rt, pages=2):
 def test_what_the_status_keeps_of_unloads_is_bounded(rt):
     import json
 
-    from membackend._comfyui.runtime import UNLOADS_KEPT
+    from membackend._comfyui.journal import UNLOADS_KEPT
     v, a = _loaded(rt)
     for _ in range(2000):
         assert facade.vbar_fault(a) is not None
         facade.vbar_unpin(a)
         rt.unload_vbar(v, "test")
-    st = rt.status()
+    st = status.runtime_status(rt)
     assert st["unload_count"] == 2000 and len(st["unloads"]) == UNLOADS_KEPT
     assert len(json.dumps(st)) < 40_000
 
@@ -344,7 +345,7 @@ def test_a_full_unload_waits_for_a_pin_and_runs_at_the_next_quiescent_point(rt):
     assert v in rt.pending and len(rt.session.reservations()) == 1
     facade.vbar_unpin(a)
     facade.vbars_reset_watermark_limits()
-    assert rt.session.reservations() == [] and rt.unloads[-1]["reason"] == "put off until no page was pinned"
+    assert rt.session.reservations() == [] and rt.journal.unloads[-1]["reason"] == "put off until no page was pinned"
 
 
 def test_a_tensor_that_cannot_be_made_never_reaches_comfyui_and_the_pages_are_unpinned(rt, monkeypatch, caplog):

@@ -127,7 +127,7 @@ def test_the_adapter_answers_comfyui_the_same_free_memory_with_and_without_reser
     leaving 0.9 GiB answers what it answers without the flag, while the status shows the split and the
     weights' budget keeps the flag."""
     pytest.importorskip("comfy_aimdo")
-    from membackend._comfyui import startup
+    from membackend._comfyui import startup, status
 
     answers = {}
     for reserve in (None, "cap"):
@@ -152,7 +152,7 @@ def test_the_adapter_answers_comfyui_the_same_free_memory_with_and_without_reser
             assert rt.init_devices([(0, 0)]) is True, rt.aborted
             rt.session.backend.driver.sim.process_alloc(0, 800 * MiB)  # the process's context and allocator
             answers[reserve] = mm.get_free_memory(cuda0)
-            budget = rt.status()["budgets"]["cuda:0"]
+            budget = status.runtime_status(rt)["budgets"]["cuda:0"]
             split = budget["split"]
             if reserve:
                 assert split["room"] == 922 * MiB and split["other"] == 800 * MiB

@@ -6,7 +6,14 @@ Every module of the adapter, in the order ComfyUI meets them:
 * :mod:`.startup` — the prestartup script's work: selection, one log line, the
   ``comfy_aimdo.control.init_devices`` wrapper; every patch reversible (G6);
 * :mod:`.runtime` — the one running adapter of the process: its session and residency manager, the G6
-  guard around every patched function, the per-load lines and the status answer;
+  guard around every patched function, and its parts:
+
+  * :mod:`.headroom` — ComfyUI's memory flags at start-up and the live headroom (the VRAM cap);
+  * :mod:`.unloads` — full unloads, put off while a page is pinned, and the models ComfyUI dropped;
+  * :mod:`.delegates` — Hook delegates go with their owner's unload (G5);
+  * :mod:`.journal` — model names, the per-load lines, the unloads and idle give-backs;
+  * :mod:`.history` — each device's reserved, resident and committed bytes over the last minutes;
+  * :mod:`.lines` — one membackend log line, and sizes as a person reads them;
 * :mod:`.patches` — reversible attribute patches, each remembering the original;
 * :mod:`.wiring` — the table of patch points on ``comfy.model_management``, ``ModelPatcherDynamic`` and the
   prompt queue's idle point, and the facade's installation over comfy-aimdo's names;
@@ -18,8 +25,8 @@ Every module of the adapter, in the order ComfyUI meets them:
   for the tests and the docs; never imported at start-up;
 * :mod:`.streams` — fence tokens for the copies ComfyUI's cast path queues (G2);
 * :mod:`.keepwarm` — keep warm by budget (G4): the dynamic patchers ComfyUI still holds, watched weakly;
-* :mod:`.status` — the ``GET /membackend/status`` route and the memory panel's headroom route
-  (the panel's script is ``web/membackend_panel.js``).
+* :mod:`.status` — the ``GET /membackend/status`` route, where its answer is built, and the memory panel's
+  headroom route (the panel's script is ``web/membackend_panel.js``).
 
 What the adapter adds to ComfyUI's start-up is measured outside it, in the lab
 (:mod:`membackend.lab.startup_cost`): the adapter imports neither the lab nor the kit.

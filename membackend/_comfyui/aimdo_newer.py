@@ -11,7 +11,7 @@ patched over aimdo's name by :func:`install` (called from
   of aimdo's own devices obey; while membackend serves, none of ComfyUI's VBARs is aimdo's, so the number
   would change nothing. Custom nodes call them to make room around their own work (read the value, raise
   it, put it back), so here they are the headroom in force in membackend's session: the set is a live
-  change of every served device's headroom (:meth:`Runtime.set_headroom_live`, what the memory panel's
+  change of every served device's headroom (:meth:`.headroom.Headroom.set_live`, what the memory panel's
   *Keep free* field does: the next budget sees it, and what no longer fits is given back at once, never a
   pinned page), ``headroom`` plus ComfyUI's ``--vram-headroom`` per device (aimdo keeps that apart and
   adds it), capped at the device's total; the get answers that headroom on ComfyUI's device less the
@@ -73,15 +73,15 @@ def set_simple_vram_headroom(headroom: int):
     rt = _running()
     extra = _extra(rt)
     for dev in list(rt.devices):
-        _, total = rt.headroom_range(dev)
-        rt.set_headroom_live(dev, min(headroom + extra, total))
+        _, total = rt.headroom.bounds(dev)
+        rt.headroom.set_live(dev, min(headroom + extra, total))
 
 
 def get_simple_vram_headroom():
     """comfy-aimdo's ``control.get_simple_vram_headroom``: the headroom in force on ComfyUI's device (the
     first served), less ComfyUI's ``--vram-headroom``."""
     rt = _running()
-    value, _ = rt.headroom_in_force(rt.devices[0])
+    value, _ = rt.headroom.in_force(rt.devices[0])
     return max(0, int(value) - _extra(rt))
 
 

@@ -25,6 +25,9 @@ While a runtime exists the answer also has ``budgets``, ``headroom`` (per device
 words, ``live``, ``min``/``max``), ``models`` (per model id: name, size, resident, pinned, evictable, state,
 last_used), ``loads`` (the most recent loads, each with its line's ``text``), ``unloads`` and ``history``
 (per device ``[time, reserved, resident, committed]`` samples over the last minutes).
+
+The answer is built here (:func:`runtime_status`), from the runtime's parts and the residency manager's public
+figures (``stats``, ``pinned_and_evictable``, ``losses``, ``Model``); nothing here reads the policy's pages.
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..types import ConfigChanged, ConfigError, MembackendError, WrongDevice
+from ..types import ConfigChanged, ConfigError, Device, MembackendError, WrongDevice
 from . import runtime
+from .headroom import LIVE_SOURCE
+from .history import committed_bytes
+from .lines import log
 
-__all__ = ["status", "register_routes", "change_headroom", "web_directory", "ROUTE", "HEADROOM_ROUTE"]
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["status", "runtime_status", "register_routes", "change_headroom", "web_directory", "ROUTE",
+           "HEADROOM_ROUTE"]
 
 ROUTE = "/membackend/status"
 HEADROOM_ROUTE = "/membackend/headroom"
@@ -57,9 +67,11 @@ def web_directory() -> str:
 
 
 def status() -> dict[str, Any]:
+    """What ``GET /membackend/status`` answers: the runtime's status while one exists, else the start-up
+    decision's state and words."""
     rt = runtime.current()
     if rt is not None:
-        out = rt.status()
+        out = runtime_status(rt)
         if out["state"] == "armed" and _startup_over():
             out["state"] = "stock"
             out["reason"] = ("ComfyUI did not initialise dynamic VRAM (its torch or device lacks support), so "
@@ -72,6 +84,151 @@ def status() -> dict[str, Any]:
                 "how_to": runtime.HOW_TO}
     return {"running": False, "version": __version__, "state": decided.state, "reason": decided.reason,
             "line": decided.line, "how_to": runtime.HOW_TO}
+
+
+def runtime_state(rt: "Runtime") -> tuple[str, str]:
+    """``(state, reason)`` of a runtime: ``running``, ``switched-off`` or ``armed``."""
+    if rt.aborted is not None:
+        return "switched-off", rt.aborted
+    if rt.started:
+        return "running", rt.selection.reason
+    if rt.started is False:
+        return "switched-off", "could not start"
+    return "armed", "waiting for ComfyUI to initialise dynamic VRAM; if ComfyUI's start-up is over, it did " \
+                    "not (torch or the device lacks dynamic VRAM support), and ComfyUI runs stock"
+
+
+def runtime_status(rt: "Runtime") -> dict[str, Any]:
+    """What ``GET /membackend/status`` answers while a runtime exists: the selection, the patches, the loads,
+    unloads and idle give-backs so far; once it started, per device its budget, headroom, kept memory and
+    history, and per model its figures (:func:`_models`). Never raises for a figure a backend cannot give."""
+    state, reason = runtime_state(rt)
+    journal = rt.journal
+    unloads, unload_count = journal.unloads_so_far()
+    loads, load_count, loaded_bytes = journal.loads_so_far()
+    decided = runtime.outcome()
+    out: dict[str, Any] = {"version": __version__, "running": rt.running, "state": state, "reason": reason,
+                           "backend": rt.name, "how": rt.selection.how, "selection_reason": rt.selection.reason,
+                           "started": bool(rt.started), "aborted": rt.aborted, "patched": rt.patches.applied,
+                           "not_present": list(rt.patches.skipped), "unloads": unloads, "unload_count": unload_count,
+                           "idle": {"times": journal.idles, "bytes": journal.idle_bytes},
+                           "how_to": runtime.HOW_TO, "line": decided.line if decided is not None else None,
+                           "loads": loads, "load_count": load_count, "loaded_bytes": loaded_bytes,
+                           "keep_warm": rt.keep.enabled, "delegates": rt.delegates.held(),
+                           "delegates_alive": rt.delegates.alive()}
+    session, residency = rt.session, rt.residency
+    if session is None or residency is None or rt.started is False:
+        return out  # not started, part-way through start, or a start that failed (its session closed)
+    rt.sample()
+    budgets, held, headroom, windows = {}, {}, {}, {}
+    for d in rt.devices:
+        budgets[str(d)] = _budget(session, d)
+        value, source = rt.headroom.in_force(d)
+        lo, hi = rt.headroom.bounds(d)
+        headroom[str(d)] = {"bytes": value, "source": source, "live": source == LIVE_SOURCE, "min": lo, "max": hi}
+        kept = _kept(session, d)
+        if kept is not None:
+            held[str(d)] = kept
+        kept_windows = _kept_windows(session, d)
+        if kept_windows is not None:
+            windows[str(d)] = kept_windows
+    out["budgets"] = budgets
+    out["kept"] = held
+    #: per device, the released address windows a backend under a reserve-churn limit keeps (rocm_windows)
+    out["kept_windows"] = windows
+    out["reservations"] = [{"id": r.id, "device": str(r.device), "size": r.size, "page_size": r.page_size}
+                           for r in session.reservations()]
+    out["headroom"] = headroom
+    out["models"] = _models(rt)
+    #: per model id, what it lost since its last load (``ResidencyManager.losses``): recent evictions
+    out["evictions"] = {k: dict(v) for k, v in list(residency.losses.items())}
+    out["history"] = rt.history.as_lists()
+    return out
+
+
+def _budget(session: Any, device: Device) -> dict[str, Any]:
+    """The budget of ``device``, with the split under the headroom in force where the backend gives one: the
+    process's other use, the weights' room and what is resident."""
+    b = session.budget_query(device)
+    out: dict[str, Any] = {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
+                           "source": b.source}
+    try:
+        split = session.room_split(device)
+    except Exception as exc:  # noqa: BLE001 - the status never fails on it
+        log.debug("membackend: the room split of %s for the status: %s: %s", device, type(exc).__name__, exc)
+        split = None
+    if split is not None:
+        out["split"] = {"room": split.room, "other": split.other, "weights_room": split.weights_room,
+                        "weights_resident": split.resident, "kept": split.held - split.resident}
+    return out
+
+
+def _kept(session: Any, device: Device) -> dict[str, Any] | None:
+    """What the backend keeps for reuse on ``device`` (kept address windows included) and what the driver holds
+    for the process; None where it cannot say."""
+    try:
+        inspected = session.inspect(device)
+    except Exception as exc:  # noqa: BLE001 - the status never fails on it
+        log.debug("membackend: inspecting %s for the status failed: %s: %s", device, type(exc).__name__, exc)
+        return None
+    if inspected is None:
+        return None
+    return {"held": inspected.held, "committed": committed_bytes(inspected), "source": inspected.source,
+            "hazards": inspected.hazards, "calls": dict(inspected.calls or {})}
+
+
+def _kept_windows(session: Any, device: Device) -> dict[str, Any] | None:
+    """What the backend says it keeps of released address windows on ``device`` (``kept_windows``: the vmm
+    backend under a reserve-churn limit), with its line; None where it keeps none or cannot say."""
+    report = getattr(session.backend, "kept_windows", None)
+    if report is None:
+        return None
+    try:
+        r = report(device)
+    except Exception as exc:  # noqa: BLE001 - the status never fails on it
+        log.debug("membackend: kept windows of %s for the status: %s: %s", device, type(exc).__name__, exc)
+        return None
+    if r is None:
+        return None
+    return {"windows": r.windows, "bytes": r.bytes, "largest": r.largest, "bound": r.bound,
+            "bound_rule": r.bound_rule, "reason": r.reason, "give_back": r.give_back,
+            "large_frees_spent": r.large_frees_spent, "large_frees_allowed": r.large_frees_allowed,
+            "line": r.describe()}
+
+
+def _models(rt: "Runtime") -> dict[str, Any]:
+    """Per model (by id): ``resident`` and ``reserved`` (``ResidencyManager.stats``), and ``name``,
+    ``size`` (its weights' bytes, as ComfyUI staged them), ``address_range`` (the bytes of address space
+    ComfyUI reserved for it, about ten times its size), ``device``, ``pinned`` and ``evictable`` bytes
+    (``ResidencyManager.pinned_and_evictable``), ``state`` (``pinned``: a layer is in use now; ``warm``: every
+    page of its weights resident; ``partly resident``; ``not resident``), ``held`` (kept warm by the adapter)
+    and ``last_used`` (epoch seconds, None: not loaded by ComfyUI yet)."""
+    held = {id(v._model) for p in list(rt.keep.held.values())
+            for v in (getattr(getattr(p, "model", None), "dynamic_vbars", None) or {}).values()
+            if hasattr(v, "_model")}
+    residency, journal = rt.policy(), rt.journal
+    stats = residency.stats()
+    out: dict[str, Any] = {}
+    for m in residency.models():
+        row = dict(stats.get(m.id, {"resident": 0, "reserved": False}))
+        pinned = evictable = page = 0
+        for dev in m.devices:
+            r = m.reservation(dev)
+            if r is None:
+                continue
+            page = r.page_size
+            on_dev = residency.pinned_and_evictable(m, dev)
+            pinned, evictable = pinned + on_dev[0], evictable + on_dev[1]
+        resident = row["resident"]
+        weights = journal.weights.get(m.id, 0)
+        whole = -(-weights // page) * page if weights and page else m.size  # the pages the weights span
+        state = ("pinned" if pinned else "warm" if resident >= whole else "partly resident" if resident
+                 else "not resident")
+        row.update(name=journal.display_name(m.id), size=weights, address_range=m.size,
+                   device=", ".join(map(str, m.devices)), kind=m.kind.value, pinned=pinned, evictable=evictable,
+                   state=state, held=id(m) in held, last_used=journal.last_used.get(m.id))
+        out[m.id] = row
+    return out
 
 
 def _startup_over() -> bool:
@@ -118,7 +275,7 @@ def _accepted(rt: Any, device: Any) -> str:
     except Exception:  # a device not served: the range of each served one
         devices = list(getattr(rt, "devices", []))
     try:
-        where = "; ".join(f"from {lo} to {hi} bytes on {d}" for d in devices for lo, hi in [rt.headroom_range(d)])
+        where = "; ".join(f"from {lo} to {hi} bytes on {d}" for d in devices for lo, hi in [rt.headroom.bounds(d)])
     except Exception:
         where = ""
     where = where or "from 0 to the device's total"
@@ -131,7 +288,7 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
     """``POST /membackend/headroom``'s answer: ``(HTTP status, JSON)``.
 
     ``body`` is ``{"device": "cuda:0", "headroom": "2GiB" | bytes | null, "save": false}`` (``device``
-    optional: the first served). 200: ``Runtime.set_headroom_live``'s answer (the value in force, its source,
+    optional: the first served). 200: ``Headroom.set_live``'s answer (the value in force, its source,
     the bytes freed, the new budget). ``"save": true`` also writes the value as the ``headroom`` setting of
     the ``membackend.toml`` in force (``MEMBACKEND_CONFIG``, else the one in ComfyUI's working folder), for
     every device from the next start on; the answer adds ``saved`` (the file) and ``note`` where
@@ -162,11 +319,11 @@ def change_headroom(body: Any) -> tuple[int, dict[str, Any]]:
         return BAD_INPUT, _error(bad, accepted)
     device = body.get("device")
     try:  # bad input is refused before anything changes
-        rt.parse_headroom(rt.device_named(device), body["headroom"])
+        rt.headroom.parse(rt.device_named(device), body["headroom"])
     except (ValueError, TypeError) as exc:  # InvalidSize, WrongDevice
         return BAD_INPUT, _error(exc, _accepted(rt, device))
     try:
-        return 200, rt.set_headroom_live(device, body["headroom"], then=_save if save else None)
+        return 200, rt.headroom.set_live(device, body["headroom"], then=_save if save else None)
     except ConfigChanged as exc:  # the user edited the file during the save: kept, and the change undone
         return CONFLICT, _error(exc)
     except MembackendError as exc:  # freeing or saving failed: the previous headroom is back

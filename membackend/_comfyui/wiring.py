@@ -40,7 +40,7 @@ own function with the same arguments, G6), and undone by ``Runtime.abort`` /
   model after its ComfyUI model class (the status and the per-load lines use the name) and notes when it
   was last loaded.
 * **One line per load.** ``vbars_reset_watermark_limits`` (after every node) closes the loads that
-  ``load_models_gpu`` opened (``ResidencyManager.loads_done``); :meth:`Runtime.on_load` logs one line per
+  ``load_models_gpu`` opened (``ResidencyManager.loads_done``); :meth:`.journal.Journal.on_load` logs one line per
   model saying why it loaded what it did (kept / reloaded after an eviction / cold) and keeps it for the
   status.
 * **Full unload (G1) and the Hook delegate (G5).** After ``free_memory`` returns, every
@@ -290,7 +290,7 @@ def _get_non_dynamic_delegate(rt: Runtime, mm: Any, original: Callable[..., Any]
     """G5: the Hook delegate, tracked from the moment ComfyUI makes it."""
     def get_non_dynamic_delegate(patcher, *args, **kwargs):
         delegate = rt.comfy(original, patcher, *args, **kwargs)
-        rt.track_delegate(patcher, delegate)
+        rt.delegates.track(patcher, delegate)
         return delegate
     return get_non_dynamic_delegate
 
@@ -410,7 +410,7 @@ def _retire(rt: Runtime, removed: list[Any], loaded: list[Any], sizes: dict[int,
             continue
         # G5: a Hook delegate unloaded, or its owner: the owner's cached legacy copy goes (ComfyUI loads the
         # delegate in place of its owner, so the owner itself may never have been loaded)
-        rt.drop_delegate(patcher)
+        rt.delegates.drop(patcher)
         if getattr(patcher, "non_dynamic_delegate_model", None) is not None:
             patcher.non_dynamic_delegate_model = None  # G5: the legacy second copy goes with its owner
         if id(patcher.model) in in_use:
