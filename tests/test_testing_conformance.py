@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import membackend.testing.conformance as conformance
+from membackend.lab import simulated_profiles
 from membackend.testing import Target
 
 FIXTURE = Path(__file__).parent.parent / "docs" / "examples" / "memfd_backend"
@@ -127,8 +128,8 @@ def test_a_gpu_target_whose_driver_does_not_start_is_skipped_with_one_line_never
                         "membackend.testing.conformance", "--membackend-backend=vmm", "-m", "not kit_long"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     last = p.stdout.splitlines()[-1]
-    assert p.returncode == 0 and " skipped" in last and "passed" not in last and "error" not in last, \
-        p.stdout[-3000:]
+    assert p.returncode == 5 and " skipped" in last and "passed" not in last and "error" not in last, \
+        p.stdout[-3000:]  # nothing checked: never a green run
     assert "Traceback" not in p.stdout and "membackend kit: vmm: not checked: " in p.stdout, p.stdout[-3000:]
     assert "(backend 'vmm' cannot start its driver here (cuInit failed with " in p.stdout, p.stdout[-3000:]
 
@@ -146,10 +147,12 @@ def test_the_profile_variable_runs_a_gpu_target_on_its_simulated_machine(tmp_pat
 
 
 def test_the_summary_names_the_checks_a_backend_gives_no_way_to_run(tmp_path):
-    """The example fixture has no membackend_inject_failures and ignores host_capacity: never a silent pass."""
+    """The example fixture has no membackend_inject_failures and ignores host_capacity: never a silent pass. Both
+    out-of-memory rules skip, so a run of those alone checked no rule on it and fails (exit status 5)."""
     p = _kit("membackend_example:ExampleBackend", tmp_path, "-k", "out_of_memory")
     out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out[-3000:]
+    assert p.returncode == 5, out[-3000:]
+    assert "membackend kit: membackend_example:ExampleBackend: checked no rule (all 2 skipped)" in out, out[-3000:]
     line = next(x for x in out.splitlines() if x.startswith("membackend kit: membackend_example:ExampleBackend: not checked:"))
     assert "rollback under injected driver failures (no membackend_inject_failures)" in line, line
     assert "out-of-memory rollback (capacity) (does not honour host_capacity" in line, line
@@ -257,17 +260,76 @@ def test_a_seed_that_is_no_whole_number_in_range_is_a_usage_error_naming_what_is
     assert f"{value!r} is not a seed; accepted: a whole number from 0 to {2**32 - 1}" in out, out[-2000:]
 
 
+def _bare_kit(tmp_path: Path, *options: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The kit as a plugin's CI runs it: ``pytest --pyargs membackend.testing.conformance`` from an empty folder
+    with no ``MEMBACKEND_*`` variable, the quick part only."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                           "membackend.testing.conformance", "-m", "not kit_long", *options], cwd=tmp_path,
+                          env={**clean, **(env or {})}, capture_output=True, text=True, timeout=300)
+
+
 def test_a_gpu_backend_without_its_device_is_never_a_silent_green(tmp_path):
     """Forced on a machine without its GPU, the kit's rules skip (nothing to run them on): the summary says how
-    many did not run and why, and claims no check against anything."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-                        "membackend.testing.conformance", "--membackend-backend=cuda_wddm"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    many did not run and why, claims no check against anything, and the run fails with exit status 5 (as a run
+    that collected nothing), saying so."""
+    p = _bare_kit(tmp_path, "--membackend-backend=cuda_wddm")
     lines = [x for x in p.stdout.splitlines() if x.startswith("membackend kit: cuda_wddm:")]
     last = p.stdout.splitlines()[-1]
-    assert p.returncode == 0 and " passed" not in last and " skipped in " in last, last  # not one rule "passed"
+    assert p.returncode == 5 and " passed" not in last and " skipped" in last, last  # not one rule "passed"
     skipped = int(last.split(" skipped", 1)[0].rsplit(" ", 1)[-1])
     assert lines == [f"membackend kit: cuda_wddm: not checked: {skipped} rules (backend 'cuda_wddm' serves no "
                      f"device on this machine: {skipped}); --membackend-profile=PROFILE runs them on a simulated "
-                     "machine"], p.stdout[-2000:]
+                     "machine",
+                     f"membackend kit: cuda_wddm: checked no rule (all {skipped} skipped), so the run fails with exit "
+                     "status 5 (--membackend-allow-unchecked lets a run that checks nothing pass)"], p.stdout[-2000:]
+
+
+def test_a_run_that_checks_nothing_passes_only_when_asked_to_and_says_so(tmp_path):
+    allowed = _bare_kit(tmp_path, "--membackend-backend=cuda_wddm", "--membackend-allow-unchecked")
+    assert allowed.returncode == 0, allowed.stdout[-2000:]
+    assert "membackend kit: cuda_wddm: checked no rule (all " in allowed.stdout
+    assert "skipped), allowed by --membackend-allow-unchecked" in allowed.stdout, allowed.stdout[-2000:]
+    listed = _bare_kit(tmp_path, "--membackend-backend=cuda_wddm", "--collect-only")  # lists, checks nothing
+    assert listed.returncode == 0 and "checked no rule" not in listed.stdout, listed.stdout[-2000:]
+
+
+def test_one_target_checked_and_one_not_still_fails_naming_the_one(tmp_path):
+    """A target whose rules all skipped is named even when another target's rules ran."""
+    p = _bare_kit(tmp_path, "--membackend-backend=host", "--membackend-backend=cuda_wddm", "-k", "budget_names")
+    assert p.returncode == 5, p.stdout[-2000:]
+    assert "1 passed" in p.stdout.splitlines()[-1] and "membackend kit: host: checked no rule" not in p.stdout
+    assert "membackend kit: cuda_wddm: checked no rule (all 1 skipped)" in p.stdout, p.stdout[-2000:]
+
+
+def test_profile_all_runs_a_platform_on_the_machines_its_probe_accepts_and_names_the_others(tmp_path):
+    """unified_gb10 serves integrated CUDA devices: 'all' runs it on the simulated GB10 and Jetson only, and
+    lists every other simulated machine as not its own with its probe's reason; nothing fails."""
+    p = _bare_kit(tmp_path, "--membackend-backend=unified_gb10", "--membackend-profile=all", "-rs")
+    assert p.returncode == 0 and " failed" not in p.stdout and " error" not in p.stdout, p.stdout[-3000:]
+    ran = {line.split(":")[2] for line in p.stdout.splitlines() if line.startswith("membackend kit: unified_gb10:")
+           and ": checked: " in line}
+    assert ran == {"gb10-128gb", "jetson-orin-16gb"}, p.stdout[-3000:]
+    refused = next(x for x in p.stdout.splitlines() if x.startswith("membackend kit: unified_gb10: not its machines"))
+    others = set(simulated_profiles(vmm_only=True)) - ran
+    assert all(f"{profile} (" in refused for profile in others), refused
+    assert "h200 (cuda:0 NVIDIA H200 is not integrated" in refused, refused
+    assert "rocm-win-2gpu (no CUDA device" in refused, refused
+
+
+def test_profile_all_for_a_platform_no_simulated_machine_fits_runs_it_here(tmp_path):
+    """A platform of hardware no profile simulates: every simulated machine is named not its own, and it is run on
+    this machine, where (with no such device here) it checks nothing, which fails the run."""
+    (tmp_path / "acme_platform.py").write_text(
+        "import dataclasses\n"
+        "from membackend.platform import GENERIC\n"
+        "from membackend.types import Candidate\n"
+        "def _probe(machine):\n"
+        "    return Candidate('acme', 0, 'only on acme boards')\n"
+        "PLATFORM = dataclasses.replace(GENERIC, name='acme', vendor='cuda', probe=_probe)\n")
+    p = _bare_kit(tmp_path, "--membackend-plugin=acme_platform:PLATFORM", "--membackend-profile=all",
+                  env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
+    assert p.returncode == 5, p.stdout[-3000:]
+    refused = next(x for x in p.stdout.splitlines() if x.startswith("membackend kit: acme_platform:PLATFORM: not its"))
+    assert all(f"{profile} (only on acme boards)" in refused for profile in simulated_profiles(vmm_only=True))
+    assert "membackend kit: acme_platform:PLATFORM: checked no rule" in p.stdout, p.stdout[-3000:]

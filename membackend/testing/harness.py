@@ -39,7 +39,7 @@ import pluggy
 
 from .. import hookspec
 from .._drivers.host import os_page_size, resident_bytes
-from .._drivers.open import profile_names
+from .._drivers.open import machine_for, profile_names
 from .._fences import FutureToken
 from .._manager import ENTRY_POINT_GROUP, BackendManager
 from .._session import Session
@@ -51,7 +51,7 @@ from .measure import Truth, budget_problems, host_truth, simulated_truth, tolera
 
 __all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watched_session", "checker_for",
            "Checker", "KernelWatch", "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED",
-           "CHECKED", "UNRUN"]
+           "CHECKED", "UNRUN", "NOT_ITS_MACHINES"]
 
 #: the backends membackend builds in (no entry point to load for them)
 BUILT_IN = ("host", "vmm", "aimdo")
@@ -61,6 +61,9 @@ NOT_CHECKED: dict[str, dict[str, str]] = {}
 CHECKED: dict[str, dict[str, str]] = {}
 #: per target: rules that did not run at all, counted by the reason (printed in the summary: never a silent green)
 UNRUN: dict[str, dict[str, int]] = {}
+#: per backend given with the profile ``all``: the simulated machines its probe refuses, each with the probe's reason
+#: (the kit runs it on the others; printed in the summary as not its machines)
+NOT_ITS_MACHINES: dict[str, dict[str, str]] = {}
 
 def note(target: Any, check: str, why: str | None, against: str = "") -> None:
     """Record that ``check`` could not run on ``target`` because ``why`` (None: it ran, against ``against``)."""
@@ -103,7 +106,9 @@ def resolve_targets(names: list[str], paths: list[str], profiles: list[str],
     what is wrong and what is accepted, before any rule runs.
 
     Profiles apply to every target that serves GPU devices and names none (an import path's too); without
-    ``--membackend-profile``, the ``sim_profile`` setting (``MEMBACKEND_SIM_PROFILE``) is the profile."""
+    ``--membackend-profile``, the ``sim_profile`` setting (``MEMBACKEND_SIM_PROFILE``) is the profile. The
+    profile ``all`` (``--membackend-profile all``, ``NAME:all``) is every simulated machine the backend's own
+    probe accepts (:func:`its_machines`); the others are recorded in :data:`NOT_ITS_MACHINES`."""
     known = profile_names()
     for p in profiles:
         if p != "all" and p not in known:
@@ -126,14 +131,37 @@ def resolve_targets(names: list[str], paths: list[str], profiles: list[str],
             raise PluginError(f"{option} {text!r}: {profile!r} is not a simulated profile; "
                               f"accepted: {', '.join(known)}, all")
         gpu = any(k != "cpu" for k in getattr(record.plugin, "device_kinds", ()))
-        targets += parse_target(text, profiles, gpu=gpu)
+        found = parse_target(text, profiles, gpu=gpu)
+        targets += its_machines(manager, name, found) if profile == "all" or (gpu and not profile
+                                                                               and "all" in profiles) else found
     for path in paths:
         name = _name_of(path)
-        record = BackendManager(settings, entry_points=[_entry_point(path)]).records[name]
+        path_manager = BackendManager(settings, entry_points=[_entry_point(path)])
+        record = path_manager.records[name]
         gpu = any(k != "cpu" for k in getattr(record.plugin, "device_kinds", ()))
         chosen = (list(profile_names(vmm_only=True)) if "all" in profiles else profiles) if gpu else []
-        targets += [Target(path, p, import_path=True) for p in chosen] or [Target(path, import_path=True)]
+        found = [Target(path, p, import_path=True) for p in chosen] or [Target(path, import_path=True)]
+        targets += its_machines(path_manager, name, found) if gpu and "all" in profiles else found
     return targets
+
+
+def its_machines(manager: BackendManager, name: str, targets: list[Target]) -> list[Target]:
+    """The targets of backend ``name`` (one per simulated profile, from the profile ``all``) on the machines its
+    own probe accepts (a score above 0 on the profile's machine facts; a probe that accepts a machine it cannot
+    serve is the rule ``test_a_platform_fits_only_machines_it_serves_truthfully``'s to catch). Each other
+    profile goes into :data:`NOT_ITS_MACHINES` under the target's backend, with the probe's reason: a machine a
+    platform refuses is no test of it. When it accepts none, the one target left is the backend on this machine
+    (a platform of hardware no profile simulates)."""
+    kept = []
+    for target in targets:
+        candidates, failed = manager.probe(machine_for(load_settings(sim_profile=target.profile)))
+        found = candidates.get(name)
+        if found is not None and found.score > 0:
+            kept.append(target)
+            continue
+        why = f"its probe failed: {failed.get(name)}" if found is None else found.reason or "its probe scores 0"
+        NOT_ITS_MACHINES.setdefault(target.backend, {})[str(target.profile)] = why
+    return kept or [Target(targets[0].backend, None, targets[0].import_path)]
 
 
 def _entry_point(path: str) -> importlib.metadata.EntryPoint:

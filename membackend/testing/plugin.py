@@ -10,11 +10,22 @@ Options:
   arguments; an object is used as it is). The module must be importable
   (installed, on ``PYTHONPATH``, or run ``python -m pytest`` from its directory);
 * ``--membackend-profile NAME`` (repeatable, or ``all``): simulated profiles for
-  backends given without one that serve GPU devices;
+  backends given without one that serve GPU devices; ``all`` is every simulated
+  machine the backend's own probe accepts (the summary lists the others as not
+  its machines, with the probe's reason);
 * ``--membackend-examples N``: property-based sequences per target (default 25);
 * ``--membackend-seed N``: the seed of the property-based sequences. Without
   it each run draws one; the summary prints it, and a failed sequence prints
-  the one command that runs it again (the same seed gives the same sequences).
+  the one command that runs it again (the same seed gives the same sequences);
+* ``--membackend-allow-unchecked``: let a run pass that checked no rule on a
+  target (see below).
+
+A run that checks no rule on a target (every rule of it skipped: a GPU
+backend on a machine without its GPU, say) fails with exit status 5, as a run
+that collected nothing does, and the summary says which target and why:
+a plugin's CI never goes green having checked nothing. A rule counts as
+checked when it ran to a pass or a failure. ``--membackend-allow-unchecked``
+keeps the exit status (0 when nothing failed) and the summary says so.
 
 The marker ``kit_long`` (registered here) marks the property-based sequences,
 the kit's long part: ``-m "not kit_long"`` leaves them out of a quick run.
@@ -40,12 +51,13 @@ import argparse
 import random
 import shlex
 import sys
+from typing import Any
 
 import pytest
 
 from ..types import MembackendError
 from .fixtures import membackend_clean_env, membackend_simulated  # noqa: F401 (registered by this plugin)
-from .harness import CHECKED, NOT_CHECKED, UNRUN, Target, build_session, checker_for, resolve_targets
+from .harness import CHECKED, NOT_CHECKED, NOT_ITS_MACHINES, UNRUN, Target, build_session, checker_for, resolve_targets
 
 #: the seed of this run's property-based sequences (``--membackend-seed``, else drawn at start-up)
 SEED_KEY = pytest.StashKey[int]()
@@ -64,6 +76,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="simulated profile for GPU backends given without one (repeatable; 'all')")
     group.addoption("--membackend-examples", type=int, default=None, metavar="N",
                     help="property-based sequences per target (default 25)")
+    group.addoption("--membackend-allow-unchecked", action="store_true", default=False,
+                    help="pass a run that checked no rule on a target (every rule skipped), instead of exit status 5")
     group.addoption("--membackend-seed", type=_seed, default=None, metavar="N",
                     help=f"seed of the property-based sequences, 0 <= N < {SEED_LIMIT} (default: drawn per run, "
                          "printed in the summary)")
@@ -116,6 +130,10 @@ def rerun_command(item: pytest.Item, seed: int) -> str:
 
 
 TARGETS_KEY = pytest.StashKey[list[Target]]()
+#: this run's rules per target: the node ids selected (after -k, -m and deselection), and those that ran to a
+#: pass or a failure (a rule that skipped checked nothing)
+RULES_KEY = pytest.StashKey[dict[str, str]]()
+RAN_KEY = pytest.StashKey[dict[str, int]]()
 
 
 def _targets(config: pytest.Config) -> list[Target]:
@@ -168,6 +186,46 @@ def membackend_session(membackend_target):
         checker.verify_nothing_left(device)
 
 
+def _target_of(item: pytest.Item) -> Target | None:
+    """The kit target a rule of this run is parametrised with (None: the item is no rule of the kit)."""
+    callspec = getattr(item, "callspec", None)  # a parametrised test function's
+    target = callspec.params.get("membackend_target") if callspec is not None else None
+    return target if isinstance(target, Target) else None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[RULES_KEY] = {i.nodeid: str(t) for i in session.items if (t := _target_of(i)) is not None}
+    session.config.stash[RAN_KEY] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    report = yield
+    target = _target_of(item)
+    if target is not None and call.when == "call" and not report.skipped and RAN_KEY in item.config.stash:
+        ran = item.config.stash[RAN_KEY]
+        ran[str(target)] = ran.get(str(target), 0) + 1
+    return report
+
+
+def unchecked(config: pytest.Config) -> dict[str, int]:
+    """The targets on which this run checked no rule: target -> the rules of it selected, every one skipped.
+    Empty when the kit ran no rule at all (another suite's run) or only collected (``--collect-only``)."""
+    if config.option.collectonly or RULES_KEY not in config.stash:
+        return {}
+    selected: dict[str, int] = {}
+    for target in config.stash[RULES_KEY].values():
+        selected[target] = selected.get(target, 0) + 1
+    ran = config.stash[RAN_KEY]
+    return {t: n for t, n in sorted(selected.items()) if not ran.get(t)}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if unchecked(session.config) and not session.config.getoption("membackend_allow_unchecked") \
+            and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for target in sorted(set(CHECKED) | set(NOT_CHECKED) | set(UNRUN)):
         skipped = NOT_CHECKED.get(target, {})
@@ -183,6 +241,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         if skipped:
             terminalreporter.write_line(f"membackend kit: {target}: not checked: "
                                         + ", ".join(f"{k} ({v})" for k, v in sorted(skipped.items())))
+    for backend, refused in sorted(NOT_ITS_MACHINES.items()):
+        terminalreporter.write_line(f"membackend kit: {backend}: not its machines (its probe refuses them, so the "
+                                    "profile 'all' leaves them out): "
+                                    + "; ".join(f"{p} ({why})" for p, why in sorted(refused.items())))
+    for target, count in unchecked(config).items():  # why each skipped: the line above, or pytest's -rs
+        verdict = "allowed by --membackend-allow-unchecked" if config.getoption("membackend_allow_unchecked") else \
+            "so the run fails with exit status 5 (--membackend-allow-unchecked lets a run that checks nothing pass)"
+        terminalreporter.write_line(f"membackend kit: {target}: checked no rule (all {count} skipped), {verdict}")
     # only when the kit ran: importing it needs hypothesis, which a plain install lacks
     kit = sys.modules.get("membackend.testing.conformance")
     sequences = getattr(kit, "SEQUENCES", None)
