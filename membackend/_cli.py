@@ -338,7 +338,7 @@ def _print_backends(rows: list[dict[str, Any]], sel: Selection) -> None:
         print(f"selected: none ({sel.how}): {sel.reason}")
     else:
         print(f"selected: {sel.record.name} ({sel.how}): {sel.reason}")
-        others = [r["name"] for r in rows if r["name"] != sel.record.name and not r.get("broken")]
+        others = [n for n in sel.forceable if n != sel.record.name]  # what forcing would accept on this machine
         if others:
             print(f"  to force another: MEMBACKEND_BACKEND={others[0]} (or backend = \"{others[0]}\" in "
                   f"membackend.toml); choices: {', '.join(others)}")

@@ -101,6 +101,9 @@ class Selection:
     broken: dict[str, str] = field(default_factory=dict)
     blocked: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)  # names that shared the top score (the first won)
+    #: the names forcing (the ``backend`` setting) would select on this machine, and why each other is refused
+    forceable: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 class _StaticPluginManager(pluggy.PluginManager):
@@ -359,30 +362,38 @@ class BackendManager:
         for name in blocked:
             if name not in self.records and name not in broken:
                 log.warning("membackend: block names %r, which is not an installed backend", name)
-        if s.backend:
-            return self._forced(s.backend, machine if not anywhere else None, candidates, failed, broken, blocked)
-        return self._by_score(candidates, broken, blocked)
+        refused = self._refusals(machine if not anywhere else None, candidates, broken, blocked)
+        sel = self._forced(s.backend, candidates, refused, broken, blocked) if s.backend else \
+            self._by_score(candidates, broken, blocked)
+        sel.refused = refused
+        sel.forceable = sorted(n for n in candidates if n not in refused)
+        return sel
 
-    def _forced(self, name: str, machine: Machine | None, candidates: dict[str, Candidate],
-                failed: dict[str, str], broken: dict[str, str], blocked: list[str]) -> Selection:
-        """The selection the ``backend`` setting forces, or ``BackendNotFound`` in one line: a name not installed
-        (with the closest installed one), broken, blocked, or serving no device of ``machine`` (with its
-        probe's reason; ``machine`` None: not checked). A backend that serves a device here but whose probe
-        says it does not fit is honoured: forcing is how a user overrides a probe."""
-        unavailable = {n: f"broken: {why}" for n, why in broken.items()}
-        unavailable.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
+    def _refusals(self, machine: Machine | None, candidates: dict[str, Candidate], broken: dict[str, str],
+                  blocked: list[str]) -> dict[str, str]:
+        """Why forcing each known backend would be refused, in words: broken, blocked, or serving no device of
+        ``machine`` (with its probe's reason; ``machine`` None: not checked). A backend that serves a device
+        here but whose probe says it does not fit is not refused: forcing is how a user overrides a probe."""
+        refused = {n: f"broken: {why}" for n, why in broken.items()}
+        refused.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
         kinds = {"cpu", *(d.device.kind for d in machine.devices)} if machine is not None else None
         for n, c in candidates.items():
             served = tuple(getattr(self.records[n].plugin, "device_kinds", ()))
-            if kinds is not None and n not in unavailable and c.score == Score.NONE and not kinds & set(served):
-                unavailable[n] = (f"it serves {'/'.join(served) or 'no'} devices and this machine has none; "
-                                  f"its probe says: {c.reason}")
-        if name not in self.records or name in unavailable:
-            raise BackendNotFound(name, sorted(n for n in candidates if n not in unavailable), unavailable)
+            if kinds is not None and n not in refused and c.score == Score.NONE and not kinds & set(served):
+                refused[n] = (f"it serves {'/'.join(served) or 'no'} devices and this machine has none; "
+                              f"its probe says: {c.reason}")
+        return refused
+
+    def _forced(self, name: str, candidates: dict[str, Candidate], refused: dict[str, str],
+                broken: dict[str, str], blocked: list[str]) -> Selection:
+        """The selection the ``backend`` setting forces, or ``BackendNotFound`` in one line: a name not installed
+        (with the closest installed one), or one of ``refused`` (:meth:`_refusals`) with its reason."""
+        if name not in self.records or name in refused:
+            raise BackendNotFound(name, sorted(n for n in candidates if n not in refused), refused)
         c = candidates[name]
         note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
-        rec = self.records[name]
-        return Selection(rec, "forced", f"forced by backend={name!r}{note}", candidates, broken, blocked)
+        return Selection(self.records[name], "forced", f"forced by backend={name!r}{note}", candidates, broken,
+                         blocked)
 
     def _by_score(self, candidates: dict[str, Candidate], broken: dict[str, str],
                   blocked: list[str]) -> Selection:

@@ -155,6 +155,18 @@ def test_forcing_a_gpu_backend_on_a_machine_without_its_device_is_a_configuratio
         assert "host" in lines[0].rpartition("choices here: ")[2].split(", "), (command, err)
 
 
+def test_the_doctor_suggests_forcing_only_what_forcing_would_accept_here(capsys, monkeypatch):
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "h200")  # CUDA only: the HIP platforms serve no device here
+    code, out, _ = run(capsys, "backends")
+    line = next(x for x in out.splitlines() if x.startswith("  to force another: "))
+    choices = line.rpartition("choices: ")[2].split(", ")
+    assert code == 0 and "host" in choices and "cuda_wddm" in choices, line
+    assert not {"vmm", "rocm_linux", "rocm_windows"} & set(choices), line  # vmm is the selection; the rest: HIP
+    for name in choices:  # each one it names is accepted
+        monkeypatch.setenv("MEMBACKEND_BACKEND", name)
+        assert run(capsys, "backends")[0] == 0, name
+
+
 def test_a_gpu_backend_whose_driver_cannot_answer_fails_the_self_test_cleanly(capsys, monkeypatch):
     # the machine claims a CUDA device, but cuda-python finds no driver here
     monkeypatch.setenv("MEMBACKEND_BACKEND", "vmm")
