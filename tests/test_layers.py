@@ -40,7 +40,7 @@ ROOT = Path(membackend.__file__).parent
 
 #: bottom up; a module's layer is the longest prefix listed here
 LAYERS = [
-    ["membackend.types", "membackend._version"],
+    ["membackend.types", "membackend._version", "membackend._lazy"],
     ["membackend.hookspec"],
     ["membackend._settings"],
     ["membackend._hostmem"],

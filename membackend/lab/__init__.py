@@ -36,7 +36,9 @@ Modules:
   their pictures live in the lab's internal ``_replay`` and ``_pictures``.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:  # what a type checker sees of the names below: the same objects, imported eagerly
     from .real import aimdo_backend as aimdo_backend
@@ -68,14 +70,5 @@ __all__ = ["simulated_session", "host_session", "simulated_driver", "simulated_m
            "simulated_failures", "StockPolicy", "AimdoStockVmm", "AimdoLoadPolicy", "this_machine", "cuda_driver",
            "vmm_backend", "aimdo_backend", "event_token", "tensor_at"]
 
-
 if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name is an error there and not Any
-
-    def __getattr__(name: str) -> Any:
-        if name not in __all__:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
-        value = getattr(import_module(f"{__name__}.{_HOME[name]}"), name)
-        globals()[name] = value
-        return value
+    __getattr__ = lazy_attributes(__name__, {name: f".{_HOME[name]}" for name in __all__}, globals())

@@ -39,7 +39,9 @@ and the pieces of a check on a real GPU are tooling, in :mod:`membackend.lab`
 (``membackend.lab.simulated_session``, ``membackend.lab.vmm_backend``, ...).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:  # what a type checker sees of the names below: the same objects, imported eagerly
     from .fixtures import clean_environment as clean_environment
@@ -60,12 +62,4 @@ __all__ = ["Target", "async_work", "build_session", "checker_for", "driver_view"
            "clean_environment"]
 
 if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name is an error there and not Any
-
-    def __getattr__(name: str) -> Any:
-        if name not in __all__:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
-        value = getattr(import_module(f"{__name__}.{_HOME.get(name, 'harness')}"), name)
-        globals()[name] = value
-        return value
+    __getattr__ = lazy_attributes(__name__, {name: f".{_HOME.get(name, 'harness')}" for name in __all__}, globals())
