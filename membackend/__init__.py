@@ -55,6 +55,7 @@ from .types import __all__ as _types_all  # noqa: E402
 
 if TYPE_CHECKING:  # what a type checker sees of the lazy names below (the same objects, imported eagerly)
     from ._residency import ResidencyManager as ResidencyManager
+    from ._residency import ResidencyPolicy as ResidencyPolicy
     from ._session import Session as Session
     from ._settings import load_settings as load_settings
 
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # what a type checker sees of the lazy names below (the same 
 _LAZY = {
     "Session": ("._session", "Session"),
     "ResidencyManager": ("._residency", "ResidencyManager"),
+    "ResidencyPolicy": ("._residency", "ResidencyPolicy"),
     "load_settings": ("._settings", "load_settings"),
 }
 

@@ -33,11 +33,14 @@ module is policy, on top of a :class:`~membackend._session.Session`:
   whole models are evicted least recently used first, never one the current
   run uses.
 
-Today's ComfyUI + comfy-aimdo behaviour, reproduced for side-by-side
-comparison, is a subclass in the lab (``membackend.lab._replay.stock``):
-policy code here stays free of comparison models. The hooks it overrides
-(``_keep``, ``_on_workflow_switch``, ``_fence_before_free``, ``_evict_models``,
-and the flag ``sheds_below_the_fault``) are the seams a policy variant may change.
+The decisions a variant of the policy may change are one small public object,
+:class:`ResidencyPolicy`, that the manager takes (``ResidencyManager(session,
+policy=...)``): how the registry holds models, what a workflow switch does, the
+fence before a free, whether whole models are evicted, whether only a release
+gives memory back (ROCm 7.2), whether a fault may shed under its own range, and
+whether a full unload keeps the reservation. Today's ComfyUI + comfy-aimdo
+behaviour, reproduced for side-by-side comparison, is such a policy in the lab
+(``membackend.lab._replay.stock``): policy code here stays free of comparison models.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import weakref
 from array import array
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, MutableMapping, TypeVar
 
 from ._hostmem import process_private_bytes
 from .types import (
@@ -77,7 +80,7 @@ if TYPE_CHECKING:  # annotations only: the tracer is the session's, residency ne
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "Unloaded", "WarmRange"]
+__all__ = ["ModelKind", "Model", "ModelError", "ResidencyManager", "ResidencyPolicy", "Unloaded", "WarmRange"]
 
 # what the policy's page map says about one page
 GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
@@ -305,6 +308,50 @@ class Model:
         return r if r is not None and not r.released else None
 
 
+class ResidencyPolicy:
+    """The decisions a :class:`ResidencyManager` leaves to its policy: membackend's by default.
+
+    Subclass it and override what differs (the stock comfy-aimdo model in ``membackend.lab`` is one); the
+    manager calls each member under its lock, so a member may call the manager's public methods, never wait
+    for another thread. The flags:
+
+    * ``name``: what the trace and the load records call the policy;
+    * ``sheds_below_the_fault``: a fault out of room may take the faulting model's own unpinned pages under
+      its range (membackend: no, the model keeps its resident prefix and the rest streams);
+    * ``evicts_whole_models``: a fault out of room, and :meth:`ResidencyManager.keep_warm`, may evict whole
+      models outside the current run before any page of the run's;
+    * ``unload_keeps_reservation``: a full unload drops the pages and keeps the reservation and what the model
+      owns (today's aimdo: the ``ModelVBAR`` lives as long as its model object) instead of releasing them (G1).
+    """
+
+    name = "membackend"
+    sheds_below_the_fault = False
+    evicts_whole_models = True
+    unload_keeps_reservation = False
+
+    def registry(self) -> MutableMapping[str, "Model"]:
+        """The mapping the manager registers models in (a plain dict holds them as long as they are registered)."""
+        return {}
+
+    def keep(self, manager: "ResidencyManager", model: "Model") -> None:
+        """``model`` was just registered (and is in the registry)."""
+
+    def on_workflow_switch(self, manager: "ResidencyManager", models: list["Model"]) -> None:
+        """A run that uses ``models`` starts (:meth:`ResidencyManager.use`): membackend keeps the others
+        resident while the budget allows (G4), evicting whole models, least recently used first, past it."""
+        for device in {d for m in manager.models() for d in m.devices}:
+            manager.keep_warm(device)
+
+    def fence_before_free(self, session: "Session", device: Device, during_fault: bool) -> None:
+        """Before the manager frees pages on ``device`` (``during_fault``: to make room for a fault). The
+        session already fences the reservation's recorded work before every free (G2): nothing to add."""
+
+    def frees_by_release(self, session: "Session") -> bool:
+        """Whether only releasing a reservation returns memory to the driver (``memory_returns_on_unmap`` false:
+        ROCm 7.2); freeing pages then helps only their own reservation, which maps them again."""
+        return not session.capabilities.memory_returns_on_unmap
+
+
 @dataclass(frozen=True)
 class Unloaded:
     """What one full unload did: ``bytes`` that were resident, the reservations that were ``alive`` before,
@@ -341,14 +388,18 @@ class ResidencyManager:
     :class:`~membackend.types.PartialFailure` naming every one.
     """
 
+    #: the policy's name (``rules.name``), in every trace event and load record
     policy = "membackend"
-    #: whether a fault out of room may take the faulting model's own unpinned pages under its range (see _shed)
-    sheds_below_the_fault = False
 
-    def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
+    def __init__(self, session: Session, *, policy: ResidencyPolicy | None = None,
+                 tracer: TraceObserver | None = None):
         self.session = session
+        #: the decisions this manager leaves to its policy (:class:`ResidencyPolicy`)
+        self.rules = policy if policy is not None else ResidencyPolicy()
+        self.policy = self.rules.name
         self.tracer = tracer if tracer is not None else getattr(session, "tracer", None)
-        self._models: dict[str, Model] = {}
+        self._models: MutableMapping[str, Model] = self.rules.registry()
+        self._in_fault = False  # a fault is making room: what the policy's fence before a free is told
         self._clock = itertools.count(1)
         self._running: set[str] = set()  # ids of the models the current run uses
         self._lock = threading.RLock()  # re-entrant: full_unload recurses, fault evicts through _shed
@@ -421,6 +472,7 @@ class ResidencyManager:
 
     def _keep(self, model: Model) -> None:
         self._models[model.id] = model
+        self.rules.keep(self, model)
 
     def _check_registered(self, model: Any, what: str = "model") -> Model:
         if not isinstance(model, Model):
@@ -513,7 +565,7 @@ class ResidencyManager:
         for m in models:
             self._prioritize(m)
         self._trace("use", None, models=[m.id for m in models], workflow=workflow)
-        self._on_workflow_switch(models)
+        self.rules.on_workflow_switch(self, models)
         now = time.time()
         for m in models:
             self._loads[m.id] = {"model": m.id, "size": m.size, "began": now, "workflow": workflow,
@@ -570,10 +622,6 @@ class ResidencyManager:
         for slot in model.slots.values():
             slot.watermark = None
 
-    def _on_workflow_switch(self, models: list[Model]) -> None:
-        for device in {d for m in self._models.values() for d in m.devices}:
-            self.keep_warm(device)
-
     @_locked
     def keep_warm(self, device: Any, reason: str = "budget") -> int:
         """Evict whole models, least recently used first (never one the current run uses), until the
@@ -585,6 +633,8 @@ class ResidencyManager:
 
     def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
         freed = 0
+        if not self.rules.evicts_whole_models:
+            return 0
         for slot in self._by_priority(device):
             if freed >= amount:
                 break
@@ -632,6 +682,14 @@ class ResidencyManager:
                 f = self._session_fault(slot, r, offset, size, first, last)
                 if f.ok:
                     return self._faulted(slot, model, offset, size, first, last, f)
+        was, self._in_fault = self._in_fault, True  # what it frees, it frees to make room for a fault
+        try:
+            return self._fault_making_room(model, offset, size, device)
+        finally:
+            self._in_fault = was
+
+    def _fault_making_room(self, model: Model, offset: Any, size: Any, device: Any) -> Fault:
+        """:meth:`fault` past its warm path: reserve again if fully unloaded, keep the headroom, evict."""
         slot = self._slot(model, device)
         offset, size, first, last = self._pages(slot, model, offset, size)
         if not slot.alive:  # used again after a full unload: reserve again, transparently
@@ -789,9 +847,8 @@ class ResidencyManager:
         return freed
 
     def _frees_by_release(self) -> bool:
-        """Whether only releasing a reservation returns memory to the driver (``memory_returns_on_unmap``
-        false: ROCm 7.2); freeing pages then helps only their own reservation, which maps them again."""
-        return not self.session.capabilities.memory_returns_on_unmap
+        """The policy's :meth:`ResidencyPolicy.frees_by_release` for this session."""
+        return self.rules.frees_by_release(self.session)
 
     def _free_for_others(self, slot: _Slot, amount: float = math.inf,
                          protect: tuple[_Slot, int, int] | None = None) -> int:
@@ -823,7 +880,7 @@ class ResidencyManager:
         ps = r.page_size
         own = protect is not None and protect[0] is slot
         # the faulting range's end: nothing under it (only the range itself where the policy sheds below it)
-        floor = (0 if self.sheds_below_the_fault else protect[2]) if protect is not None and own else 0
+        floor = (0 if self.rules.sheds_below_the_fault else protect[2]) if protect is not None and own else 0
         lo, hi = (protect[1], protect[2]) if protect is not None and own else (0, 0)
         resident, pins = slot.resident, slot.pins
         held = self._viewed(slot)  # pages a live tensor views are skipped, as pinned ones are
@@ -874,7 +931,7 @@ class ResidencyManager:
         return dropped
 
     def _fence_before_free(self, slot: _Slot) -> None:
-        """The session fences the reservation's recorded work before every free (G2); nothing to add."""
+        self.rules.fence_before_free(self.session, slot.device, self._in_fault)
 
     # ------------------------------------------------------------------ unload
 
@@ -906,8 +963,15 @@ class ResidencyManager:
         A device that fails does not stop the others: everything that can be unloaded is,
         then one :class:`~membackend.types.PartialFailure` names each model and device that
         failed (those keep their reservation; unloading again retries them).
+
+        Where the policy keeps reservations (``ResidencyPolicy.unload_keeps_reservation``), its pins and
+        pages go (:meth:`drop_pages`) and the reservation and what the model owns stay.
         """
         self._check_registered(model)
+        if self.rules.unload_keeps_reservation:
+            dropped = sum(self.drop_pages(model, d, unpin=True) or 0 for d in model.devices)
+            self._trace("full_unload", model, bytes=dropped, released=False, owned=[], via=self._via)
+            return dropped
         failures: list[tuple[str, BaseException]] = []
         before = self._committed(model)
         dropped = self._unload(model, failures, self._via)
@@ -916,6 +980,20 @@ class ResidencyManager:
         if failures:
             raise PartialFailure(f"full unload of model {model.id!r}", failures)
         return dropped
+
+    @_locked
+    def drop_pages(self, model: Model, device: Any = None, *, unpin: bool = False) -> int | None:
+        """Free every unpinned resident page of ``model`` on ``device`` (``unpin``: its pins go first, so every
+        page) and keep its reservation; faults reaching the freed pages fail fast until the model is prioritized
+        again. Returns the bytes freed; None when the reservation is not alive or nothing of it is resident."""
+        slot = self._slot(model, device)
+        if not slot.alive:
+            return None
+        if unpin:
+            slot.clear_pins()
+        if not any(slot.resident):
+            return None
+        return self._shed(slot, math.inf, None)
 
     @_locked
     def full_unload_unless_pinned(self, model: Model) -> "Unloaded | None":
@@ -1148,7 +1226,11 @@ class ResidencyManager:
             for m in self._models.values()
         }
 
-    def _trace(self, event: str, model: Model | None, **fields: Any) -> None:
+    def trace(self, event: str, model: Model | None, **fields: Any) -> None:
+        """Hand the tracer (where one watches) a decision: ``event`` with the policy's name, the model's id and
+        ``fields`` (a policy's own decisions are traced through this too)."""
         if self.tracer is not None:
             self.tracer.event(event, policy=self.policy, model=model.id if model else None, **fields)
+
+    _trace = trace
 

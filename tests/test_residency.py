@@ -941,3 +941,50 @@ def test_a_model_larger_than_its_room_keeps_a_prefix_and_streams_the_rest(env):
     fitted = answered[0].count(True)
     assert answered[0] == [True] * fitted + [False] * (layers - fitted)  # a prefix stays, the rest streams
     s.close()
+
+
+# --------------------------------------------------------------------------- the policy seam
+
+
+def test_the_stock_model_is_a_policy_object_and_overrides_no_private_name_of_the_manager():
+    """issue 35, item 3: the stock comfy-aimdo model is a ResidencyPolicy; its manager classes only choose it."""
+    from membackend import ResidencyPolicy
+    from membackend.lab._replay import stock
+
+    assert issubclass(stock.AimdoStock, ResidencyPolicy) and issubclass(stock.AimdoLoad, stock.AimdoStock)
+    for cls in (stock.StockPolicy, stock.AimdoLoadPolicy):
+        own = {n for n in vars(cls) if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))}
+        assert own == set(), f"{cls.__name__} overrides private names of the manager: {sorted(own)}"
+    private = {n for n in vars(ResidencyPolicy) if n.startswith("_") and not n.startswith("__")}
+    assert private == set()  # the seam is public: nothing a policy must reach behind
+
+
+def test_a_policy_of_ones_own_changes_the_managers_decisions_through_the_seam(env):
+    """A third party's policy: whole models are never evicted, and a workflow switch drops the others' pages,
+    through the manager's public methods only."""
+    from membackend import ResidencyPolicy
+
+    switched = []
+
+    class DropOthers(ResidencyPolicy):
+        name = "drop-others"
+        evicts_whole_models = False
+
+        def on_workflow_switch(self, manager, models):
+            keep = {m.id for m in models}
+            for m in manager.models():
+                if m.id not in keep:
+                    switched.append((m.id, manager.drop_pages(m)))
+
+    s = env.session()
+    policy = ResidencyManager(s, policy=DropOthers())
+    assert policy.policy == "drop-others" and policy.rules.name == "drop-others"
+    a, b = (policy.register(n, env.size(0.3), env.device) for n in ("a", "b"))
+    policy.use([a])
+    assert load(policy, a).ok
+    policy.use([b])
+    # b had nothing resident at the first switch; a lost every page at the second
+    assert switched == [("b", None), ("a", env.size(0.3))] and policy.stats()["a"]["resident"] == 0
+    assert policy.stats()["a"]["reserved"]  # the pages went, the reservation stayed
+    assert policy.keep_warm(env.device) == 0  # never whole models
+    s.close()

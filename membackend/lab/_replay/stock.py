@@ -9,13 +9,12 @@ a load. Comparison only: automatic selection never picks it (its probe scores 0)
 from __future__ import annotations
 
 import logging
-import math
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, MutableMapping
 
 from ..._backends.vmm import VmmBackend
 from ..._drivers.open import simulated_failures
-from ..._residency import Model, ResidencyManager, _locked, _Slot
+from ..._residency import Model, ResidencyManager, ResidencyPolicy
 from ...platform import Platform
 from ...types import Candidate, Capabilities, Device, Score
 
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
     from ..._session import Session
     from ..._trace import TraceObserver
 
-__all__ = ["StockPolicy", "stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
+__all__ = ["AimdoStock", "AimdoLoad", "StockPolicy", "stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +31,8 @@ MiB = 1 << 20
 AIMDO_PAGE = 32 * MiB
 
 
-class StockPolicy(ResidencyManager):
-    """Today's ComfyUI + comfy-aimdo, reproduced for side-by-side comparison.
+class AimdoStock(ResidencyPolicy):
+    """Today's ComfyUI + comfy-aimdo as a residency policy (:class:`StockPolicy` is the manager over it).
 
     * A full unload frees the pages (``vbar.free_memory``, after a device-wide
       sync) but the reservation (the ``ModelVBAR``) stays alive until the model
@@ -47,55 +46,68 @@ class StockPolicy(ResidencyManager):
     * When the workflow changes, the models of the previous one lose their
       residency: ComfyUI's cache drops their outputs and the unload frees their
       pages (ComfyUI #14519: image → video → image reloads everything).
+    * aimdo evicts pages by VBAR priority, never whole models (``vbars_free``), and
+      ``vbars_free_for_vbar`` walks the faulting VBAR from its top page down, under
+      its own range too.
     * Budgets are the backend's mem-get-info figures as reported.
 
     The registry holds models weakly, so dropping the last reference is what
     releases a reservation, as garbage collection does in ComfyUI.
     """
 
-    policy = "stock"
-    #: comfy-aimdo's vbars_free_for_vbar walks the faulting VBAR from its top page down, under its own range too
+    name = "stock"
     sheds_below_the_fault = True
+    evicts_whole_models = False
+    unload_keeps_reservation = True
 
-    def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
-        super().__init__(session, tracer=tracer)
-        self._models = weakref.WeakValueDictionary()  # type: ignore[assignment]
+    def registry(self) -> MutableMapping[str, Model]:
+        return weakref.WeakValueDictionary()
 
-    def _keep(self, model: Model) -> None:
-        self._models[model.id] = model
-        session, reservations = self.session, [s for s in model.slots.values()]
-        weakref.finalize(model, _release_on_gc, session, reservations, self.tracer)
+    def keep(self, manager: ResidencyManager, model: Model) -> None:
+        # the finalizer holds the model's slots (its dict of them), never the model itself
+        weakref.finalize(model, _release_on_gc, manager.session, list(model.slots.values()), manager.tracer)
 
-    def _on_workflow_switch(self, models: list[Model]) -> None:
+    def on_workflow_switch(self, manager: ResidencyManager, models: list[Model]) -> None:
         keep = {m.id for m in models}
-        for m in list(self._models.values()):
+        for m in manager.models():
             if m.id in keep:
                 continue
-            for slot in m.slots.values():
-                if slot.alive and any(slot.resident):
-                    dropped = self._shed(slot, math.inf, None)
-                    self._trace("evict_model", m, device=str(slot.device), bytes=dropped, reason="workflow change")
+            for device in m.devices:
+                dropped = manager.drop_pages(m, device)
+                if dropped is not None:
+                    manager.trace("evict_model", m, device=str(device), bytes=dropped, reason="workflow change")
 
-    def _fence_before_free(self, slot: _Slot) -> None:
-        self.session.fence(slot.device)  # aimdo: cuCtxSynchronize before VBAR unmaps
-
-    def _evict_models(self, device: Device, amount: int, protect: _Slot | None, reason: str) -> int:
-        return 0  # aimdo evicts pages by VBAR priority, never whole models (vbars_free)
-
-    @_locked
-    def full_unload(self, model: Model) -> int:
-        self._check_registered(model)
-        dropped = 0
-        for slot in model.slots.values():
-            if slot.alive:
-                slot.clear_pins()
-                dropped += self._shed(slot, math.inf, None)
-        self._trace("full_unload", model, bytes=dropped, released=False, owned=[], via=self._via)
-        return dropped
+    def fence_before_free(self, session: Session, device: Device, during_fault: bool) -> None:
+        session.fence(device)  # aimdo: cuCtxSynchronize before VBAR unmaps
 
 
-def _release_on_gc(session: Session, slots: list[_Slot], tracer: TraceObserver | None) -> None:
-    """StockPolicy: the reservation goes back only when the model object is collected."""
+class AimdoLoad(AimdoStock):
+    """:class:`AimdoStock` with comfy-aimdo 0.5.x's pressure path during a load.
+
+    A fault that must make room calls ``vbars_free``, which in 0.5.x skips
+    both of its ``cuCtxSynchronize`` calls while the thread's malloc graph is
+    sync-paused, as ComfyUI 0.35's ``model_prefetch`` runs it; so evictions
+    made by a fault are not fenced. Other frees (a workflow switch, an unload:
+    ``vbar_free_memory``) still synchronize the device first.
+    """
+
+    def fence_before_free(self, session: Session, device: Device, during_fault: bool) -> None:
+        if not during_fault:
+            super().fence_before_free(session, device, during_fault)
+
+
+class StockPolicy(ResidencyManager):
+    """The residency manager over :class:`AimdoStock` (or ``policy``): today's ComfyUI + comfy-aimdo,
+    reproduced for side-by-side comparison."""
+
+    policy = "stock"
+
+    def __init__(self, session: Session, *, policy: AimdoStock | None = None, tracer: TraceObserver | None = None):
+        super().__init__(session, policy=policy if policy is not None else AimdoStock(), tracer=tracer)
+
+
+def _release_on_gc(session: Session, slots: list[Any], tracer: TraceObserver | None) -> None:
+    """AimdoStock: the reservation goes back only when the model object is collected."""
     for slot in slots:
         if slot.alive and slot.reservation is not None:  # alive: it holds a reservation not yet released
             try:
@@ -173,25 +185,7 @@ class AimdoStockVmm(VmmBackend):
 
 
 class AimdoLoadPolicy(StockPolicy):
-    """:class:`StockPolicy` with comfy-aimdo 0.5.x's pressure path during a load.
+    """The residency manager over :class:`AimdoLoad`: comfy-aimdo 0.5.x's pressure path during a load."""
 
-    A fault that must make room calls ``vbars_free``, which in 0.5.x skips
-    both of its ``cuCtxSynchronize`` calls while the thread's malloc graph is
-    sync-paused, as ComfyUI 0.35's ``model_prefetch`` runs it; so evictions
-    made by a fault are not fenced. Other frees (a workflow switch, an unload:
-    ``vbar_free_memory``) still synchronize the device first.
-    """
-
-    _loading = False
-
-    def fault(self, model: Any, offset: int, size: int, device: Any = None) -> Any:
-        with self._lock:
-            self._loading = True
-            try:
-                return super().fault(model, offset, size, device)
-            finally:
-                self._loading = False
-
-    def _fence_before_free(self, slot: Any) -> None:
-        if not self._loading:
-            super()._fence_before_free(slot)
+    def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
+        super().__init__(session, policy=AimdoLoad(), tracer=tracer)
