@@ -8,6 +8,9 @@ import pytest
 
 from membackend._drivers.sim.profiles import get_profile
 
+#: runs the benchmark scripts: the long part
+pytestmark = pytest.mark.long
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
 
 

@@ -31,6 +31,9 @@ from typing import Any
 
 import pytest
 
+#: drives the memory panel in a browser against the stand-in: the long part
+pytestmark = pytest.mark.long
+
 REPO = Path(__file__).resolve().parents[1]
 WEB = REPO / "membackend" / "_comfyui" / "web"
 STANDIN = Path(__file__).parent / "fixtures" / "comfyui_standin"

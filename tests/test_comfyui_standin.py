@@ -27,6 +27,9 @@ pytest.importorskip("comfy_aimdo")
 
 from membackend._cli import main as cli  # noqa: E402
 
+#: 17 processes each booting the stand-in ComfyUI with torch (about 30 s): the long part
+pytestmark = pytest.mark.long
+
 STANDIN = Path(__file__).parent / "fixtures" / "comfyui_standin"
 MiB = 1 << 20
 # --enable-dynamic-vram: this stand-in's device has no CUDA, so (as in ComfyUI) only the flag starts dynamic VRAM

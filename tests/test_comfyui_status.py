@@ -629,6 +629,7 @@ def test_a_save_while_an_editor_rewrites_the_file_in_place_answers_409_and_keeps
     assert code == 409 and answer["error"] == "ConfigChanged" and "is open for writing" in answer["message"], answer
     assert rt.headroom.in_force(d) == before
 
+@pytest.mark.long  # 20,000 changes: a many-cycle run
 def test_the_status_stays_small_under_20000_headroom_changes(rt, monkeypatch):
     before = len(json.dumps(routes.status()))
     clock = [1_000_000.0]

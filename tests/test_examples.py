@@ -87,6 +87,7 @@ def test_forced_by_name_the_doctor_self_test_runs_on_it(installed):
     assert "self-test on memfd" in p.stdout and "self-test: passed" in p.stdout, p.stdout[-3000:]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_the_kit_checks_the_installed_example_fully(installed):
     p = _run(installed, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
              "membackend.testing.conformance", "--membackend-backend", "memfd", "--membackend-examples", "5",
@@ -148,6 +149,7 @@ def test_the_tutorials_platform_fits_in_40_lines_and_probes_as_it_says(tmp_path)
     assert acme.PLATFORM.headroom_for(128 << 30) == 8 << 30 and acme.PLATFORM.headroom_for(4 << 30) == 1 << 30
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_the_tutorials_platform_installs_from_its_blocks_and_passes_the_kit(tmp_path):
     src, target, cwd = tmp_path / "acme_orbit", tmp_path / "site", tmp_path / "elsewhere"
     src.mkdir(), cwd.mkdir()

@@ -21,6 +21,9 @@ from membackend.lab import bench
 from membackend.lab._replay import compare, scenarios
 from membackend.lab._replay.scenarios import SCENARIOS
 
+#: runs the benchmark suite: the long part
+pytestmark = pytest.mark.long
+
 STARTUP = "membackend.lab.startup_cost"
 BENCH_CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
 ENTRIES = ("dispatch", "dispatch_free", "host_fault", "pages_alive", "startup")

@@ -295,6 +295,9 @@ def test_missing_folder_is_an_os_error(tmp_path):
 
 from membackend.lab._replay.timeline import TALLY_MARKERS, TimelineError  # noqa: E402
 
+#: draws the replays' pictures with matplotlib: the long part
+pytestmark = pytest.mark.long
+
 
 def _figure(timelines, *, title="t", reported=None):
     """The static figure, drawn, and its renderer (what write_plot saves)."""

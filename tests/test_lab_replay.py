@@ -15,6 +15,9 @@ from membackend.lab._replay import scenarios
 from membackend.lab._replay.compare import replay
 from membackend.lab._replay.traceformat import TraceError, parse_lines, read_trace
 
+#: replays the seed reports' workloads, many seeds: the long part
+pytestmark = pytest.mark.long
+
 GiB = 1 << 30
 
 

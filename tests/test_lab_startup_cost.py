@@ -11,6 +11,9 @@ import pytest
 
 from membackend.lab import startup_cost
 
+#: starts Python processes to time ComfyUI's start-up: the long part
+pytestmark = pytest.mark.long
+
 ROWS = {"torch", "adapter, auto", "adapter, started", "torch, after prestartup"}
 
 

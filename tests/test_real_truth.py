@@ -27,6 +27,9 @@ from membackend._settings import load_settings
 from membackend.hookspec import hookimpl
 from membackend.types import Candidate, DriverError, Machine
 
+#: builds the stand-in driver library and runs the real bindings in subprocesses: the long part
+pytestmark = pytest.mark.long
+
 MiB = 1 << 20
 
 # the child: a vmm session over the real binding, its inspect after each step, as JSON

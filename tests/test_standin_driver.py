@@ -42,7 +42,9 @@ def _load_build_helper():
 
 standin_build = _load_build_helper()
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in driver is Linux-only")
+#: the stand-in driver is Linux-only; the suite builds it and runs the real bindings in subprocesses: the long part
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in driver is Linux-only"),
+              pytest.mark.long]
 
 GiB = 1 << 30
 MiB = 1 << 20

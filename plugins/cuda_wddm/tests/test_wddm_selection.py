@@ -72,6 +72,7 @@ def test_the_doctor_on_h200_says_why_not(monkeypatch, capsys):
     assert "score 0" in line and "not Windows" in line
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_the_conformance_kit_passes_over_wddm_6gb(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "membackend.testing.conformance",

@@ -10,6 +10,9 @@ import sys
 import pytest
 from rocm_linux_sessions import SELECTED
 
+#: the whole kit over each profile: the kit's long part
+pytestmark = pytest.mark.kit_long
+
 
 @pytest.mark.parametrize("profile", SELECTED)
 def test_conformance_kit_passes_on_the_plugin(tmp_path, profile):

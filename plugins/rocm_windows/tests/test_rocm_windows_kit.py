@@ -6,6 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+#: the whole kit in a subprocess: the kit's long part
+pytestmark = pytest.mark.kit_long
+
 TARGET = "rocm_windows:rocm-win-2gpu"
 
 

@@ -6,6 +6,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
+#: runs the platform's benchmark: the long part
+pytestmark = pytest.mark.long
+
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_unified_gb10.py"
 
 

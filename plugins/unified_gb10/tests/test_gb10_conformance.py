@@ -6,6 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+#: the whole kit in a subprocess: the kit's long part
+pytestmark = pytest.mark.kit_long
+
 
 def test_the_conformance_kit_passes_on_unified_gb10_over_the_gb10_profile(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
