@@ -14,8 +14,9 @@ from membackend import types
 ROOT = Path(membackend.__file__).parent
 
 #: exceptions that never leave membackend: the CLI's and the adapter's control flow, and the simulation's
-#: models of a crash (a kernel bugcheck, a killed process), which stand for the machine dying, not an error
-INTERNAL = {"_Said", "_ComfyRaised", "MemoryCallFailed", "SimulatedBugcheck", "SimulatedCrash", "SimError"}
+#: models of a crash (a kernel bugcheck, a killed process), which stand for the machine dying, not an error, and
+#: signals caught where they are raised, never reaching a caller (the APU budget's _BadFile: a sysfs file left out)
+INTERNAL = {"_Said", "_ComfyRaised", "MemoryCallFailed", "SimulatedBugcheck", "SimulatedCrash", "SimError", "_BadFile"}
 
 
 def _exception_classes() -> dict[str, list[str]]:

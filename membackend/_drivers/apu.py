@@ -88,7 +88,7 @@ class AmdgpuMemory:
         return max(0, self.vram_total - self.vram_used) + max(0, self.gtt_total - self.gtt_used)
 
 
-class BadFile(ValueError):
+class _BadFile(ValueError):
     """A sysfs memory file that is there but cannot be taken: ``kind`` says how (``not regular``, ``unreadable``,
     ``too long``, ``not a number``, ``out of range``), the message what it holds and what is accepted."""
 
@@ -109,8 +109,8 @@ def read_amdgpu_memory(domain: int, bus: int, device: int, function: int = 0,
         try:
             value = _byte_count(folder / name)
             if value is not None and name.endswith("_total") and value == 0:
-                raise BadFile("out of range", "holds a total of 0 bytes; accepted: a total above zero")
-        except BadFile as exc:
+                raise _BadFile("out of range", "holds a total of 0 bytes; accepted: a total above zero")
+        except _BadFile as exc:
             report_bad_file(str(folder), name, exc.kind, str(exc))
             return None
         if value is None:
@@ -121,31 +121,31 @@ def read_amdgpu_memory(domain: int, bus: int, device: int, function: int = 0,
 
 
 def _byte_count(path: Path) -> int | None:
-    """The byte count in the file ``path``; None when it does not exist; ``BadFile`` for anything else
+    """The byte count in the file ``path``; None when it does not exist; ``_BadFile`` for anything else
     than a regular file of at most :data:`MAX_FILE_BYTES` holding at most :data:`MAX_DIGITS` digits."""
     accepted = f"accepted: a regular file holding a byte count of at most {MAX_DIGITS} digits"
     try:
         # stat first, then fstat of what was opened: a FIFO or a device (a link to /dev/zero) is never read;
         # O_NONBLOCK: one put in its place between the two does not block the open
         if not stat.S_ISREG(os.stat(path).st_mode):
-            raise BadFile("not regular", f"is not a regular file (a FIFO, a device or a folder); {accepted}")
+            raise _BadFile("not regular", f"is not a regular file (a FIFO, a device or a folder); {accepted}")
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise BadFile("not regular", f"is not a regular file (a FIFO, a device or a folder); {accepted}")
+                raise _BadFile("not regular", f"is not a regular file (a FIFO, a device or a folder); {accepted}")
             data = os.read(fd, MAX_FILE_BYTES + 1)
         finally:
             os.close(fd)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
-        raise BadFile("unreadable", f"cannot be read ({exc.strerror or exc}); {accepted}") from None
+        raise _BadFile("unreadable", f"cannot be read ({exc.strerror or exc}); {accepted}") from None
     if len(data) > MAX_FILE_BYTES:
-        raise BadFile("too long", f"holds more than {MAX_FILE_BYTES} bytes; {accepted}")
+        raise _BadFile("too long", f"holds more than {MAX_FILE_BYTES} bytes; {accepted}")
     text = data.strip()
     if not text.isdigit() or len(text) > MAX_DIGITS:
         shown = text[:32].decode("ascii", "replace") + ("..." if len(text) > 32 else "")
-        raise BadFile("not a number", f"holds {shown!r}, not a byte count; {accepted}")
+        raise _BadFile("not a number", f"holds {shown!r}, not a byte count; {accepted}")
     return int(text)
 
 
