@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 __all__ = [
     "Device",
@@ -664,6 +664,15 @@ class Capabilities:
     budget instead: ``Budget.unified``); the other fields tune
     :mod:`membackend._backends.vmm`.
 
+    The fields fall in groups, :attr:`GROUPS`: ``policy`` is the residency
+    manager's; each other group chooses or tunes one part of the VMM
+    mechanism (``membackend._backends.vmm.parts`` has the table): ``handles``
+    the handle keeper and recycler, ``address_windows`` the window source
+    (the quota, the churn-window keeper), ``one_pool`` the one-pool guard,
+    ``self_test`` the VMM self-test, ``fencing`` and ``pages`` the core's
+    frees and page size. A new platform quirk is one part and one flag in its
+    group (``docs/backends.md``).
+
     * ``release_on_full_unload``: a full unload returns the reservation (G1);
       false keeps it, as stock comfy-aimdo does (read by the residency manager).
     * ``recycle_handles``: freed physical memory is kept and mapped again by
@@ -718,6 +727,17 @@ class Capabilities:
       step fails: for drivers whose virtual-memory attribute alone was seen to
       be wrong (VMM on Strix Halo under WSL failed until a ROCm fix).
     """
+
+    #: the fields by the part of the mechanism they choose or tune (see above); every field is in one group
+    GROUPS: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "policy": ("release_on_full_unload",),
+        "handles": ("recycle_handles", "recycle_limit", "memory_returns_on_unmap"),
+        "address_windows": ("address_quota", "reserve_churn_limit", "reserve_churn_window", "reserve_churn_keep"),
+        "one_pool": ("unified_pool",),
+        "self_test": ("vmm_self_test",),
+        "fencing": ("fence_granularity", "page_in_sync"),
+        "pages": ("map_granularity",),
+    }
 
     release_on_full_unload: bool = True
     recycle_handles: bool = False
