@@ -8,11 +8,15 @@ a load. Comparison only: automatic selection never picks it (its probe scores 0)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, MutableMapping
 
 from ..._backends.vmm import VmmBackend
+from ..._backends.vmm.handles import HandleKeeper
+from ..._backends.vmm.pages import PageMapper
+from ..._backends.vmm.parts import Parts
 from ..._drivers.open import simulated_failures
 from ..._residency import Model, ResidencyManager, ResidencyPolicy
 from ...platform import Platform
@@ -133,7 +137,8 @@ def stock_platform(vendor: str, budget_source: str) -> Platform:
 
 
 class AimdoStockVmm(VmmBackend):
-    """The VMM mechanism doing what comfy-aimdo 0.5.x does.
+    """The VMM mechanism doing what comfy-aimdo 0.5.x does: its own handle keeper and page mapper in
+    place of the generic ones (:class:`_Mod1Handles`, :class:`_AimdoPages`).
 
     * Each page is created, mapped and given access on fault
       (``three_stooges``: ``cuMemCreate`` → ``cuMemMap`` → ``cuMemSetAccess``).
@@ -157,6 +162,13 @@ class AimdoStockVmm(VmmBackend):
         super().__init__(stock_platform(driver.vendor, budget_source), driver, page_size=page_size)
         self.carry_on = carry_on
 
+    def _choose_parts(self, capabilities: Capabilities) -> Parts:
+        parts = super()._choose_parts(capabilities)
+        handles = _Mod1Handles(capabilities, lambda: self.driver, self._unsafe)
+        pages = _AimdoPages(capabilities, lambda: self.driver, self._use, self._generation, handles, parts.one_pool,
+                            unsafe=self._unsafe)
+        return dataclasses.replace(parts, handles=handles, pages=pages)
+
     def _unsafe(self, call: Any, *args: Any) -> None:
         bugcheck = simulated_failures()[0]
         try:
@@ -167,20 +179,37 @@ class AimdoStockVmm(VmmBackend):
             self.driver.device_synchronize()  # the bugcheck is counted by the driver; the rest must go on
             call(*args)
 
-    def _release_or_keep(self, state: Any, handle: Any) -> None:
-        self._unsafe(self.driver.release, handle)  # mod1: released at once, never pooled
+
+class _Mod1Handles(HandleKeeper):
+    """``mod1``: an unmapped handle is released at once, never pooled (through ``unsafe``: a simulated
+    bugcheck may be carried on from)."""
+
+    def __init__(self, capabilities: Capabilities, driver: Callable[[], Any], unsafe: Callable[..., None]):
+        super().__init__(capabilities, driver)
+        self._unsafe = unsafe
+
+    def release_or_keep(self, state: Any, handle: Any) -> None:
+        self._unsafe(self._driver().release, handle)
+
+
+class _AimdoPages(PageMapper):
+    """comfy-aimdo's frees and unwinds: no sync of their own, each unmap through ``unsafe``."""
+
+    def __init__(self, *args: Any, unsafe: Callable[..., None]):
+        super().__init__(*args)
+        self._unsafe = unsafe
 
     def _fence_before_drop(self, state: Any) -> None:
         """mod1 unmaps and releases page by page with no sync of its own (the policy's free paths
         sync the device; a fault's evictions do not, see :class:`AimdoLoadPolicy`)."""
 
     def _unmap(self, ptr: int, size: int) -> None:
-        self._unsafe(self.driver.unmap, ptr, size)
+        self._unsafe(self._driver().unmap, ptr, size)
 
     def _unwind(self, state: Any, r: Any, mapped: list) -> int:
         for p, h in mapped:  # three_stooges' unwind: no sync
-            self._unsafe(self.driver.unmap, r.base + p * r.page_size, r.page_size)
-            self._release_or_keep(state, h)
+            self._unsafe(self._driver().unmap, r.base + p * r.page_size, r.page_size)
+            self.handles.release_or_keep(state, h)
         return 0
 
 

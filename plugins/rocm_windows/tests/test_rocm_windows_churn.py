@@ -149,7 +149,7 @@ def test_a_fresh_window_past_the_bound_is_refused_only_when_no_free_could_bring_
     s.release_reservation(big)
     kept = b.kept_windows(HIP1)
     assert kept.windows == 4 and kept.largest == 8 * GiB and sim(s).churn_frees == 1, "the smallest went back"
-    b._large_frees = kept.large_frees_allowed  # as if the platform's frees were spent
+    b._window_books.large_frees = kept.large_frees_allowed  # as if the platform's frees were spent
     with pytest.raises(AddressWindowsExhausted, match="could never be given back"):
         s.reserve(HIP1, 12 * GiB)
     assert s.reserve(HIP1, 8 * GiB).size == 8 * GiB, "one a kept window holds still gets memory"

@@ -255,7 +255,7 @@ def test_any_sequence_spends_only_the_allowance_and_ends_within_the_bound(seed, 
         else:  # one device trimmed: it gives back what its report said, the smallest first
             d = rng.choice((HIP0, HIP1))
             said = s.backend.kept_windows(d)
-            state = s.backend._devices.get(d.index)  # the backend's own list of kept windows (None: never used)
+            state = s.backend._window_books.devices.get(d.index)  # the backend's kept windows (None: none yet)
             smallest = sorted(size for _, size in (state.windows if state else []))[:said.give_back]
             assert s.trim(d) == sum(smallest), said.describe()
             assert s.backend.kept_windows(d).windows == said.windows - said.give_back, said.describe()
