@@ -702,7 +702,7 @@ class Capabilities:
       large address frees (process-wide); released windows of at least
       ``reserve_churn_window`` bytes are kept and reused instead of freed, and
       given back while the frees the limit allows last (see
-      :mod:`membackend._backends.vmm` for the bound on what stays).
+      :mod:`membackend._backends.vmm.churn` for the bound on what stays).
     * ``reserve_churn_keep``: under a reserve-churn limit, the most released
       windows a device keeps (None: ``KEPT_WINDOWS_PER_DEVICE``, or as many
       large reservations as the device had alive at once). An int bounds the
