@@ -30,10 +30,15 @@ def test_stock_bugchecks_and_the_plugin_never_does(runs):
     assert all(r.bugchecks == 0 for r in runs["plugin"])
 
 
-def test_every_seed_loads_the_same_bytes_on_every_side(runs):
+def test_every_layer_is_loaded_or_streamed_and_the_plugin_keeps_what_fits(runs):
+    """Each model is larger than the 6 GB card. Stock's model gives up its own earlier layers to load each next
+    one (every layer mapped, then unmapped again: the churn of the report); the plugin keeps what fits resident
+    and streams the rest (ComfyUI's fallback), the same bytes on every seed, with no error."""
     whole = sum(size for _, size in MODELS)
-    for side, results in runs.items():
-        assert all(r.loaded_bytes == whole and r.streamed_layers == 0 and not r.typed_errors for r in results), side
+    assert all(r.loaded_bytes == whole and r.streamed_layers == 0 and not r.typed_errors for r in runs["stock"])
+    plugin = runs["plugin"]
+    assert all(not r.typed_errors and 0 < r.loaded_bytes < whole and r.streamed_layers > 0 for r in plugin)
+    assert len({(r.loaded_bytes, r.streamed_layers) for r in plugin}) == 1  # the room decides, not the seed
 
 
 def test_stock_s_bugcheck_ends_the_run_when_it_is_not_carried_past():
@@ -72,7 +77,8 @@ def test_not_ready_on_map_and_set_access_completes_or_raises_typed():
         assert all(e.startswith("DriverError:") and "NOT_READY" in e for e in r.typed_errors)
         assert r.ledger_matches_driver, r.mismatches
         assert r.baseline_after_unload and r.bugchecks == 0 and r.spilled == 0
-        assert r.loaded_bytes > 0 and r.streamed_layers == len(r.typed_errors)  # nothing else failed
+        # a layer that met a typed error is streamed, as one that finds no room (anything untyped propagates)
+        assert r.loaded_bytes > 0 and r.streamed_layers >= len(r.typed_errors)
     assert injected > 0
     assert errors < injected / 10  # most are absorbed by the bounded retry
 
