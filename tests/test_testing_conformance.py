@@ -118,6 +118,7 @@ def test_a_wrong_option_is_one_line_naming_what_is_accepted(tmp_path, options, s
     assert p.returncode == 4 and len(lines) == 1 and lines[0].startswith("ERROR: membackend kit: " + said), lines
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_a_gpu_target_whose_driver_does_not_start_is_skipped_with_one_line_never_a_traceback(tmp_path):
     """The machine facts name a CUDA device, but no driver library is here: cuInit fails. Every rule skips with
     the driver's own words, the summary counts them, and no rule errors at teardown."""
@@ -134,6 +135,7 @@ def test_a_gpu_target_whose_driver_does_not_start_is_skipped_with_one_line_never
     assert "(backend 'vmm' cannot start its driver here (cuInit failed with " in p.stdout, p.stdout[-3000:]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_the_profile_variable_runs_a_gpu_target_on_its_simulated_machine(tmp_path):
     """MEMBACKEND_SIM_PROFILE is honoured as --membackend-profile is: every rule runs on the simulated machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
@@ -269,6 +271,7 @@ def _bare_kit(tmp_path: Path, *options: str, env: dict[str, str] | None = None) 
                           env={**clean, **(env or {})}, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_a_gpu_backend_without_its_device_is_never_a_silent_green(tmp_path):
     """Forced on a machine without its GPU, the kit's rules skip (nothing to run them on): the summary says how
     many did not run and why, claims no check against anything, and the run fails with exit status 5 (as a run
@@ -285,6 +288,7 @@ def test_a_gpu_backend_without_its_device_is_never_a_silent_green(tmp_path):
                      "status 5 (--membackend-allow-unchecked lets a run that checks nothing pass)"], p.stdout[-2000:]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_a_run_that_checks_nothing_passes_only_when_asked_to_and_says_so(tmp_path):
     allowed = _bare_kit(tmp_path, "--membackend-backend=cuda_wddm", "--membackend-allow-unchecked")
     assert allowed.returncode == 0, allowed.stdout[-2000:]
@@ -302,6 +306,7 @@ def test_one_target_checked_and_one_not_still_fails_naming_the_one(tmp_path):
     assert "membackend kit: cuda_wddm: checked no rule (all 1 skipped)" in p.stdout, p.stdout[-2000:]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_profile_all_runs_a_platform_on_the_machines_its_probe_accepts_and_names_the_others(tmp_path):
     """unified_gb10 serves integrated CUDA devices: 'all' runs it on the simulated GB10 and Jetson only, and
     lists every other simulated machine as not its own with its probe's reason; nothing fails."""
@@ -317,6 +322,7 @@ def test_profile_all_runs_a_platform_on_the_machines_its_probe_accepts_and_names
     assert "rocm-win-2gpu (no CUDA device" in refused, refused
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_profile_all_for_a_platform_no_simulated_machine_fits_runs_it_here(tmp_path):
     """A platform of hardware no profile simulates: every simulated machine is named not its own, and it is run on
     this machine, where (with no such device here) it checks nothing, which fails the run."""
