@@ -78,3 +78,26 @@ def sanitized_session():
     session = Session(backend, machine=gather_machine(), ledger=Ledger(sanitize=True))
     yield session
     session.close()
+
+
+@pytest.fixture
+def h200_adapter():
+    """A started ComfyUI adapter on the simulated H200 (its reaper thread running), no ComfyUI patches."""
+    from membackend._comfyui import runtime as adapter
+    from membackend._comfyui.runtime import Runtime
+    from membackend._drivers.open import machine_for
+    from membackend._manager import BackendManager
+    from membackend._settings import load_settings
+
+    settings = load_settings(sim_profile="h200", headroom=0)
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+    runtime.start([(0, 0)])
+    runtime.started = True
+    adapter.decided("armed", "test", "membackend test", runtime)
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+        adapter.decided("stock", "test over", "", None)

@@ -19,14 +19,9 @@ from concurrent.futures import Future
 
 import pytest
 
-from membackend._comfyui import runtime as adapter
 from membackend._comfyui import vbar as facade
 from membackend._comfyui.keepwarm import KeepWarm
-from membackend._comfyui.runtime import Runtime
-from membackend._drivers.open import machine_for
 from membackend._fences import FutureToken
-from membackend._manager import BackendManager
-from membackend._settings import load_settings
 
 MiB = 1 << 20
 PS = 2 * MiB  # bytes per weight page asked for (the backend's page may be larger)
@@ -34,20 +29,9 @@ WAIT = 10.0  # seconds: the reaper retires a dropped model well within this on a
 
 
 @pytest.fixture
-def rt():
+def rt(h200_adapter):
     """A started adapter on the simulated H200 (its reaper thread running), no ComfyUI patches."""
-    settings = load_settings(sim_profile="h200", headroom=0)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    runtime.start([(0, 0)])
-    runtime.started = True
-    adapter.decided("armed", "test", "membackend test", runtime)
-    try:
-        yield runtime
-    finally:
-        runtime.stop()
-        adapter.decided("stock", "test over", "", None)
+    return h200_adapter
 
 
 def _until(cond, timeout: float = WAIT) -> bool:

@@ -19,32 +19,18 @@ import pytest
 
 from membackend._comfyui import runtime as adapter
 from membackend._comfyui.buffers import HostBuffer
-from membackend._comfyui.runtime import Runtime
 from membackend._drivers.hip import HipDriver
-from membackend._drivers.open import machine_for
 from membackend._drivers.sim.hip import SimHipModule
 from membackend._drivers.sim.platform import SimPlatform
 from membackend._drivers.sim.profiles import PROFILES
-from membackend._manager import BackendManager
-from membackend._settings import load_settings
 
 MiB = 1 << 20
 
 
 @pytest.fixture
-def rt():
-    settings = load_settings(sim_profile="h200", headroom=0)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    runtime.start([(0, 0)])
-    runtime.started = True
-    adapter.decided("armed", "test", "membackend test", runtime)
-    try:
-        yield runtime
-    finally:
-        runtime.stop()
-        adapter.decided("stock", "test over", "", None)
+def rt(h200_adapter):
+    """A started adapter on the simulated H200 (its reaper thread running), no ComfyUI patches."""
+    return h200_adapter
 
 
 def _driver(rt):
