@@ -14,9 +14,9 @@ module is policy, on top of a :class:`~membackend._session.Session`:
   kept free (for activations); when a fault is out of memory, unpinned pages of
   the lowest-priority reservations are freed, top down, until it fits, then it
   is retried; with nothing left to evict the out-of-memory result reaches the
-  caller. The faulting model gives up only its pages above the faulted range:
-  a model larger than its room keeps a resident prefix and the caller streams
-  the rest, with no page mapped and unmapped again on every step. Pages a live tensor from :mod:`membackend._tensors` views are skipped
+  caller. The faulting model never gives up its own pages for its faults: a
+  model larger than its room keeps what it has resident and the caller
+  streams the rest, with no page mapped and unmapped again on every step. Pages a live tensor from :mod:`membackend._tensors` views are skipped
   as pinned ones are (the session would refuse their free with ``TensorAlive``),
   and a full unload of a model with such a tensor is refused the same way.
 * **Full unload** (G1, G5): fence, free every page, release the reservation
@@ -37,7 +37,7 @@ The decisions a variant of the policy may change are one small public object,
 :class:`ResidencyPolicy`, that the manager takes (``ResidencyManager(session,
 policy=...)``): how the registry holds models, what a workflow switch does, the
 fence before a free, whether whole models are evicted, whether only a release
-gives memory back (ROCm 7.2), whether a fault may shed under its own range, and
+gives memory back (ROCm 7.2), whether a fault may shed the model's own pages, and
 whether a full unload keeps the reservation. Today's ComfyUI + comfy-aimdo
 behaviour, reproduced for side-by-side comparison, is such a policy in the lab
 (``membackend.lab._replay.stock``): policy code here stays free of comparison models.
@@ -316,8 +316,11 @@ class ResidencyPolicy:
     for another thread. The flags:
 
     * ``name``: what the trace and the load records call the policy;
-    * ``sheds_below_the_fault``: a fault out of room may take the faulting model's own unpinned pages under
-      its range (membackend: no, the model keeps its resident prefix and the rest streams);
+    * ``sheds_own_pages_for_a_fault``: a fault out of room may take the faulting model's own unpinned pages
+      (aimdo: from its top page down). membackend: never -- a model larger than its room keeps what it has
+      resident and the rest streams, step after step, where giving up the pages it used a moment ago maps
+      and unmaps every page past what stays on every step (the churn under a cap: 1.7 GiB per prompt of 4
+      steps for a 2.2 GiB UNet in 0.9 GiB of room, ``bench_comfyui_gpu.py --standin``);
     * ``evicts_whole_models``: a fault out of room, and :meth:`ResidencyManager.keep_warm`, may evict whole
       models outside the current run before any page of the run's;
     * ``unload_keeps_reservation``: a full unload drops the pages and keeps the reservation and what the model
@@ -325,7 +328,7 @@ class ResidencyPolicy:
     """
 
     name = "membackend"
-    sheds_below_the_fault = False
+    sheds_own_pages_for_a_fault = False
     evicts_whole_models = True
     unload_keeps_reservation = False
 
@@ -834,7 +837,9 @@ class ResidencyManager:
         for slot in self._by_priority(device):
             if freed >= amount:
                 break
-            if slot is protect[0]:  # its own pages: freed for it, whatever the platform
+            if slot is protect[0]:  # its own pages: only where the policy sheds them for its faults
+                if not self.rules.sheds_own_pages_for_a_fault:
+                    continue
                 dropped = self._shed(slot, amount - freed, protect)
             else:
                 dropped = self._free_for_others(slot, amount - freed, protect)
@@ -869,33 +874,26 @@ class ResidencyManager:
     def _shed(self, slot: _Slot, amount: float, protect: tuple[_Slot, int, int] | None) -> int:
         """Free unpinned resident (or UNKNOWN) pages of ``slot`` from the top down, up to ``amount``
         bytes (rounded up to pages). Another model's reservation gets a watermark at the lowest page
-        freed; the faulting reservation gives up only pages above its range, without one.
-
-        Never the faulting model's pages below the range (comfy-aimdo's ``vbars_free_for_vbar`` walks the
-        faulting VBAR from its top down, and a fault that would reach under its own range fails): a model
-        larger than its room keeps the prefix it has resident and streams the rest, step after step, where
-        giving up the pages it used a moment ago would map and unmap every page past that prefix on every
-        step (under a cap on the H200: 10.9 GB copied per warm prompt)."""
+        freed; the protected reservation (``protect``: a fault's own, or :meth:`shed`'s) keeps the
+        protected range and gets none."""
         r = slot.bound
         ps = r.page_size
         own = protect is not None and protect[0] is slot
-        # the faulting range's end: nothing under it (only the range itself where the policy sheds below it)
-        floor = (0 if self.rules.sheds_below_the_fault else protect[2]) if protect is not None and own else 0
         lo, hi = (protect[1], protect[2]) if protect is not None and own else (0, 0)
         resident, pins = slot.resident, slot.pins
         held = self._viewed(slot)  # pages a live tensor views are skipped, as pinned ones are
 
         def evictable(p: int) -> bool:
-            return p >= floor and bool(resident[p]) and not pins[p] and not lo <= p < hi and p not in held
+            return bool(resident[p]) and not pins[p] and not lo <= p < hi and p not in held
 
         freed, lowest, p = 0, None, r.pages - 1
-        while p >= floor and freed < amount:
+        while p >= 0 and freed < amount:
             if not evictable(p):
                 p -= 1
                 continue
             end = p + 1
             limit = math.ceil((amount - freed) / ps) if amount != math.inf else math.inf  # pages still wanted
-            while p >= floor and evictable(p) and end - p <= limit:
+            while p >= 0 and evictable(p) and end - p <= limit:
                 p -= 1
             start = p + 1
             dropped = self._free_pages(slot, start, end)

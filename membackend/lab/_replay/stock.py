@@ -51,8 +51,7 @@ class AimdoStock(ResidencyPolicy):
       residency: ComfyUI's cache drops their outputs and the unload frees their
       pages (ComfyUI #14519: image → video → image reloads everything).
     * aimdo evicts pages by VBAR priority, never whole models (``vbars_free``), and
-      ``vbars_free_for_vbar`` walks the faulting VBAR from its top page down, under
-      its own range too.
+      ``vbars_free_for_vbar`` walks the faulting VBAR too, from its top page down.
     * Budgets are the backend's mem-get-info figures as reported.
 
     The registry holds models weakly, so dropping the last reference is what
@@ -60,7 +59,7 @@ class AimdoStock(ResidencyPolicy):
     """
 
     name = "stock"
-    sheds_below_the_fault = True
+    sheds_own_pages_for_a_fault = True
     evicts_whole_models = False
     unload_keeps_reservation = True
 
