@@ -173,14 +173,26 @@ def prestartup_lines(output: str) -> list[str]:
     return [line for line in lines if MEMBACKEND_LINE.match(line)]
 
 
-def exceptions(output: str, *trees: Path) -> Counter[str]:
-    """The exception line that ends each traceback in ``output``, tree paths replaced by ``<tree>``."""
+#: what ComfyUI prints when the harness's SIGINT stops its server
+SERVER_STOPPED = "Stopped server"
+
+
+def exceptions(output: str, *trees: Path, stopped_by_us: bool = False) -> Counter[str]:
+    """The exception line that ends each traceback in ``output``, tree paths replaced by ``<tree>``.
+
+    ``stopped_by_us``: the harness stopped the server with SIGINT, so a ``KeyboardInterrupt`` traceback after
+    ComfyUI's "Stopped server" line is that interrupt landing wherever the event loop was (aiohttp closing a
+    connection, on any configuration, stock's too, depending on timing), not the configuration's: left out."""
     lines = log_lines(output)
+    stopped = next((i for i, line in enumerate(lines) if SERVER_STOPPED in line), len(lines)) if stopped_by_us \
+        else len(lines)
     found: Counter[str] = Counter()
     for i, line in enumerate(lines):
         if line.strip() != "Traceback (most recent call last):":
             continue
         end = next((x for x in lines[i + 1:] if x and not x[0].isspace()), "<traceback without an exception line>")
+        if i > stopped and end.strip() == "KeyboardInterrupt":
+            continue
         for tree in trees:
             end = end.replace(str(tree), "<tree>")
         found[end] += 1
@@ -855,7 +867,7 @@ def run_served(name: str, template: Path, flags: tuple[str, ...], env: dict[str,
         got.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, HarnessError) else str(exc)
     if log.is_file():
         got.exceptions = sorted(exceptions(log.read_text(encoding="utf-8", errors="replace"),
-                                           trees.scratch, trees.stock, trees.node).elements())
+                                           trees.scratch, trees.stock, trees.node, stopped_by_us=True).elements())
     got.seconds = round(time.monotonic() - t0, 1)
     return got
 

@@ -86,3 +86,15 @@ def test_stock_dynamic_baseline_recorded(served) -> None:
     if got.error:
         pytest.skip("stock ComfyUI does not serve with --cpu --enable-dynamic-vram here: "
                     + got.error.splitlines()[0][:300] + " (the take-over case is compared with stock --cpu)")
+
+
+def test_the_harnesss_own_interrupt_is_not_counted_as_the_configurations_traceback() -> None:
+    """The harness stops each server with SIGINT; a KeyboardInterrupt that lands in aiohttp after ComfyUI's
+    "Stopped server" (timing: stock's log can have it too) is the harness's, any other traceback still counts."""
+    def traceback(last: str) -> str:
+        return f"Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n{last}\n"
+
+    log = (traceback("KeyboardInterrupt") + "Prompt executed\n" + harness.SERVER_STOPPED + "\n"
+           + traceback("KeyboardInterrupt") + traceback("RuntimeError: closing failed"))
+    assert harness.exceptions(log) == {"KeyboardInterrupt": 2, "RuntimeError: closing failed": 1}
+    assert harness.exceptions(log, stopped_by_us=True) == {"KeyboardInterrupt": 1, "RuntimeError: closing failed": 1}
