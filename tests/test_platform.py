@@ -133,7 +133,7 @@ def test_every_capability_is_read_by_someone():
     from membackend.types import Capabilities
 
     root = Path(membackend.__file__).parent
-    users = "".join(p.read_text() for p in [*(root / "_backends" / "vmm").glob("*.py"), root / "_residency.py"])
+    users = "".join(p.read_text() for folder in ("_backends/vmm", "_residency") for p in (root / folder).glob("*.py"))
     for f in dataclasses.fields(Capabilities):
         assert f"capabilities.{f.name}" in users or f"caps.{f.name}" in users, f"nobody reads {f.name}"
 

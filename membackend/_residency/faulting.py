@@ -1,0 +1,90 @@
+"""A fault past its warm path: reserving again after a full unload, the watermark, keeping the budget's
+headroom, evicting until the driver backs it (:class:`Faulting`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..types import Fault, Reservation
+from .model import Model
+from .slots import Slot
+
+if TYPE_CHECKING:
+    from .manager import ResidencyManager
+
+
+class Faulting:
+    """The manager's faults. Every method runs under the manager's lock (its callers hold it); a fault that
+    raises leaves the pages it may have mapped UNKNOWN (unpinned) in the page map, as the ledger counts them."""
+
+    def __init__(self, manager: "ResidencyManager"):
+        self.manager = manager
+
+    def making_room(self, model: Model, offset: Any, size: Any, device: Any) -> Fault:
+        """:meth:`~membackend.ResidencyManager.fault` past its warm path: reserve again if fully unloaded,
+        fail fast above a watermark, keep the headroom, evict until the driver backs the range."""
+        m = self.manager
+        was, m._in_fault = m._in_fault, True  # what it frees, it frees to make room for a fault
+        try:
+            return self._making_room(model, offset, size, device)
+        finally:
+            m._in_fault = was
+
+    def _making_room(self, model: Model, offset: Any, size: Any, device: Any) -> Fault:
+        m = self.manager
+        slot = m._slot(model, device)
+        offset, size, first, last = slot.pages(offset, size)
+        refused = {"device": str(slot.device), "offset": offset, "bytes": size, "mapped": 0}
+        if not slot.alive:  # used again after a full unload: reserve again, transparently
+            try:
+                m._unloading.reserve_making_room(slot)
+            except MemoryError:  # refused for want of memory or address space, nothing left to unload
+                m.trace("fault", model, **refused, result="oom", reason="address space")
+                return Fault(False, (), first, 0)
+            offset, size, first, last = slot.pages(offset, size)
+        r = slot.bound
+        model.last_used = next(m._clock)
+        if slot.watermark is not None and offset + size > slot.watermark:
+            m.trace("fault", model, **refused, result="fail_fast", watermark=slot.watermark)
+            return Fault(False, (), first, 0)
+        evict = m._eviction.for_fault
+        missing = slot.missing(first, last)
+        need = missing - slot.kept if missing and slot.kept else missing  # its own kept memory covers the rest
+        if need > 0:
+            short = need - m.session.budget_query(slot.device).usable
+            if short > 0 and evict(slot.device, short, (slot, first, last), "headroom") < short:
+                # past the budget a WDDM driver would spill to shared memory and a unified pool
+                # would squeeze the host: out of memory is the caller's answer instead
+                m.trace("fault", model, **refused, result="oom", reason="budget")
+                return Fault(False, (), first, 0)
+        f = self.session_fault(slot, r, offset, size, first, last)
+        while not f.ok:
+            if not evict(slot.device, missing or r.page_size, (slot, first, last), "out of memory"):
+                m.trace("fault", model, **refused, result="oom", reason="driver")
+                return f
+            f = self.session_fault(slot, r, offset, size, first, last)
+        return self.faulted(slot, offset, size, first, last, f)
+
+    def faulted(self, slot: Slot, offset: int, size: int, first: int, last: int, f: Fault) -> Fault:
+        """A fault of pages ``[first, last)`` succeeded (``f.ok``): the page map follows it, the pages are pinned."""
+        m = self.manager
+        if f.mapped:
+            slot.faulted(first, last, f.mapped)
+            if slot.kept:  # ROCm 7.2: the range's kept memory, mapped again
+                slot.kept = max(0, slot.kept - f.mapped)
+            m._loads.loaded(slot.model.id, f.mapped)
+        elif not slot.all_resident(first, last):
+            slot.faulted(first, last, 0)  # UNKNOWN pages that turned out resident
+        slot.pin(first, last)
+        if m.tracer is not None:
+            m.trace("fault", slot.model, device=str(slot.device), offset=offset, bytes=size, mapped=f.mapped,
+                    result="mapped" if f.mapped else "resident")
+        return f
+
+    def session_fault(self, slot: Slot, r: Reservation, offset: int, size: int, first: int, last: int) -> Fault:
+        """The session's fault of the range; one that raises leaves its pages UNKNOWN in ``slot``'s map."""
+        try:
+            return self.manager.session.fault(r, offset, size)
+        except Exception as exc:
+            slot.fault_failed(first, last, exc)
+            raise

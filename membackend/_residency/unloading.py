@@ -1,0 +1,199 @@
+"""Whole models leaving memory: full unloads (G1, G5), unloading everything, forgetting a model, and making
+address space for a reservation by unloading idle models (:class:`Unloading`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .._hostmem import process_private_bytes
+from ..types import Device, PartialFailure
+from .model import Model, Unloaded
+from .slots import Slot
+
+if TYPE_CHECKING:
+    from .manager import ResidencyManager
+
+log = logging.getLogger(__name__)
+
+#: one failed part of an unload: what failed (a model on a device, the trim) and its error
+Failures = list[tuple[str, BaseException]]
+
+
+class Unloading:
+    """The manager's unloads. Every method runs under the manager's lock (its callers hold it) and carries
+    on past failures, collecting them for one :class:`~membackend.types.PartialFailure`."""
+
+    #: why a full unload happens when it is not the caller's own request (traced as ``via``: a replay
+    #: re-executes only the requests, not their consequences)
+    via: str | None = None
+
+    def __init__(self, manager: "ResidencyManager"):
+        self.manager = manager
+
+    # ------------------------------------------------------------------ reserving
+
+    def roll_back(self, model: Model, exc: BaseException) -> None:
+        """A register that failed part-way: give back every reservation it made, and the address
+        windows the backend would keep from them, so nothing stays charged (ComfyUI #15993's commit)."""
+        m = self.manager
+        for slot in reversed(list(model.slots.values())):
+            if not slot.alive:
+                continue
+            try:
+                m.session.release_reservation(slot.bound)
+                self.trim(slot.device)
+            except Exception as undo:  # the original error is the one to report; say what stayed behind
+                log.error("membackend: rolling back model %r on %s failed: %s", model.id, slot.device, undo)
+                exc.add_note(f"rolling back: giving back {model.id!r}'s reservation on {slot.device} failed: {undo}")
+        m.trace("register_failed", model, error=type(exc).__name__)
+
+    def reserve(self, slot: Slot) -> None:
+        slot.bind(self.manager.session.reserve(slot.device, slot.model.size))
+        self.manager.trace("reserve", slot.model, device=str(slot.device), bytes=slot.bound.size)
+
+    def reserve_making_room(self, slot: Slot) -> None:
+        """Reserve ``slot``; when the backend refuses for want of memory or address space (a
+        ``MemoryError``: e.g. every window a reserve-churn limit lets it keep is in use), fully unload idle
+        models on the device -- least recently used first, never the current run's, never a pinned one --
+        so their ranges can serve, and try again. Raises the backend's last refusal when none is left."""
+        tried: set[str] = set()
+        mine = set()  # the model being reserved and the models that own it: never its own victims
+        m: Model | None = slot.model
+        while m is not None:
+            mine.add(m.id)
+            m = m.owner
+        while True:
+            try:
+                self.reserve(slot)
+                return
+            except MemoryError:
+                victim = self.idle_owner(slot.device, mine | tried)
+                if victim is None:
+                    raise
+                tried.add(victim.id)
+                try:
+                    self.full_unload(victim)
+                except PartialFailure:
+                    continue  # what could be unloaded was; the next idle model is tried
+                self.manager.trace("evict_model", victim, device=str(slot.device), bytes=0, reason="address space")
+
+    def idle_owner(self, device: Device, skip: set[str]) -> Model | None:
+        """The least recently used model (an owner, with what it owns) with a live range on ``device`` that no
+        part of the current run uses and no page of which is pinned; None when there is none."""
+        registry = self.manager._models
+        for s in self.manager._eviction.by_priority(device):
+            owner = registry.get(s.model.id)
+            while owner is not None and owner.owner is not None:
+                owner = owner.owner
+            if owner is None or owner.id in skip or self.in_run(owner) or self.pinned(owner):
+                continue
+            return owner
+        return None
+
+    def in_run(self, model: Model) -> bool:
+        return model.id in self.manager._running or any(self.in_run(child) for child in model.owned)
+
+    def pinned(self, model: Model) -> bool:
+        return any(any(slot.pins) for slot in model.slots.values() if slot.alive) or \
+            any(self.pinned(child) for child in model.owned)
+
+    # ------------------------------------------------------------------ unloading
+
+    def full_unload(self, model: Model) -> int:
+        """:meth:`~membackend.ResidencyManager.full_unload` of a registered model."""
+        m = self.manager
+        if m.rules.unload_keeps_reservation:
+            dropped = sum(m.drop_pages(model, d, unpin=True) or 0 for d in model.devices)
+            m.trace("full_unload", model, bytes=dropped, released=False, owned=[], via=self.via)
+            return dropped
+        failures: Failures = []
+        before = self.committed(model)
+        dropped = self.unload(model, failures, self.via)
+        if before is not None:
+            m.trace("commit", model, committed_before=before, committed_after=self.committed(model))
+        if failures:
+            raise PartialFailure(f"full unload of model {model.id!r}", failures)
+        return dropped
+
+    def unless_pinned(self, model: Model) -> Unloaded | None:
+        """:meth:`full_unload` unless a page of the model (or of what it owns) is pinned: then None."""
+        if self.pinned(model):
+            return None
+        alive = [slot.bound for slot in model.slots.values() if slot.alive]
+        dropped = self.full_unload(model)
+        return Unloaded(dropped, len(alive), sum(r.released for r in alive), sum(r.size for r in alive))
+
+    def unload(self, model: Model, failures: Failures, via: str | None) -> int:
+        """Empty every live slot of ``model`` and of what it owns (first), releasing each reservation where the
+        capabilities say so; failures are appended to ``failures``. Returns bytes that were resident."""
+        m = self.manager
+        dropped = 0
+        for child in list(model.owned):
+            dropped += self.unload(child, failures, f"owner {model.id}")
+        release = m.session.capabilities.release_on_full_unload
+        for slot in model.slots.values():
+            if not slot.alive:
+                continue
+            try:
+                dropped += m._eviction.empty(slot, release)
+            except Exception as exc:
+                failures.append((f"model {model.id!r} on {slot.device}", exc))
+        m.trace("full_unload", model, bytes=dropped, released=release, owned=[c.id for c in model.owned], via=via)
+        m._loads.lost(model, dropped, via or "full unload")
+        return dropped
+
+    def committed(self, model: Model) -> int | None:
+        """Process memory the platform charges (Windows private bytes; a simulation's commit accounting),
+        for the trace around each unload; None where the platform charges none."""
+        inspect = getattr(self.manager.session, "inspect", None)
+        state = inspect(model.devices[0]) if inspect is not None else None
+        if state is not None and state.committed is not None:
+            return state.committed
+        return process_private_bytes()
+
+    def everything(self) -> int:
+        """:meth:`~membackend.ResidencyManager.unload_all`."""
+        m = self.manager
+        failures: Failures = []
+        dropped = 0
+        self.via = "unload_all"
+        try:
+            for model in [x for x in m._models.values() if x.owner is None]:
+                try:
+                    dropped += self.full_unload(model)
+                except PartialFailure as exc:
+                    failures += exc.failures
+                except Exception as exc:
+                    failures.append((f"model {model.id!r}", exc))
+        finally:
+            self.via = None
+        try:
+            self.trim()
+        except Exception as exc:
+            failures.append(("trim", exc))
+        m.trace("unload_all", None, bytes=dropped, failures=len(failures))
+        if failures:
+            raise PartialFailure("unload_all", failures)
+        return dropped
+
+    def trim(self, device: Device | None = None) -> int:
+        """Give back what the backend keeps for reuse on ``device`` (every device when None)."""
+        trim = getattr(self.manager.session, "trim", None)  # sessions before issue 7 have no trim: nothing to give
+        return trim(device) if trim is not None else 0
+
+    def unregister(self, model: Model, via: str | None) -> None:
+        """Full unload, then forget ``model`` and what it owns; a failed unload leaves it registered."""
+        m = self.manager
+        self.via = "unregister"
+        try:
+            self.full_unload(model)
+        finally:
+            self.via = None
+        for child in list(model.owned):
+            self.unregister(child, f"owner {model.id}")
+        if model.owner is not None and model in model.owner.owned:
+            model.owner.owned.remove(model)
+        m._models.pop(model.id, None)
+        m._loads.forget(model.id)
+        m.trace("unregister", model, via=via)
