@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from membackend import _cli as cli
 from membackend._session import Session
 
@@ -447,6 +449,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.long  # a subprocess replay without the driver bindings
 def test_replay_runs_where_cuda_python_and_hip_python_are_not_installed(tmp_path):
     import pytest
 
@@ -523,6 +526,7 @@ def test_the_stand_in_cuda_types_carry_cuda_pythons_names_and_values():
     assert checked >= 40
 
 
+@pytest.mark.long  # every command, each in a subprocess
 def test_every_command_refuses_a_size_with_thousands_of_digits_in_one_short_line(tmp_path):
     huge = "9" * 5000
     env = {**__import__("os").environ, "MEMBACKEND_HEADROOM": huge, "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA": huge}

@@ -337,6 +337,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.long  # opens sessions up to the process's descriptor limit
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE and /proc/self/fd")
 def test_closed_sessions_hold_no_descriptors_and_running_out_of_them_is_typed(tmp_path):
     import json

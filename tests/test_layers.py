@@ -28,6 +28,7 @@ arrows between them, arrows pointing up, circles.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 import tomllib
 from pathlib import Path
@@ -127,7 +128,15 @@ def imports_in(tree: ast.AST, package: str) -> list[str]:
 
 
 def all_imports() -> dict[str, list[str]]:
-    return {module_name(p): imports_of(p) for p in sorted(ROOT.rglob("*.py"))}
+    """Every module of the package and the ``membackend`` modules it imports (a fresh copy the caller may change)."""
+    return {module: list(found) for module, found in _parsed_package()}
+
+
+@functools.cache
+def _parsed_package() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    # parsed once per test run: the package's files do not change while its tests run (planted imports are
+    # added to a copy of what this returns)
+    return tuple((module_name(p), tuple(imports_of(p))) for p in sorted(ROOT.rglob("*.py")))
 
 
 def upward(imports: dict[str, list[str]]) -> list[str]:

@@ -392,6 +392,7 @@ print(json.dumps({"errors": errors[:10], "counts": counts, "alive": len(s.reserv
 '''
 
 
+@pytest.mark.long  # many threads over real torch tensors for seconds (CI runs it)
 def test_threads_never_read_freed_or_reused_memory(tmp_path):
     """Readers of a shared reservation, model users under memory pressure, a freer and an unloader,
     for a few seconds in a child process (a read of freed host memory would kill it with SIGSEGV)."""

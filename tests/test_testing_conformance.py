@@ -148,6 +148,7 @@ def test_the_profile_variable_runs_a_gpu_target_on_its_simulated_machine(tmp_pat
     assert "serves no device" not in simulated.stdout, simulated.stdout[-3000:]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_the_summary_names_the_checks_a_backend_gives_no_way_to_run(tmp_path):
     """The example fixture has no membackend_inject_failures and ignores host_capacity: never a silent pass. Both
     out-of-memory rules skip, so a run of those alone checked no rule on it and fails (exit status 5)."""
@@ -245,6 +246,7 @@ def test_a_failed_sequence_prints_its_seed_and_the_command_that_fails_it_again(t
     assert _rerun_line(again.stdout) == line
 
 
+@pytest.mark.kit_long  # the kit in subprocesses, twice
 def test_without_a_seed_each_run_draws_one_and_the_summary_prints_it(tmp_path):
     p = _kit(CORRECT, tmp_path, "-k", "random_verb_sequences", "--membackend-examples", "1")
     out, _ = p.communicate(timeout=300)
@@ -298,6 +300,7 @@ def test_a_run_that_checks_nothing_passes_only_when_asked_to_and_says_so(tmp_pat
     assert listed.returncode == 0 and "checked no rule" not in listed.stdout, listed.stdout[-2000:]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess
 def test_one_target_checked_and_one_not_still_fails_naming_the_one(tmp_path):
     """A target whose rules all skipped is named even when another target's rules ran."""
     p = _bare_kit(tmp_path, "--membackend-backend=host", "--membackend-backend=cuda_wddm", "-k", "budget_names")

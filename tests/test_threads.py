@@ -331,7 +331,8 @@ def _copy_thread(futures: list, stop: threading.Event) -> None:
             f.set_result(None)
 
 
-@pytest.mark.parametrize("target", [t if t == "host" else pytest.param(t, marks=pytest.mark.long) for t in TARGETS])
+@pytest.mark.long  # thousands of verbs from many threads for seconds on every target (CI runs it)
+@pytest.mark.parametrize("target", TARGETS)
 def test_one_session_shared_by_threads_stays_consistent(target):
     t = Target(target)
     s = t.session
