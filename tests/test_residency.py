@@ -237,6 +237,34 @@ def test_unload_all_leaves_no_reservation(env):
     assert (acct.reservations_alive, acct.reserved, acct.resident) == (0, 0, 0)
 
 
+def test_every_unload_goes_through_the_managers_full_unload():
+    """unload_all, unregister and the unloads that make address space run the manager's own full_unload, so what
+    replaces it (ComfyUI's adapter guarding its patches, a subclass) is what they run; a stand-in run caught a
+    split that bypassed it."""
+    env = Env("h200")
+    unloaded = []
+
+    class Counting(ResidencyManager):
+        def full_unload(self, model):
+            unloaded.append(model.id)
+            return super().full_unload(model)
+
+    policy = Counting(env.session())
+    a, b = (policy.register(n, env.size(0.1), env.device) for n in "ab")
+    load(policy, a)
+    policy.unload_all()
+    assert sorted(unloaded) == ["a", "b"]
+    unloaded.clear()
+    policy.unregister(b)
+    assert unloaded == ["b"]
+
+    def boom(model):
+        raise RuntimeError("injected")
+    policy.full_unload = boom  # as the stand-in's scenario replaces it on the instance
+    with pytest.raises(PartialFailure, match="injected"):
+        policy.unload_all()
+
+
 def test_stock_full_unload_keeps_the_reservation_until_the_model_is_collected(env):
     s = env.session()
     stock = StockPolicy(s)

@@ -22,7 +22,11 @@ Failures = list[tuple[str, BaseException]]
 
 class Unloading:
     """The manager's unloads. Every method runs under the manager's lock (its callers hold it) and carries
-    on past failures, collecting them for one :class:`~membackend.types.PartialFailure`."""
+    on past failures, collecting them for one :class:`~membackend.types.PartialFailure`.
+
+    Each model's unload goes through the manager's public ``full_unload``, so what replaces that on the
+    manager (a subclass, ComfyUI's adapter guarding its patches, a test injecting a failure) is what every
+    unload, unload-all, unregister and unload for address space runs."""
 
     #: why a full unload happens when it is not the caller's own request (traced as ``via``: a replay
     #: re-executes only the requests, not their consequences)
@@ -73,7 +77,7 @@ class Unloading:
                     raise
                 tried.add(victim.id)
                 try:
-                    self.full_unload(victim)
+                    self.manager.full_unload(victim)
                 except PartialFailure:
                     continue  # what could be unloaded was; the next idle model is tried
                 self.manager.trace("evict_model", victim, device=str(slot.device), bytes=0, reason="address space")
@@ -121,7 +125,7 @@ class Unloading:
         if self.pinned(model):
             return None
         alive = [slot.bound for slot in model.slots.values() if slot.alive]
-        dropped = self.full_unload(model)
+        dropped = self.manager.full_unload(model)
         return Unloaded(dropped, len(alive), sum(r.released for r in alive), sum(r.size for r in alive))
 
     def unload(self, model: Model, failures: Failures, via: str | None) -> int:
@@ -161,7 +165,7 @@ class Unloading:
         try:
             for model in [x for x in m._models.values() if x.owner is None]:
                 try:
-                    dropped += self.full_unload(model)
+                    dropped += self.manager.full_unload(model)
                 except PartialFailure as exc:
                     failures += exc.failures
                 except Exception as exc:
@@ -187,7 +191,7 @@ class Unloading:
         m = self.manager
         self.via = "unregister"
         try:
-            self.full_unload(model)
+            self.manager.full_unload(model)
         finally:
             self.via = None
         for child in list(model.owned):
