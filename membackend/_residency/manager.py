@@ -86,10 +86,17 @@ class ResidencyManager:
         self._eviction = Eviction(self)
         self._unloading = Unloading(self)
         self._faulting = Faulting(self)
-        #: per model id, what it lost since its last load: {"time", "bytes", "reason", "for"} (see loads_done)
-        self.losses = self._loads.losses
-        #: called with each finished load record (see :meth:`loads_done`); the ComfyUI adapter logs them
-        self.load_listeners = self._loads.listeners
+
+    @property
+    def losses(self) -> dict[str, dict[str, Any]]:
+        """Per model id, what it lost since its last load: ``{"time", "bytes", "reason", "for"}`` (see
+        :meth:`loads_done`)."""
+        return self._loads.losses
+
+    @property
+    def load_listeners(self) -> list[Callable[[dict[str, Any]], None]]:
+        """Called with each finished load record (see :meth:`loads_done`); the ComfyUI adapter logs them."""
+        return self._loads.listeners
 
     # ------------------------------------------------------------------ registry
 
@@ -320,7 +327,7 @@ class ResidencyManager:
         Where the policy keeps reservations (``ResidencyPolicy.unload_keeps_reservation``), its pins and
         pages go (:meth:`drop_pages`) and the reservation and what the model owns stay.
         """
-        return self._unloading.full_unload(self._check_registered(model))
+        return self._unloading.unload_one(self._check_registered(model))
 
     @_locked
     def drop_pages(self, model: Model, device: Any = None, *, unpin: bool = False) -> int | None:

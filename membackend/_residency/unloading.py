@@ -104,8 +104,9 @@ class Unloading:
 
     # ------------------------------------------------------------------ unloading
 
-    def full_unload(self, model: Model) -> int:
-        """:meth:`~membackend.ResidencyManager.full_unload` of a registered model."""
+    def unload_one(self, model: Model) -> int:
+        """The body of :meth:`~membackend.ResidencyManager.full_unload`, for a registered model (everything else
+        calls the manager's, never this: see the class docstring)."""
         m = self.manager
         if m.rules.unload_keeps_reservation:
             dropped = sum(m.drop_pages(model, d, unpin=True) or 0 for d in model.devices)
