@@ -110,8 +110,9 @@ MODELS_CHILD = r"""if True:
     ckpt = {**{"model.diffusion_model." + k: v for k, v in usd.items()},
             **{"cond_stage_model." + k: v for k, v in clip.items()},
             **{"first_stage_model." + k: v for k, v in vae.items()}}
-    save_file({k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in ckpt.items()},
-              os.path.join(out, "checkpoints", ckpt32_name))
+    if ckpt32_name:  # "" leaves it out: only the Hook seed reads it, and it is twice the fp16 file's size
+        save_file({k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in ckpt.items()},
+                  os.path.join(out, "checkpoints", ckpt32_name))
     ckpt = {k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in ckpt.items()}
     detected = comfy.model_detection.model_config_from_unet(ckpt, "model.diffusion_model.")
     save_file(ckpt, os.path.join(out, "checkpoints", ckpt_name))
