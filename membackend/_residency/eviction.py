@@ -27,9 +27,10 @@ class Eviction:
         self.manager = manager
 
     def by_priority(self, device: Device) -> list[Slot]:
-        """Live slots on ``device``, lowest priority (least recently used) first."""
+        """Live slots on ``device``, lowest priority first: the cache (dropped models, least recently dropped
+        first), then the live models, least recently used first."""
         slots = [s for m in self.manager._models.values() for d, s in m.slots.items() if d == device and s.alive]
-        return sorted(slots, key=lambda s: s.model.last_used)
+        return sorted(slots, key=lambda s: (not s.model.cached, s.model.last_used))
 
     def whole_models(self, device: Device, amount: int, protect: Slot | None, reason: str) -> int:
         """Where the policy evicts whole models: free models outside the current run (never ``protect``'s),
@@ -43,7 +44,7 @@ class Eviction:
                 break
             if slot.model.id in m._running or slot is protect:
                 continue
-            dropped = self.for_others(slot)
+            dropped = self.for_others(slot, reason=reason)
             if dropped:
                 freed += dropped
                 slot.watermark = 0
@@ -64,7 +65,7 @@ class Eviction:
             if own and not m.rules.sheds_own_pages_for_a_fault:
                 continue
             dropped = self.shed(slot, amount - freed, protect) if own else \
-                self.for_others(slot, amount - freed, protect)
+                self.for_others(slot, amount - freed, protect, reason)
             if dropped:
                 freed += dropped
                 m.trace("evict", slot.model, device=str(device), bytes=dropped, reason=reason,
@@ -79,7 +80,7 @@ class Eviction:
         for slot in self.by_priority(device):
             if freed >= amount:
                 break
-            dropped = self.for_others(slot, amount - freed)
+            dropped = self.for_others(slot, amount - freed, reason=reason)
             freed += dropped
             self.manager._loads.lost(slot.model, dropped, reason)
         return freed
@@ -88,11 +89,28 @@ class Eviction:
         """The policy's :meth:`~membackend.ResidencyPolicy.frees_by_release` for the manager's session."""
         return self.manager.rules.frees_by_release(self.manager.session)
 
-    def for_others(self, slot: Slot, amount: float = math.inf, protect: Protect | None = None) -> int:
+    def let_go(self, slot: Slot, reason: str, *, for_others: bool) -> bool:
+        """Whether ``slot``'s pages may be freed now: True when nothing holds them, or once their
+        :class:`~.holds.Hold` ended. A hold ends at once for its own model's request (``for_others`` false);
+        for another model's room only while its model is outside the current run (see :mod:`.holds`)."""
+        hold = slot.hold
+        if hold is None:
+            return True
+        if for_others and slot.model.id in self.manager._running:
+            return False
+        hold.ended_by_manager(reason)
+        return True
+
+    def for_others(self, slot: Slot, amount: float = math.inf, protect: Protect | None = None,
+                   reason: str = "room for another model") -> int:
         """Free ``slot``'s model for another: where only a release returns memory (:meth:`frees_by_release`)
         and nothing of it is pinned or viewed, by releasing its reservation (the model reserves again on its
         next fault), and not at all while a page of it is pinned or viewed; elsewhere up to ``amount`` bytes of
-        its unpinned pages."""
+        its unpinned pages. A held slot is let go first, and kept while its model is in the current run."""
+        if not self.let_go(slot, reason, for_others=True):
+            return 0
+        if slot.model.cached:  # the cache goes whole, pins or not (its owner dropped it: none will end)
+            return self.empty(slot, release=True)
         if not self.frees_by_release():
             return self.shed(slot, amount, protect)
         if any(slot.pins) or self.viewed(slot):
@@ -105,7 +123,9 @@ class Eviction:
 
     def empty(self, slot: Slot, release: bool) -> int:
         """Fence ``slot``'s reservation, drop its pins, and free every page (``release``: by releasing the
-        reservation); returns bytes dropped. A release refused under a live tensor changes nothing."""
+        reservation); returns bytes dropped. A hold on it ends first. A release refused under a live tensor
+        changes nothing."""
+        self.let_go(slot, "full unload", for_others=False)
         r = slot.bound
         self.manager.session.fence(reservation=r)
         pins = slot.pins
@@ -128,6 +148,8 @@ class Eviction:
         bytes (rounded up to pages). Another model's reservation gets a watermark at the lowest page
         freed; the protected reservation (``protect``: a fault's own, or a shed's) keeps the
         protected range and gets none."""
+        if slot.hold is not None:  # never under a hold: its callers end it first, or leave the slot alone
+            return 0
         r = slot.bound
         ps = r.page_size
         own = protect is not None and protect[0] is slot

@@ -7,11 +7,13 @@ import itertools
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, MutableMapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, MutableMapping, TypeVar
 
 from ..types import Device, Fault, FenceToken, InvalidSize, ModelError, Reservation, ReservationReleased, WrongDevice
+from .content import Borrowed, Contents
 from .eviction import Eviction
 from .faulting import Faulting
+from .holds import Hold
 from .loads import LoadBook
 from .model import Model, ModelKind, Unloaded, new_model
 from .policy import ResidencyPolicy
@@ -86,6 +88,10 @@ class ResidencyManager:
         self._eviction = Eviction(self)
         self._unloading = Unloading(self)
         self._faulting = Faulting(self)
+        self._contents = Contents(self)
+        #: bytes of dropped models kept as cache per device (:meth:`cache`): None, only as the budget allows;
+        #: 0, none
+        self.cache_limit: int | None = None
 
     @property
     def losses(self) -> dict[str, dict[str, Any]]:
@@ -158,6 +164,7 @@ class ResidencyManager:
         ``workflow`` names the run in the trace (a replay's timeline marks the switch).
         Each model's load is recorded until the next ``use``, :meth:`on_idle` or :meth:`loads_done`."""
         models = [self._check_registered(m) for m in models]
+        self._contents.sweep()
         self.loads_done()
         self._running = {m.id for m in models}
         for m in models:
@@ -201,7 +208,11 @@ class ResidencyManager:
         device = Device.parse(device)
         b = self.session.budget_query(device)
         deficit = b.headroom - b.free
-        return self._eviction.whole_models(device, deficit, None, reason) if deficit > 0 else 0
+        if deficit <= 0:
+            return 0
+        freed = self._eviction.whole_models(device, deficit, None, reason)
+        self._contents.sweep()
+        return freed
 
     # ------------------------------------------------------------------ faults
 
@@ -236,7 +247,9 @@ class ResidencyManager:
                 f = self._faulting.session_fault(slot, r, offset, size, first, last)
                 if f.ok:
                     return self._faulting.faulted(slot, offset, size, first, last, f)
-        return self._faulting.making_room(model, offset, size, device)
+        f = self._faulting.making_room(model, offset, size, device)
+        self._contents.sweep()  # cached models its room emptied go (never inside the eviction's own loop)
+        return f
 
     @_locked
     def warm_range(self, model: Model, offset: int, size: int, device: Any, fault: Fault) -> WarmRange | None:
@@ -251,6 +264,23 @@ class ResidencyManager:
         if not slot.all_resident(offset // ps, (offset + size - 1) // ps + 1):
             return None
         return WarmRange(self, model, slot, r, offset, size, fault)
+
+    @_locked
+    def hold(self, model: Model, offset: int, size: int, device: Any, on_end: Callable[[str], Any]) -> Hold | None:
+        """Keep every page of ``[offset, offset+size)`` of ``model`` on ``device`` resident for a caller that
+        reads them without faulting, until :meth:`Hold.end <.holds.Hold.end>`; ``on_end(reason)`` runs when
+        the hold ends, before any of its pages can go (see :mod:`.holds` for when that is). None, and nothing
+        held, when a page of the range is not resident now, the reservation is not alive, or the slot is held
+        already. The range is checked as :meth:`fault` checks it."""
+        slot = self._slot(model, device)
+        if not slot.alive or slot.hold is not None:
+            return None
+        offset, size, first, last = slot.pages(offset, size)
+        if not slot.all_resident(first, last):
+            return None
+        held = slot.hold = Hold(self, slot, offset, size, on_end)
+        self.trace("hold", model, device=str(slot.device), offset=offset, bytes=size)
+        return held
 
     @_locked
     def unpin(self, model: Model, offset: int, size: int, device: Any = None) -> None:
@@ -310,6 +340,7 @@ class ResidencyManager:
             raise InvalidSize(f"amount must be >= 0 bytes, got {amount}")
         device = Device.parse(device)
         freed = self._eviction.by_amount(amount, device, reason)
+        self._contents.sweep()
         if freed < amount:
             log.info("membackend: free_memory(%d) on %s freed only %d bytes: the rest is pinned", amount, device, freed)
         self.trace("free_memory", None, device=str(device), bytes=amount, result=freed)
@@ -337,6 +368,7 @@ class ResidencyManager:
         slot = self._slot(model, device)
         if not slot.alive:
             return None
+        self._eviction.let_go(slot, "its pages dropped", for_others=False)
         if unpin:
             slot.clear_pins()
         if not any(slot.resident):
@@ -372,6 +404,7 @@ class ResidencyManager:
         stay resident (G4). Returns the bytes given back."""
         self.loads_done()
         self._running = set()
+        self._contents.sweep()
         given = self._unloading.trim()
         self.trace("idle", None, bytes=given)
         return given
@@ -384,6 +417,59 @@ class ResidencyManager:
         that unregistering it again retries.
         """
         self._unloading.unregister(model, None)
+
+    # ------------------------------------------------------------------ what pages hold, and the cache
+
+    @_locked
+    def tag(self, model: Model, offset: int, size: int, device: Any, key: Hashable) -> bool:
+        """``[offset, offset+size)`` of ``model`` on ``device`` holds the bytes ``key`` names (the caller just
+        wrote them); False, nothing tagged, unless every page of it is resident. The tag lasts as long as those
+        pages keep their backing, or until :meth:`untag` (see :mod:`.content`)."""
+        slot = self._slot(model, device)
+        offset, size, _, _ = slot.pages(offset, size)
+        return self._contents.tag(slot, offset, size, key)
+
+    @_locked
+    def untag(self, model: Model, offset: int, size: int, device: Any = None) -> None:
+        """Something else is about to be written into ``[offset, offset+size)``: what was known of it goes."""
+        slot = self._slot(model, device)
+        offset, size, _, _ = slot.pages(offset, size)
+        self._contents.untag(slot, offset, size)
+
+    @_locked
+    def borrow(self, device: Any, key: Hashable, avoid: tuple[Model, int, int] | None = None) -> Borrowed | None:
+        """A resident range tagged ``key`` on ``device`` to copy from, pinned and viewed until
+        :meth:`returned`; None when none holds those bytes. ``avoid``: the ``(model, offset, size)`` the copy
+        writes into."""
+        device = Device.parse(device)
+        guard = None
+        if avoid is not None:
+            guard = (self._slot(avoid[0], device), avoid[1], avoid[1] + avoid[2])
+        return self._contents.borrow(device, key, guard)
+
+    @_locked
+    def returned(self, lent: Borrowed, moved: bool = True) -> int:
+        """The copy from ``lent`` is done; where it came from the cache and ``moved``, those bytes belong to the
+        reader now and the cached pages only they held are freed. Returns the bytes freed."""
+        return self._contents.returned(lent, moved)
+
+    @_locked
+    def cache(self, model: Model) -> int:
+        """``model``'s owner dropped it: keep its tagged pages as reclaimable cache, within :attr:`cache_limit`
+        and the budget (the cache goes before any live model's page). Returns the bytes kept; 0 when nothing
+        was (the model is left as it was: unregister it)."""
+        return self._contents.cache(self._check_registered(model), self.cache_limit)
+
+    @_locked
+    def cached(self, device: Any = None) -> int:
+        """Bytes held as cache on ``device`` (every device: None)."""
+        return self._contents.cached(Device.parse(device) if device is not None else None)
+
+    @_locked
+    def drop_cache(self, device: Any = None, amount: float = math.inf, reason: str = "cache dropped") -> int:
+        """Release cached models on ``device`` (every device: None), least recently dropped first, until
+        ``amount`` bytes went; returns the bytes freed."""
+        return self._contents.drop(Device.parse(device) if device is not None else None, amount, reason)
 
     # ------------------------------------------------------------------ per-reservation controls
     # (what a comfy-aimdo ModelVBAR offers per reservation; the ComfyUI facade calls them)
@@ -405,6 +491,7 @@ class ResidencyManager:
             raise InvalidSize(f"amount and floor must be >= 0 bytes, got {amount} and {floor}")
         if not slot.alive or not amount:
             return 0
+        self._eviction.let_go(slot, "shed by its owner", for_others=False)
         low = -(-floor // slot.bound.page_size)  # pages wholly above the floor
         freed = self._eviction.shed(slot, amount, (slot, 0, low)) if low < slot.bound.pages else 0
         self.trace("shed", model, device=str(slot.device), bytes=amount, result=freed, floor=floor)
@@ -452,7 +539,8 @@ class ResidencyManager:
 
     @_locked
     def stats(self, device: Any = None) -> dict[str, Any]:
-        """Per model: resident bytes and whether its reservation is alive, on one device or all.
+        """Per model: resident bytes, whether its reservation is alive and whether a :meth:`hold` keeps its
+        pages, on one device or all.
 
         Resident bytes equal the session ledger's for the model's reservations, failed
         verbs included (pages they may have changed are counted as the ledger counts them).
@@ -462,6 +550,8 @@ class ResidencyManager:
             m.id: {
                 "resident": sum(s.resident_bytes() for d, s in m.slots.items() if dev is None or d == dev),
                 "reserved": any(s.alive for d, s in m.slots.items() if dev is None or d == dev),
+                "held": any(s.hold is not None for d, s in m.slots.items() if dev is None or d == dev),
+                "cached": m.cached,
             }
             for m in self._models.values()
         }

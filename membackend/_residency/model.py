@@ -32,6 +32,8 @@ class Model:
     owned: list["Model"] = field(default_factory=list, repr=False)
     last_used: int = 0
     slots: dict[Device, Slot] = field(default_factory=dict, repr=False)
+    #: its owner dropped it and its tagged pages are kept as reclaimable cache (``ResidencyManager.cache``)
+    cached: bool = False
     __weakref__: Any = field(default=None, init=False, repr=False, compare=False)
 
     def reservation(self, device: Device | str | None = None) -> Reservation | None:

@@ -58,7 +58,8 @@ class Slot:
     says how much went) and as missing for faults (they are backed again).
     """
 
-    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark", "kept", "epoch")
+    __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark", "kept", "epoch", "hold",
+                 "tags")
 
     def __init__(self, model: "Model", device: Device):
         self.model = weakref.proxy(model)  # a stock finalizer holds slots; they must not keep the model alive
@@ -74,9 +75,16 @@ class Slot:
         #: counts every change that may take a page's backing or generation (a free, a failure, a release,
         #: a new reservation): a :class:`~membackend._residency.WarmRange` made at one count holds until the next
         self.epoch = 0
+        #: the :class:`~membackend._residency.holds.Hold` on its pages (None: none); no page of a held slot is
+        #: freed until the hold ends
+        self.hold: Any = None
+        #: the :class:`~membackend._residency.content.Tags` of what its pages hold (None: nothing known); a
+        #: change to a page's backing drops the tags over it
+        self.tags: Any = None
 
     def bind(self, r: Reservation) -> None:
         self.epoch += 1
+        self.tags = None
         self.reservation = r
         self.resident = bytearray(r.pages)
         self.maybe = 0
@@ -144,6 +152,7 @@ class Slot:
     def freed(self, first: int, last: int, dropped: int) -> None:
         """A free of pages ``[first, last)`` succeeded and dropped ``dropped`` bytes."""
         self.epoch += 1
+        self._untag(first, last)
         if self.resident.count(UNKNOWN, first, last):
             self.maybe -= dropped - self.resident.count(RESIDENT, first, last) * self.bound.page_size
         self.resident[first:last] = bytes(last - first)
@@ -152,6 +161,7 @@ class Slot:
     def fault_failed(self, first: int, last: int, exc: BaseException) -> None:
         """A fault of ``[first, last)`` raised: its pages not known resident may be mapped now (unpinned)."""
         self.epoch += 1
+        self._untag(first, last)
         mapped, dropped = _changed(exc)
         r = self.resident
         for p in range(first, last):
@@ -162,6 +172,7 @@ class Slot:
     def free_failed(self, first: int, last: int, exc: BaseException) -> None:
         """A free (or release) of ``[first, last)`` raised: its resident pages may or may not be gone."""
         self.epoch += 1
+        self._untag(first, last)
         mapped, dropped = _changed(exc)
         r = self.resident
         known = r.count(RESIDENT, first, last)
@@ -179,8 +190,15 @@ class Slot:
         elif self.maybe < 0:
             self.maybe = 0
 
+    def _untag(self, first: int, last: int) -> None:
+        """Pages ``[first, last)`` changed backing (or may have): what was known of their bytes goes."""
+        if self.tags and self.reservation is not None:
+            ps = self.reservation.page_size
+            self.tags.drop(first * ps, last * ps)
+
     def released(self) -> None:
         self.epoch += 1
+        self.tags = None
         self.resident = bytearray(len(self.resident))
         self.maybe = 0
         self.kept = 0

@@ -98,6 +98,13 @@ class Unloading:
     def in_run(self, model: Model) -> bool:
         return model.id in self.manager._running or any(self.in_run(child) for child in model.owned)
 
+    def let_go(self, model: Model, reason: str) -> None:
+        """End every hold on the pages of ``model`` and of what it owns (their own request: at once)."""
+        for slot in model.slots.values():
+            self.manager._eviction.let_go(slot, reason, for_others=False)
+        for child in model.owned:
+            self.let_go(child, reason)
+
     def pinned(self, model: Model) -> bool:
         return any(any(slot.pins) for slot in model.slots.values() if slot.alive) or \
             any(self.pinned(child) for child in model.owned)
@@ -122,7 +129,9 @@ class Unloading:
         return dropped
 
     def unless_pinned(self, model: Model) -> Unloaded | None:
-        """:meth:`full_unload` unless a page of the model (or of what it owns) is pinned: then None."""
+        """:meth:`full_unload` unless a page of the model (or of what it owns) is pinned: then None. The model's
+        own request: what holds its pages lets go first (:mod:`.holds`)."""
+        self.let_go(model, "full unload")
         if self.pinned(model):
             return None
         alive = [slot.bound for slot in model.slots.values() if slot.alive]
@@ -173,6 +182,7 @@ class Unloading:
                     failures.append((f"model {model.id!r}", exc))
         finally:
             self.via = None
+        self.manager._contents.sweep()  # the cache went with everything: its models go too
         try:
             self.trim()
         except Exception as exc:
