@@ -43,6 +43,9 @@ class _Dynamic:
     def get_non_dynamic_delegate(self):
         return None
 
+    def load(self, *args, **kwargs):
+        return None
+
 
 class _Queue:
     def task_done(self, item_id):

@@ -25,6 +25,10 @@ Every module of the adapter, in the order ComfyUI meets them:
   for the tests and the docs; never imported at start-up;
 * :mod:`.streams` — fence tokens for the copies ComfyUI's cast path queues (G2);
 * :mod:`.keepwarm` — keep warm by budget (G4): the dynamic patchers ComfyUI still holds, watched weakly;
+* :mod:`.classic` — a wholly resident model on ComfyUI's classic path (no fault or unpin per weight per step),
+  back on the dynamic path before any of its pages can go;
+* :mod:`.reuse` — weights already in VRAM are never read again: a dropped model's weights kept as cache, and a
+  read of the same file's bytes copied on the device from them;
 * :mod:`.status` — the ``GET /membackend/status`` route, where its answer is built, and the memory panel's
   headroom route (the panel's script is ``web/membackend_panel.js``).
 

@@ -112,6 +112,19 @@ class Headroom:
                 "budget": {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
                            "source": b.source}}
 
+    def refit(self) -> int:
+        """Between nodes and when idle: on each served device whose free room is below its headroom (a lowered
+        cap or a budget drop that a model of the run kept from being met), give back what fits no longer, as a
+        live change does. Returns the bytes freed."""
+        rt = self._rt
+        if rt.session is None or rt.residency is None or rt.aborted is not None:
+            return 0
+        freed = 0
+        with self._lock:
+            for dev in rt.devices:
+                freed += self._fit(dev)
+        return freed
+
     def _fit(self, dev: Device) -> int:
         """Free what no longer fits under the budget of ``dev``: idle models whole, then unpinned pages."""
         session = self._rt.session

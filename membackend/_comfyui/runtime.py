@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..types import Device, PartialFailure, WrongDevice
+from .classic import ClassicPath
 from .delegates import HookDelegates
 from .headroom import Headroom
 from .history import History
@@ -49,6 +50,7 @@ from .journal import Journal, describe_load
 from .keepwarm import KeepWarm
 from .lines import gb, log, say
 from .patches import Patches
+from .reuse import Reuse
 from .unloads import Unloader
 
 if TYPE_CHECKING:
@@ -151,6 +153,8 @@ class Runtime:
         self.headroom = Headroom(self)
         self.unloader = Unloader(self)
         self.delegates = HookDelegates()
+        self.classic = ClassicPath(self)  # wholly resident models on ComfyUI's classic path (issue 41)
+        self.reuse = Reuse(self)  # weights already in VRAM copied on the device, not read again (issue 41)
         # the journal's records and the put-off unloads, under the names the wiring and the facade read and fill
         self.names, self.weights, self.last_used = self.journal.names, self.journal.weights, self.journal.last_used
         self.pending = self.unloader.pending
@@ -217,6 +221,9 @@ class Runtime:
         self.headroom.apply_comfy_flags({self.device_for(index): int(extra) for index, extra in pairs})
         self.residency = ResidencyManager(self.session)
         self.residency.load_listeners.append(self.journal.on_load)
+        keep = getattr(self.manager.settings, "keep_dropped", "auto")  # dropped models' weights kept as cache
+        self.residency.cache_limit = None if keep == "auto" else 0 if keep == "off" else int(keep)
+        self.reuse.enabled = self.residency.cache_limit != 0
         self.fences = CopyFences(self.residency)
         control = importlib.import_module("comfy_aimdo.control")
         for level in AIMDO_LOG_LEVELS:  # main.py calls one right after we answer True
@@ -308,6 +315,11 @@ class Runtime:
             what = "new models load with ComfyUI's legacy patcher" if self.started else "every original restored"
             say(f"switched off while {where} ({type(exc).__name__}: {exc}); {what}{note}; ComfyUI carries on "
                 "stock", logging.WARNING)
+        # outside the runtime's lock: letting go of held pages takes the residency manager's
+        try:
+            self.classic.demote_all("membackend switched off")  # their layers cast from ComfyUI's own copy again
+        except Exception as undo:  # noqa: BLE001 - already off; say what stayed
+            log.warning("membackend: putting the classic-path models back after switching off: %s", undo)
 
     @staticmethod
     def _legacy_patcher() -> list[str]:
@@ -375,6 +387,7 @@ class Runtime:
         pins to go, and close the run's load records."""
         self.unloader.reap()  # what the reaper has not retired yet (none runs in a runtime made without start())
         self.unloader.run_put_off()
+        self.headroom.refit()  # a cap or budget drop that had to wait for a model's run to end
         self.journal.close_loads(self.residency)  # the node that loaded its models is done: one line per load
         self.sample()
 
@@ -384,6 +397,7 @@ class Runtime:
         if self.residency is None or self.aborted is not None:
             return 0
         given = self._give_back("prompt queue empty")
+        self.headroom.refit()  # no run now: what a run kept over a lowered cap goes
         self.journal.idled(given)
         return given
 

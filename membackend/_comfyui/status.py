@@ -140,6 +140,18 @@ def runtime_status(rt: "Runtime") -> dict[str, Any]:
                            for r in session.reservations()]
     out["headroom"] = headroom
     out["models"] = _models(rt)
+    #: issue 41: the models on ComfyUI's classic path now, the promotions and demotions so far, why the last
+    #: models that stayed dynamic did, and the facade's fault and unpin calls (per weight per step) so far
+    out["classic"] = {"models": rt.classic.held(), "promoted": rt.classic.promoted, "demoted": rt.classic.demoted,
+                      "why_not": dict(rt.classic.why_not)}
+    from .vbar import CALLS
+
+    out["calls"] = {"vbar_fault": CALLS[0], "vbar_unpin": CALLS[1]}
+    #: issue 41, item 2: per device the bytes of dropped models' weights kept as cache (reclaimable: they go
+    #: first), the setting, and the weights' bytes read from files into the device and copied from VRAM instead
+    keep = getattr(rt.manager.settings, "keep_dropped", "auto")
+    out["cache"] = {str(d): {"bytes": residency.cached(d), "keep_dropped": keep} for d in rt.devices}
+    out["reads"] = {"from_file": rt.reuse.from_file, "from_vram": rt.reuse.from_vram}
     #: per model id, what it lost since its last load (``ResidencyManager.losses``): recent evictions
     out["evictions"] = {k: dict(v) for k, v in list(residency.losses.items())}
     out["history"] = rt.history.as_lists()
@@ -200,9 +212,11 @@ def _models(rt: "Runtime") -> dict[str, Any]:
     """Per model (by id): ``resident`` and ``reserved`` (``ResidencyManager.stats``), and ``name``,
     ``size`` (its weights' bytes, as ComfyUI staged them), ``address_range`` (the bytes of address space
     ComfyUI reserved for it, about ten times its size), ``device``, ``pinned`` and ``evictable`` bytes
-    (``ResidencyManager.pinned_and_evictable``), ``state`` (``pinned``: a layer is in use now; ``warm``: every
-    page of its weights resident; ``partly resident``; ``not resident``), ``held`` (kept warm by the adapter)
-    and ``last_used`` (epoch seconds, None: not loaded by ComfyUI yet)."""
+    (``ResidencyManager.pinned_and_evictable``), ``state`` (``cached``: ComfyUI dropped it, what is resident
+    of it is cache, reclaimable; ``pinned``: a layer is in use now; ``warm``: every
+    page of its weights resident; ``partly resident``; ``not resident``), ``held`` (kept warm by the adapter),
+    ``path`` (``classic``: ComfyUI runs it as a fully loaded model, no fault per weight; ``dynamic``) and
+    ``last_used`` (epoch seconds, None: not loaded by ComfyUI yet)."""
     held = {id(v._model) for p in list(rt.keep.held.values())
             for v in (getattr(getattr(p, "model", None), "dynamic_vbars", None) or {}).values()
             if hasattr(v, "_model")}
@@ -211,6 +225,7 @@ def _models(rt: "Runtime") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in residency.models():
         row = dict(stats.get(m.id, {"resident": 0, "reserved": False}))
+        path = "classic" if row.pop("held", False) else "dynamic"  # the residency's hold: the classic path
         pinned = evictable = page = 0
         for dev in m.devices:
             r = m.reservation(dev)
@@ -222,11 +237,12 @@ def _models(rt: "Runtime") -> dict[str, Any]:
         resident = row["resident"]
         weights = journal.weights.get(m.id, 0)
         whole = -(-weights // page) * page if weights and page else m.size  # the pages the weights span
-        state = ("pinned" if pinned else "warm" if resident >= whole else "partly resident" if resident
-                 else "not resident")
+        state = ("cached" if row.pop("cached", False) else "pinned" if pinned else "warm" if resident >= whole
+                 else "partly resident" if resident else "not resident")
         row.update(name=journal.display_name(m.id), size=weights, address_range=m.size,
                    device=", ".join(map(str, m.devices)), kind=m.kind.value, pinned=pinned, evictable=evictable,
-                   state=state, held=id(m) in held, last_used=journal.last_used.get(m.id))
+                   state=state, held=id(m) in held, last_used=journal.last_used.get(m.id),
+                   path=path)
         out[m.id] = row
     return out
 

@@ -68,6 +68,9 @@ __all__ = ["ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare", "v
            "vbars_analyze", "aimdo_to_tensor"]
 
 ALIGN = 512
+#: ComfyUI's vbar_fault and vbar_unpin calls in this process so far, for the status (issue 41's per-prompt figure:
+#: the prompt worker makes them; two threads at once may lose a count)
+CALLS = [0, 0]
 FAULT_TRIES = 3  # a fault that met failed copies of other models' pages tries this often, then answers None
 
 
@@ -107,6 +110,8 @@ class ModelVBAR:
         #: alloc -> (its WarmRange, size, signature): the next faults of a range that stayed resident pin it
         #: again with no session call and answer the same signature (ComfyUI's sampler, per weight per step)
         self._warm: dict[int, tuple[WarmRange, int, Any]] = {}
+        #: the model on ComfyUI's classic path (:class:`~.classic.Promotion`), or None: on the dynamic path
+        self._promotion: Any = None
         rt.vbars.add(self)
 
     # -- aimdo's methods, same names and parameters
@@ -263,6 +268,7 @@ class ModelVBAR:
         offset = alloc - self.base_addr
         session = self._rt.session
         r = check_resident(self._rt.residency, self._model, offset, size, self._dev)
+        self._rt.residency.untag(self._model, offset, size, self._dev)  # ComfyUI writes into it next (a copy, a cast)
         drop = session.add_view(r, offset, size)  # ReservationReleased: released since the check
         try:
             t = tensor_at(r.base + offset, size, r.device, where=self._where)
@@ -296,6 +302,7 @@ class ModelVBAR:
 def vbar_fault(alloc):
     vbar, offset, size = alloc
     try:
+        CALLS[0] += 1
         return vbar.fault(offset, size)
     except Exception as exc:  # G6: answer "out of memory": ComfyUI then casts from its own copy
         _abort(vbar, exc, "vbar_fault")
@@ -306,6 +313,7 @@ def vbar_unpin(alloc):
     if alloc is not None:
         vbar, offset, size = alloc
         try:
+            CALLS[1] += 1
             vbar.unpin(offset, size)
         except Exception as exc:  # G6: an unpin that fails leaves a page pinned, never a crash
             _abort(vbar, exc, "vbar_unpin")

@@ -222,8 +222,15 @@ def _device_figure(rt: Runtime, mm: Any, original: Callable[..., Any], dev: Any,
 def _get_free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """G3: free minus membackend's own headroom, not minus ComfyUI's --reserve-vram/--vram-headroom: ComfyUI
     accounts for those itself, and stock's figure does not change with them (``Session.free_for_host``)."""
+    def free(d: Any) -> int:
+        residency = rt.policy()
+        b = rt.session.budget_query(d)
+        if b.free < b.headroom and residency.cached(d):  # less room than the headroom: the cache goes first
+            residency.drop_cache(d, b.headroom - b.free, "the room fell below the headroom")
+        return rt.session.free_for_host(d)
+
     def get_free_memory(dev=None, torch_free_too=False):
-        return _device_figure(rt, mm, original, dev, torch_free_too, rt.session.free_for_host)
+        return _device_figure(rt, mm, original, dev, torch_free_too, free)
     return get_free_memory
 
 
@@ -241,6 +248,11 @@ def _free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable
         loaded = mm.current_loaded_models
         before = list(loaded)
         sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
+        if _ours(rt, mm, device):  # the cache goes before ComfyUI's own choice of what to unload
+            dev = rt.device_for(device)
+            short = min(float(memory_required), 1e19) - rt.session.free_for_host(dev)
+            if short > 0:
+                rt.policy().drop_cache(dev, short, "room for a load of ComfyUI's")
         hide = []
         if memory_required < EVERYTHING and rt.keep.enabled:
             dev = rt.device_for(device)
@@ -272,7 +284,8 @@ def _free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable
 
 
 def _load_models_gpu(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    """G4: the current run (``ResidencyManager.use``), its patchers held warm and named."""
+    """G4: the current run (``ResidencyManager.use``), its patchers held warm and named; issue 41: each wholly
+    resident model of the run on ComfyUI's classic path (:mod:`.classic`)."""
     def load_models_gpu(models, *args, **kwargs):
         result = rt.comfy(original, models, *args, **kwargs)
         vbars = [v for m in models for v in _vbars_of(m)]
@@ -282,8 +295,28 @@ def _load_models_gpu(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Call
         if vbars:
             rt.policy().use([v._model for v in vbars])
         rt.keep.hold([m for m in models if _vbars_of(m)])
+        try:
+            for m in models:
+                for v in _vbars_of(m):
+                    rt.classic.promote(m, v)
+        except Exception as exc:  # ComfyUI's own load_models_gpu already ran: do not run it twice
+            rt.abort(exc, "putting a resident model on ComfyUI's classic path")
         return result
     return load_models_gpu
+
+
+def _dynamic_load(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Issue 41: a model on the classic path goes back to the dynamic path before ComfyUI's
+    ``ModelPatcherDynamic.load`` reads and sets its modules again (``load_models_gpu`` promotes it again); after
+    it, which of the model's VBAR ranges hold plain weights (:mod:`.reuse`)."""
+    def load(patcher, *args, **kwargs):
+        for v in _vbars_of(patcher):
+            rt.classic.demote(v, "loaded again by ComfyUI")
+        result = rt.comfy(original, patcher, *args, **kwargs)
+        for v in _vbars_of(patcher):  # which ranges take plain weights (item 2: only those are reused)
+            rt.reuse.layout(patcher, v)
+        return result
+    return load
 
 
 def _get_non_dynamic_delegate(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -346,6 +379,7 @@ PATCH_POINTS = (
     PatchPoint("comfy.model_management.load_models_gpu", _model_management, "load_models_gpu", _load_models_gpu),
     PatchPoint("comfy.model_patcher.ModelPatcherDynamic.get_non_dynamic_delegate", _model_patcher_dynamic,
                "get_non_dynamic_delegate", _get_non_dynamic_delegate),
+    PatchPoint("comfy.model_patcher.ModelPatcherDynamic.load", _model_patcher_dynamic, "load", _dynamic_load),
     PatchPoint("execution.PromptQueue.task_done", _prompt_queue, "task_done", _task_done,
                requires=("get_tasks_remaining",)),
 )

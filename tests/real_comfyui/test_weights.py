@@ -9,7 +9,8 @@ memory at the device's addresses), read by ComfyUI as CPU tensors. For each back
 
 * every image is bitwise equal to stock ComfyUI's under ``--cpu`` (no membackend), seed for seed;
 * the first run's loaded bytes are the weights' bytes (the pages the staged weights span);
-* a second run with another seed loads 0 bytes;
+* a second run with another seed loads 0 bytes, and runs every model on ComfyUI's classic path (issue 41): no
+  fault or unpin per weight per step;
 * under a live headroom that leaves room for three quarters of the weights, the models stream and are evicted, and the
   images still match;
 * ``POST /free`` leaves no reservation, and the memory the driver holds is back at its start-up value.
@@ -70,6 +71,20 @@ def test_the_first_run_loads_the_weights_and_the_second_nothing(weight_runs, nam
     rounded = {n: -(-m["size"] // got.page_size) * got.page_size for n, m in got.models.items()}
     assert {n: m["resident"] for n, m in got.models.items()} == rounded
     assert second.loaded == 0, f"{name}: the second run loaded {second.loaded} bytes: {second.loads}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_second_run_is_on_the_classic_path_with_no_fault_or_unpin(weight_runs, name):
+    """Issue 41, item 1: every model the second phase loads is wholly resident, so ComfyUI runs it as a fully
+    loaded model: no vbar_fault, signature compare or vbar_unpin per weight per step (the first phase made
+    them all), and its images still equal stock's (test_every_image_equals_stock)."""
+    got = _run(weight_runs, name)
+    first, second = got.phases["first"], got.phases["second"]
+    assert first.faults > 0 and first.unpins > 0, (first.faults, first.unpins)
+    assert (second.faults, second.unpins) == (0, 0), (
+        f"{name}: the second phase made {second.faults} faults and {second.unpins} unpins; on the classic path: "
+        f"{second.classic}")
+    assert {"BaseModel", "AutoencoderKL"} <= set(second.classic), second.classic
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -276,6 +276,9 @@ class Phase:
     loads: list[str] = field(default_factory=list)  # the per-load lines' words of the phase
     evictions: int = 0  # models that lost pages during the phase (the status's "evictions" grew)
     seconds: float = 0.0
+    faults: int = 0  # the facade's vbar_fault calls during the phase (ComfyUI's dynamic path, per weight per step)
+    unpins: int = 0
+    classic: list[str] = field(default_factory=list)  # the models on ComfyUI's classic path at the phase's end
 
 
 @dataclass
@@ -349,8 +352,22 @@ def _phase(server: harness.Server, seed: int, workflows: dict[str, Callable[[int
     ph.loads = [f"{x.get('name')}: {x.get('text')}" for x in (after.get("loads") or [])[-new:]] if new else []
     ph.evictions = sum(1 for k, v in (after.get("evictions") or {}).items()
                        if (before.get("evictions") or {}).get(k) != v)
+    ph.faults, ph.unpins = calls(after, before)
+    ph.classic = sorted(m.get("name") for m in (after.get("models") or {}).values() if m.get("path") == "classic")
     ph.seconds = round(time.monotonic() - t0, 1)
     return ph, after
+
+
+def reads(after: dict[str, Any], before: dict[str, Any], which: str) -> int:
+    """The weights' bytes read ``from_file`` into the device (or copied ``from_vram``) between two statuses."""
+    return int((after.get("reads") or {}).get(which, 0)) - int((before.get("reads") or {}).get(which, 0))
+
+
+def calls(after: dict[str, Any], before: dict[str, Any]) -> tuple[int, int]:
+    """The facade's ``vbar_fault`` and ``vbar_unpin`` calls between two statuses."""
+    a, b = after.get("calls") or {}, before.get("calls") or {}
+    return (int(a.get("vbar_fault", 0)) - int(b.get("vbar_fault", 0)),
+            int(a.get("vbar_unpin", 0)) - int(b.get("vbar_unpin", 0)))
 
 
 def run_weights(name: str, env: dict[str, str], *, trees: harness.Trees, python: harness.ComfyPython, logs: Path,
@@ -458,9 +475,14 @@ class Step:
     delegates: list[dict[str, Any]] = field(default_factory=list)  # Hook delegates their owners still hold
     delegates_alive: int = 0  # Hook delegates' models anything still keeps alive
     answer: Any = None
-    #: the status's models by id (each ModelVBAR has its own): name, state, resident bytes and ``held``
+    #: the status's models by id (each ModelVBAR has its own): name, state, resident bytes, ``held`` and ``path``
     by_id: dict[str, dict[str, Any]] = field(default_factory=dict)
     resident: int = 0  # the device's resident bytes after the step (the ledger's account)
+    faults: int = 0  # the facade's vbar_fault calls during the step
+    unpins: int = 0
+    cached: int = 0  # bytes of dropped models' weights kept as cache after the step (issue 41, item 2)
+    from_file: int = 0  # weights' bytes read from their file into the device during the step
+    from_vram: int = 0  # weights' bytes copied on the device from VRAM that held them instead
 
 
 @dataclass
@@ -489,8 +511,11 @@ def _seen(kind: str, label: str, server: harness.Server, before: dict[str, Any],
                 budget=next(iter((st.get("budgets") or {}).values()), {}),
                 delegates=list(st.get("delegates") or []), delegates_alive=int(st.get("delegates_alive") or 0),
                 by_id={k: {"name": m.get("name"), "state": m.get("state"), "resident": m.get("resident"),
-                           "held": m.get("held")} for k, m in (st.get("models") or {}).items()},
-                resident=sum(int(m.get("resident") or 0) for m in (st.get("models") or {}).values()))
+                           "held": m.get("held"), "path": m.get("path")} for k, m in (st.get("models") or {}).items()},
+                resident=sum(int(m.get("resident") or 0) for m in (st.get("models") or {}).values()),
+                faults=calls(st, before)[0], unpins=calls(st, before)[1],
+                cached=sum(int(c.get("bytes") or 0) for c in (st.get("cache") or {}).values()),
+                from_file=reads(st, before, "from_file"), from_vram=reads(st, before, "from_vram"))
 
 
 def run_script(name: str, env: dict[str, str], script: list[tuple[str, str, Any]], *, trees: harness.Trees,
