@@ -26,6 +26,9 @@ parameters and methods:
   plain read into host memory, then a copy to the device range. :func:`cleanup_file_reader`
   has no staging ring to give back.
 
+A read bound for the device whose bytes VRAM holds already (a model ComfyUI dropped and loads again from the
+same file) is copied on the device instead (:mod:`.reuse`): nothing is read from the file.
+
 Exceptions are aimdo's (``RuntimeError`` with aimdo's messages), so ComfyUI's
 own handling of them applies unchanged.
 """
@@ -38,6 +41,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
@@ -55,6 +59,9 @@ def _address(buf: Any) -> int:
 class VRAMBuffer:
     """comfy-aimdo's ``VRAMBuffer(max_size, device)`` over torch-allocated device memory."""
 
+    #: the buffers alive in this process (:meth:`holding`)
+    _live: "weakref.WeakSet[VRAMBuffer]" = weakref.WeakSet()
+
     def __init__(self, max_size, device):
         rt = current()
         if rt is None or rt.session is None:
@@ -65,6 +72,17 @@ class VRAMBuffer:
         self._blocks: dict[int, Any] = {}  # offset -> uint8 tensor
         self._allocated = 0
         self.base_addr = 0
+        VRAMBuffer._live.add(self)
+
+    @classmethod
+    def holding(cls, ptr: int) -> bool:
+        """Whether ``ptr`` is inside a block of a live cast buffer (device memory of ComfyUI's cast path)."""
+        for buf in list(cls._live):
+            for block in list(buf._blocks.values()):
+                start = int(block.data_ptr())
+                if start <= ptr < start + block.numel():
+                    return True
+        return False
 
     def size(self):
         return self._allocated
@@ -144,9 +162,12 @@ class HostBuffer:
         size, offset, file_offset = int(size), int(offset), int(file_offset)
         if offset < 0 or size < 0 or offset + size > self._capacity:
             raise RuntimeError("HostBuffer.read_file_slice failed")
-        _read_into(file_obj, memoryview(self._map)[offset:offset + size], file_offset, "HostBuffer.read_file_slice")
-        if device_ptr:
-            _to_device(self._base + offset, size, device_ptr, device)
+        if not (device_ptr and _from_vram(file_obj, file_offset, size, device_ptr, device, self._base + offset)):
+            _read_into(file_obj, memoryview(self._map)[offset:offset + size], file_offset,
+                       "HostBuffer.read_file_slice")
+            if device_ptr:
+                _to_device(self._base + offset, size, device_ptr, device)
+                _read_to_device(file_obj, file_offset, size, device_ptr)
         self.size = max(self.size, offset + size)
 
     def register(self, offset, size):
@@ -256,6 +277,20 @@ def _to_device(host_address: int, size: int, device_ptr: int, device: Any) -> No
     tensor_at(int(device_ptr), size, dev, where=where).copy_(tensor_at(host_address, size, "cpu:0"))
 
 
+def _from_vram(file_obj: Any, file_offset: int, size: int, device_ptr: int, device: Any, host: int = 0) -> bool:
+    """Whether these bytes of the file were copied on the device (and to ``host``) from VRAM that holds them
+    already (:class:`~.reuse.Reuse`): then nothing is read."""
+    rt = current()
+    return rt is not None and rt.reuse.read(file_obj, file_offset, size, int(device_ptr), device, host)
+
+
+def _read_to_device(file_obj: Any, file_offset: int, size: int, device_ptr: int) -> None:
+    """The file's bytes were just read into ``device_ptr``: counted, and known there (:class:`~.reuse.Reuse`)."""
+    rt = current()
+    if rt is not None:
+        rt.reuse.wrote(file_obj, file_offset, size, int(device_ptr))
+
+
 def read_file_to_device(file_obj, file_offset, size, stream, device_ptr, device, mark_cold=True):
     """comfy-aimdo's ``host_buffer.read_file_to_device``: ``size`` bytes of the file at ``file_offset`` into
     device memory at ``device_ptr``. Synchronous (``stream`` is accepted; the copy is done on return);
@@ -263,12 +298,13 @@ def read_file_to_device(file_obj, file_offset, size, stream, device_ptr, device,
     size = int(size)
     if size < 0 or int(file_offset) < 0:
         raise RuntimeError("hostbuf_file_reader_read failed")
-    if size == 0:
+    if size == 0 or _from_vram(file_obj, int(file_offset), size, device_ptr, device):
         return
     bounce = mmap.mmap(-1, size)
     try:
         _read_into(file_obj, memoryview(bounce), int(file_offset), "hostbuf_file_reader_read")
         _to_device(_address(bounce), size, device_ptr, device)
+        _read_to_device(file_obj, int(file_offset), size, device_ptr)
     finally:
         try:
             bounce.close()

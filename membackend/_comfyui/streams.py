@@ -155,6 +155,20 @@ class CopyFences:
             self._tokens[key] = (stream, token)
             self.recorded += 1
 
+    def fence_range(self, reservation: Any, where: str) -> None:
+        """Fence ``reservation`` by everything queued so far on the current stream of ``where`` (a copy read
+        from its pages): a free or release of it waits for that work."""
+        if not self.enabled:
+            return
+        stream = self.stream_for(where)
+        if stream is None:
+            return
+        try:
+            self.residency.session.record(reservation, StreamToken(stream))
+            self.recorded += 1
+        except ReservationReleased:
+            return  # released meanwhile: its release fenced
+
     def forget(self, model: Any) -> None:
         with self._lock:
             for key in [k for k in self._tokens if k[0] == model.id]:

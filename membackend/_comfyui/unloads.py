@@ -203,6 +203,15 @@ class Unloader:
         try:
             if model not in residency.models():
                 return 0
+            kept = residency.cache(model)  # its weights' pages kept as reclaimable cache (issue 41, item 2)
+            if kept:
+                rt.journal.names[model.id] = f"{name} (dropped)"  # still listed, as cache, until it goes
+                rt.journal.unloaded({"model": model.id, "device": str(dev), "bytes": 0, "reservations": 0,
+                                     "reserved_bytes": 0, "reason": "dropped by ComfyUI; its weights kept as cache",
+                                     "time": time.time(), "name": name}, dropped=True)
+                say(f"{name} dropped by ComfyUI: {gb(kept)} of its weights kept on {dev} as cache (reclaimable: "
+                    "it goes first when memory is wanted, and a load of the same file copies from it)")
+                return 1
             unloaded = residency.full_unload_unless_pinned(model)
             residency.unregister(model)  # what was pinned goes too: the VBAR is closed, no unpin will come
         except Exception as exc:  # noqa: BLE001 - told, retried between nodes; ComfyUI is never stopped by it

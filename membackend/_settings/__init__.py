@@ -96,6 +96,7 @@ if TYPE_CHECKING:  # built by model.models() on first use; the names resolve thr
         headroom: int | None
         page_size: int
         host_capacity: int | None
+        keep_dropped: str | int
         sim_profile: str | None
         probe_timeout: float
         sanitize: bool

@@ -348,6 +348,18 @@ def _luid(value: Any) -> str:
 
 #: the rules a platform may use for the settings it declares (:mod:`membackend.platform` exports them)
 size = Rule("size", parse_bytes, SIZE_ACCEPTED)
+
+KEEP_DROPPED_ACCEPTED = f"auto, off, or a size ({SIZE_ACCEPTED}): at most that much per device"
+
+
+def _keep_dropped(value: Any) -> str | int:
+    """``keep_dropped``: ``"auto"``, ``"off"`` (any case, surrounding spaces ignored) or a size in bytes."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+        return value.strip().lower()
+    try:
+        return parse_bytes(value)
+    except RuleError:
+        raise RuleError(f"{quoted(value)} is neither auto, off nor a size") from None
 flag = Rule("flag", _flag, FLAG_ACCEPTED)
 name = Rule("name", _name, "lower-case letters, digits, '_' and '-', starting with a letter")
 seconds = Rule("seconds", _seconds, f"a number of seconds, > {PROBE_TIMEOUT_ABOVE} and <= {PROBE_TIMEOUT_MAX}")
@@ -485,6 +497,10 @@ FIELDS: tuple[Field, ...] = (
                           "(Platform.page_size)", int),
     Field("host_capacity", size.or_none(), None, "cap on what the host backend may keep resident (default: no cap)",
           int | None),
+    Field("keep_dropped", Rule("cache size", _keep_dropped, KEEP_DROPPED_ACCEPTED), "auto",
+          "the weights of models ComfyUI dropped, kept in VRAM as reclaimable cache so that loading the same file "
+          "again reads nothing (auto: as the room allows; off: none; a size: at most that per device)",
+          str | int),
     Field("sim_profile", name.or_none(), None,
           "run GPU backends on a simulated machine; the names are checked where the simulation lives, when "
           "backends are loaded", str | None, accepted_text="wddm-6gb, rocm-win-2gpu, gb10-128gb, h200, mi100-novmm"),

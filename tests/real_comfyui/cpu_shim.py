@@ -3,7 +3,7 @@
 ComfyUI runs its dynamic path (a ``ModelPatcherDynamic`` whose weights live in a ``ModelVBAR``, faulted,
 copied and cast layer by layer) only on a GPU. This machine has none, so the real-ComfyUI suite starts
 ComfyUI with ``--cpu`` and lets membackend's simulated GPUs (which hold real bytes, read by torch as CPU
-tensors) stand below it. What stands between ComfyUI's own code and that path are four explicit CPU
+tensors) stand below it. What stands between ComfyUI's own code and that path are its explicit CPU
 checks; this module rewrites exactly those lines of the tree's source as it is imported:
 
 * ``comfy/model_patcher.py``, ``ModelPatcherDynamic.__new__``: the reroute of a CPU load device to a plain
@@ -14,7 +14,11 @@ checks; this module rewrites exactly those lines of the tree's source as it is i
 * ``comfy/ops.py``, ``cast_bias_weight``: the branch that copies a VBAR-backed layer's weights for a CPU
   device, and the test that sends a layer through the VBAR path only when its weights sit on another
   device than the compute device (on a GPU always true for such a layer: its weights stay on the offload
-  device; with ``--cpu`` both are the CPU).
+  device; with ``--cpu`` both are the CPU);
+* ``comfy/memory_management.py``, ``read_tensor_file_slice_into``: the three tests of a destination's device type
+  that decide whether a weight is read from its file to the device (``read_file_to_device``, or
+  ``HostBuffer.read_file_slice`` with a device pointer): asked of membackend's session instead
+  (:func:`on_device`: the simulated device's pages are CPU tensors), so the reads a GPU makes are made here too.
 
 Each rewrite names the exact text it replaces. When the tree's text no longer matches (ComfyUI changed the
 code), the import fails with :class:`ShimMismatch` naming the file, the check and the text it looked for,
@@ -58,7 +62,38 @@ LIFTS: tuple[tuple[str, str, str, str], ...] = (
     ("comfy.ops", "cast_bias_weight: the VBAR path only for weights on another device than the compute device",
      "    elif hasattr(s, \"_v\") and s.weight.device != device:\n",
      "    elif hasattr(s, \"_v\"):  # membackend test shim: with --cpu both devices are the CPU\n"),
+    # comfy/memory_management.py, read_tensor_file_slice_into: a weight is read from its file into device memory
+    # (comfy-aimdo's read_file_to_device, or HostBuffer.read_file_slice through a pin) only where the
+    # destination's device type is not "cpu"; the simulated device's pages are CPU tensors, so its "is this the
+    # device" is asked of membackend's session instead (on_device below)
+    ("comfy.memory_management", "read_tensor_file_slice_into: the module that asks (the shim's on_device)",
+     "import comfy_aimdo.host_buffer\n",
+     "import comfy_aimdo.host_buffer\nimport membackend_cpu_shim  # membackend test shim: the device checks below\n"),
+    ("comfy.memory_management", "read_tensor_file_slice_into: a lone device destination is read to the device",
+     "    if destination is not None and destination.device.type != \"cpu\" and destination2 is None:\n",
+     "    if destination is not None and membackend_cpu_shim.on_device(destination) and destination2 is None:\n"),
+    ("comfy.memory_management", "read_tensor_file_slice_into: the host destination is not device memory",
+     "            or (destination is not None and (destination.device.type != \"cpu\" or ",
+     "            or (destination is not None and (membackend_cpu_shim.on_device(destination) or "),
+    ("comfy.memory_management", "read_tensor_file_slice_into: the device destination is device memory",
+     "            or (destination2 is not None and (destination2.device.type == \"cpu\" or ",
+     "            or (destination2 is not None and (not membackend_cpu_shim.on_device(destination2) or "),
 )
+
+
+def on_device(tensor: Any) -> bool:
+    """Whether ``tensor``'s bytes are the simulated device's -- inside a live reservation of membackend's session
+    (a model's VBAR pages) or a block of one of its cast buffers (``VRAMBuffer``) -- which is what
+    ``tensor.device.type != "cpu"`` tells on a GPU."""
+    from membackend._comfyui.buffers import VRAMBuffer
+    from membackend._comfyui.runtime import current
+
+    rt = current()
+    session = getattr(rt, "session", None)
+    if session is None:
+        return False
+    ptr = tensor.data_ptr()
+    return any(r.base <= ptr < r.base + r.size for r in session.reservations()) or VRAMBuffer.holding(ptr)
 
 
 class ShimMismatch(ImportError):
