@@ -184,6 +184,7 @@ def weight_models(rc_settings: Settings, comfy_python: harness.ComfyPython, tree
         pytest.fail(f"could not build the test models: {exc}", pytrace=False)
     for tree in (trees.stock, trees.node):
         weights.model_paths(tree, folder)
+    built["folder"] = str(folder)  # where the model files are (a test that changes one finds it here)
     report.put("models", built)
     return built
 

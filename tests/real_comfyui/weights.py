@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -522,8 +524,9 @@ def run_script(name: str, env: dict[str, str], script: list[tuple[str, str, Any]
                python: harness.ComfyPython, logs: Path, flags: tuple[str, ...] = DYNAMIC_FLAGS) -> Scripted:
     """Serve the node tree with ``env`` and the CPU shim and run ``script``: ``(kind, label, arg)`` steps,
     ``prompt`` (arg: a workflow), ``headroom`` (arg: bytes for ``POST /membackend/headroom`` on the first
-    device, or a function of the run so far that answers them) or ``free`` (``POST /free`` unloading every
-    model, then waiting for the reservations to go)."""
+    device, or a function of the run so far that answers them), ``free`` (``POST /free`` unloading every
+    model, then waiting for the reservations to go) or ``call`` (arg: a function run here, e.g. one that
+    rewrites a model file)."""
     got = Scripted(name, env, flags)
     log = logs / f"script-{harness.safe_name(name)}.log"
     t0 = time.monotonic()
@@ -545,6 +548,8 @@ def run_script(name: str, env: dict[str, str], script: list[tuple[str, str, Any]
                         raise harness.HarnessError(f"POST /membackend/headroom answered {code}: {answer}")
                 elif kind == "free":
                     st, answer = free_all(server)
+                elif kind == "call":  # arg: a function of nothing, run here (a change to a model file)
+                    answer = arg()
                 else:
                     raise harness.HarnessError(f"unknown step kind {kind!r}")
                 seen = _seen(kind, label, server, before, status(server))
@@ -588,13 +593,76 @@ def decode_cap(run: "Scripted") -> int:
 #: models first), everything else as :data:`DYNAMIC_FLAGS`
 DEFAULT_CACHE_FLAGS = ("--cpu", "--enable-dynamic-vram", "--use-pytorch-cross-attention")
 
-#: issue 34, item 4: the checkpoint, another model's workflow (under the default cache ComfyUI drops the
-#: checkpoint's models meanwhile), the checkpoint again (new models made from the same file)
-DROPPED: list[tuple[str, str, Any]] = [
-    ("prompt", "txt2img", txt2img_workflow(FIRST_SEED, "mb_drop_a")),
-    ("prompt", "vae", vae_roundtrip(SD1_VAE, FIRST_SEED, "mb_drop_vae")),
-    ("prompt", "txt2img again", txt2img_workflow(SECOND_SEED, "mb_drop_b")),
-]
+def lora_workflow(seed: int, prefix: str, checkpoint: str = CHECKPOINT_FP32) -> dict[str, Any]:
+    """:func:`txt2img_workflow` with the test LoRA on the UNet (``LoraLoaderModelOnly``): ComfyUI's dynamic path
+    writes each patched weight into its VBAR range after copying it in."""
+    wf = txt2img_workflow(seed, prefix, checkpoint=checkpoint)
+    wf["11"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": LORA,
+                                                                  "strength_model": 1.0}}
+    wf["5"]["inputs"]["model"] = ["11", 0]
+    return wf
+
+
+def rewrite(path: Path) -> str:
+    """The file written again in place with the same bytes: the same inode and size, a new ``mtime_ns``."""
+    data = path.read_bytes()
+    before = path.stat().st_mtime_ns
+    time.sleep(0.02)
+    with open(path, "r+b") as f:
+        f.write(data)
+    if path.stat().st_mtime_ns == before:  # a coarse clock: move it on
+        os.utime(path, ns=(time.time_ns(), before + 1_000_000))
+    st = path.stat()
+    return f"rewritten: inode {st.st_ino}, {st.st_size} bytes, mtime_ns {before} -> {st.st_mtime_ns}"
+
+
+def replace(path: Path) -> str:
+    """The file replaced by a copy of itself: the same bytes, size and ``mtime_ns``, another inode."""
+    before = path.stat()
+    other = path.with_name(path.name + ".new")
+    shutil.copy2(path, other)
+    os.replace(other, path)
+    st = path.stat()
+    return f"replaced: inode {before.st_ino} -> {st.st_ino}, mtime_ns {before.st_mtime_ns} -> {st.st_mtime_ns}"
+
+
+def dropped_script(models: Path) -> list[tuple[str, str, Any]]:
+    """Issue 41, item 2, under ComfyUI's default cache (a workflow with another model drops the checkpoint's
+    models after its first node; the checkpoint's next prompt makes new models from the file): the checkpoint
+    stored as the CPU computes it (fp32, so that every weight is read as it is stored, as SD1.5's fp16 weights
+    are on a GPU); the SD1 VAE's workflow; the checkpoint again (read from VRAM); again after the file was
+    rewritten (a new mtime), and after it was replaced (a new inode); with a LoRA on the UNet, then plain (the
+    patched weights read anew); then a cap the cache alone makes room for, and ``POST /free``."""
+    ckpt = models / "checkpoints" / CHECKPOINT_FP32
+
+    def vae(seed: int) -> dict[str, Any]:
+        return vae_roundtrip(SD1_VAE, seed, f"mb_drop_vae{seed}")
+
+    return [
+        ("prompt", "txt2img", txt2img_workflow(1, "mb_drop_a", checkpoint=CHECKPOINT_FP32)),
+        ("prompt", "vae", vae(1)),
+        ("prompt", "txt2img again", txt2img_workflow(2, "mb_drop_b", checkpoint=CHECKPOINT_FP32)),
+        ("prompt", "vae 2", vae(2)),
+        ("call", "rewrite", lambda: rewrite(ckpt)),
+        ("prompt", "txt2img rewritten", txt2img_workflow(3, "mb_drop_c", checkpoint=CHECKPOINT_FP32)),
+        ("prompt", "vae 3", vae(3)),
+        ("call", "replace", lambda: replace(ckpt)),
+        ("prompt", "txt2img replaced", txt2img_workflow(4, "mb_drop_d", checkpoint=CHECKPOINT_FP32)),
+        ("prompt", "lora", lora_workflow(5, "mb_drop_e")),
+        ("prompt", "vae 4", vae(4)),
+        ("prompt", "txt2img after the lora", txt2img_workflow(6, "mb_drop_f", checkpoint=CHECKPOINT_FP32)),
+        ("prompt", "vae 5", vae(5)),
+        ("headroom", "cap", cache_cap),
+        ("free", "free", None),
+    ]
+
+
+def cache_cap(run: "Scripted") -> int:
+    """A headroom that leaves room for what is resident now but the cache (one byte of it aside): the cache
+    alone makes that room, and it goes whole model by whole model."""
+    last = run.steps[-1]
+    b = last.budget
+    return int(b["free"]) + last.cached - 1
 
 #: the seed reports as scripted runs: name -> (environment, extra ComfyUI flags, the script)
 SEEDS: dict[str, tuple[dict[str, str], tuple[str, ...], list[tuple[str, str, Any]]]] = {
