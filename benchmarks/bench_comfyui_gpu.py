@@ -6,8 +6,14 @@ ComfyUI's own classes from seeded random weights (the real-tree suite's SD1.5-sh
 and the SD1 VAE, in fp16, and the SD1 VAE alone); nothing is downloaded. The configurations and their phases:
 
 * ``default`` (ComfyUI's default cache): ``cold`` (the first txt2img), ``warm`` (``--warm`` more seeds),
-  ``other model`` (an SD1 VAE round trip: the default cache drops the checkpoint), ``first again`` (txt2img:
-  the checkpoint loaded again from its file), ``after free`` (``POST /free``, then txt2img);
+  ``warm, profiled`` (one more, membackend's side under ``cProfile``: the Python time spent in membackend's own
+  code, from the custom node ``comfyui_profile_node.py`` installed beside membackend's), ``other model`` (an SD1
+  VAE round trip: the default cache drops the checkpoint), ``first again`` (txt2img: the checkpoint loaded
+  again from its file), ``after free`` (``POST /free``, then txt2img);
+* ``cache`` (issue 41, item 2): membackend beside membackend with ``keep_dropped = "off"``, ``cold``, ``other
+  model``, ``first again`` and ``warm``: what the cache of dropped weights saves, images compared between the
+  two (under ``--standin`` with the checkpoint stored in fp32, as the CPU computes it: an fp16 checkpoint's
+  weights are cast there, and a cast is never reused);
 * ``lru`` (``--cache-lru 8``: ComfyUI keeps the models): ``cold``, ``other model``, ``first again``;
 * ``cap`` (``--reserve-vram`` leaving ``--room`` GiB of the card): ``cold``, ``warm``, ``other model``,
   ``first again``, ``after free`` -- the two sides one after the other, since the driver's free figure is
@@ -18,8 +24,11 @@ and the SD1 VAE, in fp16, and the SD1 VAE alone); nothing is downloaded. The con
 The two sides of ``default`` and ``lru`` are served at once and their prompts alternate (never overlapping),
 so drift on a shared machine falls on both. Per phase it reports ComfyUI's own prompt times ("Prompt executed
 in"), the image's sha256 and, where the two sides differ, the largest and mean pixel difference, the ComfyUI
-process's device memory at the phase's end and its peak during the phase (NVML, or ``nvidia-smi``), and
-membackend's loaded bytes (its status route). Every membackend image is also compared with stock's of the
+process's device memory at the phase's end and its peak during the phase (NVML, or ``nvidia-smi``), and from
+membackend's status route: its loaded bytes, ComfyUI's ``vbar_fault``/``vbar_unpin`` calls and the driver's
+calls, the models on ComfyUI's classic path, the weights' bytes read from their file and copied from VRAM
+instead, and the bytes held as cache and by live models. Issue 41's targets (membackend's warm prompt against
+stock's classic path, the first model again and cold against stock dynamic, the cap phases) close the table. Every membackend image is also compared with stock's of the
 same phase of ``default`` (the cap must not change an image). It writes ``comfyui-gpu.json`` and
 ``comfyui-gpu.md`` into ``--out`` and prints the markdown.
 
@@ -233,6 +242,17 @@ def serve(tree: Path, flags: list[str], env: dict[str, str], log: Path) -> Itera
                     proc.wait(timeout=harness.STOP_GRACE)
 
 
+def _delta(after: dict[str, Any], before: dict[str, Any], group: str, key: str) -> int:
+    return int((after.get(group) or {}).get(key) or 0) - int((before.get(group) or {}).get(key) or 0)
+
+
+def _driver_calls(st: dict[str, Any]) -> int:
+    """Every driver API call membackend's backend made so far, on every device (the status's ``kept``)."""
+    return sum(int(n or 0) for d in (st.get("kept") or {}).values() for n in (d.get("calls") or {}).values())
+
+
+PROFILE_NODE = Path(__file__).resolve().parent / "comfyui_profile_node.py"
+
 # ---------------------------------------------------------------------------------------------- the check
 
 
@@ -249,6 +269,20 @@ class Step:
     peak_vram: int | None = None
     loaded: int | None = None  # membackend's newly backed bytes in the phase
     status: dict[str, Any] = field(default_factory=dict)  # membackend's budget and models at the phase's end
+    # issue 41, membackend's side, per prompt of the phase (the last one's): ComfyUI's vbar_fault and vbar_unpin
+    # calls and the driver's API calls; the models on ComfyUI's classic path at the end
+    faults: int | None = None
+    unpins: int | None = None
+    driver_calls: int | None = None
+    classic: list[str] = field(default_factory=list)
+    # issue 41, item 2: the weights' bytes read from their file into the device and copied from VRAM instead in
+    # the phase; at its end the bytes held as cache (reclaimable) and by live models
+    from_file: int | None = None
+    from_vram: int | None = None
+    cached: int | None = None
+    held: int | None = None
+    #: the profiled prompt's figures (benchmarks/comfyui_profile_node.py): Python time in membackend
+    profile: dict[str, Any] | None = None
 
 
 @dataclass
@@ -267,9 +301,12 @@ class Check:
 
     # -- workflows
 
-    def txt2img(self, seed: int) -> dict[str, Any]:
+    def txt2img(self, seed: int, config: str = "default") -> dict[str, Any]:
         a = self.args
-        wf = weights.txt2img_workflow(seed, "mb_gpu_txt2img", steps=a.steps)
+        # the cache's configuration under --standin: the checkpoint stored as the CPU computes it (fp32), so
+        # that its weights are read as they are stored, as SD1.5's fp16 weights are on a GPU
+        ckpt = weights.CHECKPOINT_FP32 if config == "cache" and a.standin else weights.CHECKPOINT
+        wf = weights.txt2img_workflow(seed, "mb_gpu_txt2img", steps=a.steps, checkpoint=ckpt)
         wf["10"]["inputs"].update(width=a.size, height=a.size)
         return wf
 
@@ -300,6 +337,17 @@ class Check:
         if after is not None:
             loaded = int(after.get("loaded_bytes") or 0) - int((before or {}).get("loaded_bytes") or 0)
             step.loaded = (step.loaded or 0) + loaded
+            was = before or {}
+            step.faults = _delta(after, was, "calls", "vbar_fault")
+            step.unpins = _delta(after, was, "calls", "vbar_unpin")
+            step.driver_calls = _driver_calls(after) - _driver_calls(was)
+            step.classic = sorted(m.get("name") for m in (after.get("models") or {}).values()
+                                  if m.get("path") == "classic")
+            step.from_file = (step.from_file or 0) + _delta(after, was, "reads", "from_file")
+            step.from_vram = (step.from_vram or 0) + _delta(after, was, "reads", "from_vram")
+            step.cached = sum(int(c.get("bytes") or 0) for c in (after.get("cache") or {}).values())
+            step.held = sum(int(m.get("resident") or 0) for m in (after.get("models") or {}).values()
+                            if m.get("state") != "cached")
             step.status = {"budget": next(iter((after.get("budgets") or {}).values()), None),
                            "reservations": len(after.get("reservations") or []),
                            "models": {m.get("name"): {"size": m.get("size"), "resident": m.get("resident"),
@@ -325,8 +373,11 @@ class Check:
         """``(phase, kind, seed)``: kind ``txt2img``, ``other`` or ``free+txt2img``."""
         warm = [("warm", "txt2img", 100 + i) for i in range(self.args.warm)]
         if config == "default":
-            return [("cold", "txt2img", 1), *warm, ("other model", "other", 1), ("first again", "txt2img", 2),
-                    ("after free", "free+txt2img", 3)]
+            return [("cold", "txt2img", 1), *warm, ("warm, profiled", "profile+txt2img", 200),
+                    ("other model", "other", 1), ("first again", "txt2img", 2), ("after free", "free+txt2img", 3)]
+        if config == "cache":
+            return [("cold", "txt2img", 1), ("other model", "other", 1), ("first again", "txt2img", 2),
+                    ("warm", "txt2img", 3)]
         if config == "lru":
             return [("cold", "txt2img", 1), ("other model", "other", 1), ("first again", "txt2img", 2)]
         if config == "cap":
@@ -360,8 +411,15 @@ class Check:
                             got[name].append(step)
                         if kind == "free+txt2img":
                             self.free(side)
-                        wf = self.other(seed) if kind == "other" else self.txt2img(seed)
+                        wf = self.other(seed) if kind == "other" else self.txt2img(seed, config)
+                        profiled = kind == "profile+txt2img" and side.name == "membackend"
+                        if profiled:
+                            side.server.post("/membackend_bench/profile", {"on": True})
                         self.prompt(side, wf, step, config)
+                        if profiled:
+                            side.server.post("/membackend_bench/profile", {"on": False})
+                            code, profile = side.server.get("/membackend_bench/profile")
+                            step.profile = profile if code == 200 else None
 
     # -- the whole check
 
@@ -396,8 +454,10 @@ class Check:
         harness.writable(base)
         shutil.rmtree(base / "custom_nodes" / "membackend", ignore_errors=True)
         models = self.work / "models"
+        # the fp32 copy (3 GB) only where the cache's configuration reads it (under --standin)
+        fp32 = weights.CHECKPOINT_FP32 if a.standin and "cache" in a.configs.split(",") else ""
         builder = subprocess.Popen([python, "-c", weights.MODELS_CHILD, str(base), str(models), weights.SD1_VAE,
-                                    weights.CHECKPOINT, weights.LORA, ""], cwd=base,  # no fp32 copy: 3 GB unread
+                                    weights.CHECKPOINT, weights.LORA, fp32], cwd=base,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    env={**os.environ, "PYTHONPATH": self.env["PYTHONPATH"],
                                         **({"CUDA_VISIBLE_DEVICES": ""} if a.standin else {})})
@@ -405,6 +465,9 @@ class Check:
         self.stock_tree = base
         subprocess.run([python, "-m", "membackend", "comfyui", "install", str(self.node_tree)], check=True,
                        env={**os.environ, "PYTHONPATH": self.env["PYTHONPATH"]}, capture_output=True, timeout=120)
+        profiler = self.node_tree / "custom_nodes" / "membackend_bench_profile"
+        profiler.mkdir()
+        shutil.copy(PROFILE_NODE, profiler / "__init__.py")
         out, err = builder.communicate(timeout=900)
         if builder.returncode != 0:
             raise harness.HarnessError(f"building the models failed:\n{err[-3000:]}")
@@ -428,6 +491,11 @@ class Check:
         configs = a.configs.split(",")
         if "default" in configs:
             self.run_config("default", self.sides([]), together=True)
+            self.save(round(time.monotonic() - t0, 1))
+        if "cache" in configs:  # issue 41, item 2: membackend with its cache beside membackend without
+            node = self.sides([])["membackend"]
+            off = (node[0], node[1], {**node[2], "MEMBACKEND_KEEP_DROPPED": "off"})
+            self.run_config("cache", {"keep_dropped off": off, "membackend": node}, together=True)
             self.save(round(time.monotonic() - t0, 1))
         if "cap" in configs:  # before lru: the figures a timeout would cut last matter least
             reserve = max(0.0, a.total_gib - a.room)
@@ -461,26 +529,58 @@ class Check:
         rows = []
         reference = {s.phase: s for s in self.results.get("default", {}).get("stock", [])}
         for config, sides in self.results.items():
-            stock = {s.phase: s for s in sides.get("stock", [])}
+            # each membackend side is compared with the configuration's first side (stock's; the cache's own
+            # configuration: membackend with keep_dropped off)
+            first = next(iter(sides), "stock")
+            stock = {s.phase: s for s in sides.get(first, [])}
             for name, steps in sides.items():
                 for s in steps:
                     row: dict[str, Any] = {"config": config, "side": name, **asdict(s)}
-                    ref = stock.get(s.phase) if name != "stock" else None
+                    ref = stock.get(s.phase) if name != first else None
                     if ref is not None and s.seconds and ref.seconds:
                         row["ratio"] = round(s.seconds / ref.seconds, 3)
                     if ref is not None:
                         row["equal"] = s.images == ref.images
                         if not row["equal"] and s.image and ref.image:
-                            row["difference"] = self.diff(self.paths[(config, "stock", ref.image)],
+                            row["difference"] = self.diff(self.paths[(config, first, ref.image)],
                                                           self.paths[(config, name, s.image)])
                     base = reference.get(s.phase)
-                    if config != "default" and base is not None and s.image and s.phase != "warm":
+                    if config not in ("default", "cache") and base is not None and s.image and s.phase != "warm":
                         row["equal_to_default_stock"] = s.image == base.image
                     rows.append(row)
         out = {"seconds": seconds, "python": self.args.python, "size": self.args.size, "steps": self.args.steps,
                "standin": bool(self.args.standin), "vram_from": self.memory.how, "notes": self.notes,
                "models": getattr(self, "models", None), "rows": rows}
+        out["targets"] = targets(rows, bool(self.args.standin))
         return out
+
+
+def targets(rows: list[dict[str, Any]], standin: bool) -> list[dict[str, Any]]:
+    """Issue 41's targets from the rows that are there: each a ``what``, the measured ``ratio`` (membackend's
+    over the reference's prompt time), the ``target`` and the two times."""
+    def find(config: str, side: str, phase: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["config"] == config and r["side"] == side and r["phase"] == phase), None)
+
+    out = []
+
+    def add(what: str, mine: dict[str, Any] | None, ref: dict[str, Any] | None, target: float) -> None:
+        if mine and ref and mine.get("seconds") and ref.get("seconds"):
+            out.append({"what": what, "membackend_s": mine["seconds"], "reference_s": ref["seconds"],
+                         "ratio": round(mine["seconds"] / ref["seconds"], 3), "target": target})
+
+    classic = "stock --cpu (ComfyUI's classic path)" if standin else "stock --disable-dynamic-vram"
+    add(f"warm prompt (median) vs {classic}", find("default", "membackend", "warm"),
+        find("default", "stock", "warm") if standin else find("no dynamic", "stock", "warm"), 1.05)
+    if not standin:
+        add("warm prompt (median) vs stock dynamic", find("default", "membackend", "warm"),
+            find("default", "stock", "warm"), 0.75)
+        add("first model again vs stock dynamic", find("default", "membackend", "first again"),
+            find("default", "stock", "first again"), 0.8)
+        for phase in ("cold", "after free"):
+            add(f"{phase} vs stock dynamic", find("default", "membackend", phase), find("default", "stock", phase), 1.0)
+        for phase in ("cold", "warm", "other model", "first again", "after free"):
+            add(f"cap, {phase} vs stock", find("cap", "membackend", phase), find("cap", "stock", phase), 1.25)
+    return out
 
 
 def markdown(out: dict[str, Any]) -> str:
@@ -494,15 +594,37 @@ def markdown(out: dict[str, Any]) -> str:
              f"{out['size']}x{out['size']}, {out['steps']} steps; device memory from {out['vram_from'] or 'nothing'}; "
              f"{out['seconds']} s in all", ""]
     lines += [f"- {n}" for n in out["notes"]] + [""]
-    lines += ["| config | phase | side | prompt s | ratio | image equal to stock | VRAM end / peak MiB | loaded MB |",
-              "|---|---|---|---|---|---|---|---|"]
+    def mb(v: Any) -> str:
+        return "—" if v is None else f"{v / 1e6:,.0f}"
+
+    def n(v: Any) -> str:
+        return "—" if v is None else f"{v:,}"
+
+    lines += ["| config | phase | side | prompt s | ratio | image equal to the first side | VRAM end / peak MiB | "
+              "loaded MB | faults / unpins / driver calls | classic path | read from file / from VRAM MB | "
+              "cached / held MB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
-        eq = "" if r["side"] == "stock" else ("yes" if r.get("equal") else f"no {r.get('difference')}")
+        eq = "" if "equal" not in r else ("yes" if r.get("equal") else f"no {r.get('difference')}")
         if "equal_to_default_stock" in r:
             eq += f"{'; ' if eq else ''}= default stock: {'yes' if r['equal_to_default_stock'] else 'no'}"
-        loaded = "—" if r["loaded"] is None else f"{r['loaded'] / 1e6:,.0f}"
+        calls = "" if r.get("faults") is None else f"{n(r['faults'])} / {n(r['unpins'])} / {n(r['driver_calls'])}"
+        reads = "" if r.get("from_file") is None else f"{mb(r['from_file'])} / {mb(r['from_vram'])}"
+        kept = "" if r.get("cached") is None else f"{mb(r['cached'])} / {mb(r['held'])}"
         lines.append(f"| {r['config']} | {r['phase']} | {r['side']} | {sec(r['seconds'])} | "
-                     f"{r.get('ratio', '')} | {eq} | {mib(r['vram'])} / {mib(r['peak_vram'])} | {loaded} |")
+                     f"{r.get('ratio', '')} | {eq} | {mib(r['vram'])} / {mib(r['peak_vram'])} | {mb(r['loaded'])} | "
+                     f"{calls} | {', '.join(r.get('classic') or []) if r.get('faults') is not None else ''} | "
+                     f"{reads} | {kept} |")
+    profiled = [r for r in out["rows"] if r.get("profile")]
+    for r in profiled:
+        p = r["profile"]
+        lines += ["", f"Python time in membackend on a profiled warm prompt (cProfile, {r['config']}): "
+                      f"{p.get('membackend_s', 0) * 1000:,.1f} ms of {p.get('total_s', 0) * 1000:,.0f} ms profiled, "
+                      f"in {p.get('calls', 0):,} calls"]
+    if out.get("targets"):
+        lines += ["", "| issue 41 target | membackend s | reference s | ratio | target |", "|---|---|---|---|---|"]
+        lines += [f"| {t['what']} | {t['membackend_s']:.2f} | {t['reference_s']:.2f} | {t['ratio']} | "
+                  f"<= {t['target']} |" for t in out["targets"]]
     return "\n".join(lines) + "\n"
 
 
@@ -535,10 +657,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--room", type=float, default=0.9, help="GiB the cap leaves of the card")
     ap.add_argument("--total-gib", type=float, default=0.0,
                     help="the card's size for the cap (default: NVML's total; under --standin the H200's)")
-    ap.add_argument("--configs", default="default,lru,cap,no dynamic")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated: default, cache, lru, cap, no dynamic (default: default,lru,cap,no dynamic; "
+                         "under --standin: default,cache)")
     ap.add_argument("--standin", action="store_true", help="no GPU: --cpu, a simulated H200 (for the tests)")
     ap.add_argument("--profile", default="h200", help="the simulated machine under --standin")
     a = ap.parse_args(argv)
+    a.configs = a.configs or ("default,cache" if a.standin else "default,lru,cap,no dynamic")
     a.tree = a.tree.resolve()
     a.python = os.path.abspath(a.python) if os.sep in a.python else shutil.which(a.python) or a.python
     if not a.standin:
@@ -558,13 +683,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = check.run()
     except Exception as exc:
+        import traceback
+
         out = check.report(0.0)
         out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc(limit=-6)
     finally:
         harness.kill_all(stop=False)
     print(write(out_dir, out))
     if "error" in out:
-        print(f"error: {out['error']}", file=sys.stderr)
+        print(f"error: {out['error']}\n{out.get('traceback', '')}", file=sys.stderr)
     shutil.rmtree(work / "stock", ignore_errors=True)
     shutil.rmtree(work / "node", ignore_errors=True)
     shutil.rmtree(work / "models", ignore_errors=True)

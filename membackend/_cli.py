@@ -97,6 +97,21 @@ def budgets_report(session: Session) -> list[dict[str, Any]]:
     return rows
 
 
+def cache_report(mgr: BackendManager) -> dict[str, Any]:
+    """What the ``keep_dropped`` setting lets ComfyUI's adapter keep of dropped models' weights (issue 41): the
+    bytes themselves exist only while ComfyUI runs (its status route and memory panel show them per device, as
+    "cached, reclaimable", apart from what live models hold)."""
+    keep = getattr(mgr.settings, "keep_dropped", "auto")
+    if keep == "off":
+        words = "off: a model ComfyUI drops gives its memory back at once, and its file is read again next time"
+    else:
+        bound = "as the room allows" if keep == "auto" else f"at most {_size(int(keep))} per device"
+        words = (f"{keep if keep == 'auto' else _size(int(keep))}: the weights of models ComfyUI drops stay in VRAM {bound}, reclaimable (they go first "
+                 "when memory is wanted; POST /free empties them), and a load of the same file copies from them; "
+                 "while ComfyUI runs its status and memory panel show them apart from live models")
+    return {"keep_dropped": keep, "source": mgr.settings.source_of("keep_dropped"), "line": words}
+
+
 def settings_report(mgr: BackendManager) -> dict[str, Any]:
     """Every setting's value and source: membackend's own (``machine.*`` only where set), then the settings
     each loaded platform declares; the ``MEMBACKEND_*`` variables that no setting reads; the settings tables
@@ -404,6 +419,7 @@ def run(command: str, as_json: bool) -> int:
         out["kept_windows"] = kept_windows_report(session)
         _close(session)
         out["selftest"] = self_test(mgr, machine, sel)
+    out["cache"] = cache_report(mgr)
     if as_json:
         print(json.dumps(out, indent=2, default=str))
     else:
@@ -416,6 +432,7 @@ def run(command: str, as_json: bool) -> int:
             _print_selftest(out["selftest"])
             for row in out["kept_windows"]:
                 print(f"kept address windows: {row['line']}")
+        print(f"cache of dropped weights: {out['cache']['line']}")
     return 0 if session is None or out["selftest"]["ok"] else 1
 
 

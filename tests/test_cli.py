@@ -28,6 +28,21 @@ def test_doctor_passes_its_self_test(capsys):
         assert step in out
 
 
+@pytest.mark.parametrize("setting, words", [(None, "auto: the weights of models ComfyUI drops stay in VRAM as the "
+                                                  "room allows"),
+                                            ("off", "off: a model ComfyUI drops gives its memory back at once"),
+                                            ("3GiB", "3.0 GiB: the weights of models ComfyUI drops stay in VRAM at most 3"
+                                                     ".0 GiB per device")])
+def test_doctor_says_what_the_cache_of_dropped_weights_may_keep(capsys, monkeypatch, setting, words):
+    if setting is not None:
+        monkeypatch.setenv("MEMBACKEND_KEEP_DROPPED", setting)
+    code, out, _ = run(capsys, "doctor")
+    assert code == 0 and f"cache of dropped weights: {words}" in out, out.splitlines()[-1]
+    code, out, _ = run(capsys, "doctor", "--json")
+    assert json.loads(out)["cache"]["keep_dropped"] == ("auto" if setting is None else
+                                                        "off" if setting == "off" else 3 << 30)
+
+
 def test_doctor_json(capsys):
     code, out, _ = run(capsys, "doctor", "--json")
     data = json.loads(out)

@@ -238,6 +238,31 @@ def test_panel_shows_the_address_windows_a_backend_keeps(tmp_path):
         assert not errors, errors
 
 
+def test_panel_shows_the_cache_and_the_models_on_the_classic_path(tmp_path):
+    """Issue 41: the bytes of dropped models kept as cache, apart from what live models hold (the status's
+    ``cache``), a cached model as "cached, reclaimable", and a model ComfyUI runs on its classic path as such."""
+    models = {"vbar-1": {"name": "BaseModel (dropped)", "size": 2 << 30, "resident": 2 << 30, "state": "cached",
+                         "path": "dynamic", "pinned": 0, "evictable": 2 << 30, "held": False, "last_used": None,
+                         "kind": "diffusion", "device": "cuda:0", "address_range": 20 << 30},
+              "vbar-2": {"name": "AutoencoderKL", "size": 300 << 20, "resident": 320 << 20, "state": "warm",
+                         "path": "classic", "pinned": 0, "evictable": 320 << 20, "held": True, "last_used": None,
+                         "kind": "diffusion", "device": "cuda:0", "address_range": 3 << 30}}
+    status = {"running": True, "state": "running", "version": "x", "line": "membackend x: using vmm",
+              "reason": "test", "how_to": "", "backend": "vmm", "models": models, "loads": [], "unloads": [],
+              "budgets": {"cuda:0": {"total": 140 << 30, "free": 137 << 30, "headroom": 1 << 28,
+                                     "usable": 136 << 30, "source": "cuMemGetInfo"}},
+              "headroom": {"cuda:0": {"bytes": 1 << 28, "source": "default", "live": False, "min": 0,
+                                      "max": 140 << 30}},
+              "cache": {"cuda:0": {"bytes": 2 << 30, "keep_dropped": "auto"}}, "history": {}}
+    with _serve_panel(status) as url, _browser(tmp_path) as context:
+        page, errors = _open_panel(context, url, "[data-mb=device]")
+        cached = page.locator("[data-mb=device][data-device='cuda:0'] [data-mb=cached]")
+        assert cached.count() == 1 and cached.get_attribute("data-bytes") == str(2 << 30)
+        states = {page.locator(f"[data-model='{k}'] [data-mb=model-state]").inner_text() for k in models}
+        assert states == {"cached, reclaimable", "warm, classic path, kept warm"}, states
+        assert not errors, errors
+
+
 # ---------------------------------------------------------------------------------------------- the real tree
 
 

@@ -155,3 +155,31 @@ def test_the_stand_ins_give_comfyui_the_names_it_reads_at_start_up(tmp_path):
 def test_the_script_runs_the_comfyui_check_only_when_asked_and_bounds_it():
     text = SCRIPT.read_text()
     assert "--comfyui)" in text and "timeout 420" in text and "bench_comfyui_gpu.py" in text
+
+
+def test_help_names_the_scripts_own_options_and_the_driver_checks():
+    p = subprocess.run([str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "--comfyui TREE" in p.stdout and "--with-tests" in p.stdout, p.stdout
+    assert "--device" in p.stdout, "the driver check's own options follow"
+    assert "{\"skipped\"" not in p.stdout.splitlines()[0], "help runs no check"
+
+
+def test_the_comfyui_checks_targets_come_from_the_rows_that_are_there():
+    spec = importlib.util.spec_from_file_location("membackend_bench_comfyui_gpu", COMFYUI_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def row(config, side, phase, seconds):
+        return {"config": config, "side": side, "phase": phase, "seconds": seconds}
+
+    rows = [row("default", "stock", "warm", 1.41), row("default", "membackend", "warm", 0.98),
+            row("no dynamic", "stock", "warm", 0.96), row("default", "stock", "first again", 2.76),
+            row("default", "membackend", "first again", 2.0)]
+    got = {t["what"]: (t["ratio"], t["target"]) for t in module.targets(rows, standin=False)}
+    assert got["warm prompt (median) vs stock --disable-dynamic-vram"] == (round(0.98 / 0.96, 3), 1.05)
+    assert got["warm prompt (median) vs stock dynamic"] == (round(0.98 / 1.41, 3), 0.75)
+    assert got["first model again vs stock dynamic"] == (round(2.0 / 2.76, 3), 0.8)
+    assert not any(w.startswith("cap") for w in got), "no cap rows: no cap target"
+    standin = module.targets(rows, standin=True)
+    assert [t["what"] for t in standin] == ["warm prompt (median) vs stock --cpu (ComfyUI's classic path)"]

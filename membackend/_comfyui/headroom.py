@@ -29,6 +29,9 @@ class Headroom:
     def __init__(self, runtime: "Runtime"):
         self._rt = runtime
         self._lock = threading.Lock()  # one live change at a time
+        #: devices whose last fit left less free room than the headroom (a model of the run kept its pages):
+        #: fitted again between nodes, and only those (a budget query per node otherwise)
+        self._short: set[Device] = set()
 
     def apply_comfy_flags(self, extra: dict[Device, int]) -> None:
         """ComfyUI's memory flags reach the budget: ``--reserve-vram`` GB is kept free at least (the larger
@@ -112,16 +115,16 @@ class Headroom:
                 "budget": {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
                            "source": b.source}}
 
-    def refit(self) -> int:
-        """Between nodes and when idle: on each served device whose free room is below its headroom (a lowered
-        cap or a budget drop that a model of the run kept from being met), give back what fits no longer, as a
-        live change does. Returns the bytes freed."""
+    def refit(self, every: bool = False) -> int:
+        """Between nodes (and, with ``every``, when idle, on every served device): where the last fit left the free
+        room below the headroom (a lowered cap that a model of the run kept from being met), give back what fits
+        no longer, as a live change does. Returns the bytes freed."""
         rt = self._rt
-        if rt.session is None or rt.residency is None or rt.aborted is not None:
+        if rt.session is None or rt.residency is None or rt.aborted is not None or not (every or self._short):
             return 0
         freed = 0
         with self._lock:
-            for dev in rt.devices:
+            for dev in (rt.devices if every else list(self._short)):
                 freed += self._fit(dev)
         return freed
 
@@ -130,6 +133,7 @@ class Headroom:
         session = self._rt.session
         b = session.budget_query(dev)
         if b.free >= b.headroom:
+            self._short.discard(dev)
             return 0
         reason = f"headroom raised to {gb(b.headroom)} (live)"
         residency = self._rt.policy()
@@ -137,4 +141,9 @@ class Headroom:
         b = session.budget_query(dev)
         if b.free < b.headroom:
             freed += residency.free_memory(b.headroom - b.free, dev, reason=reason)
+            b = session.budget_query(dev)
+        if b.free < b.headroom:
+            self._short.add(dev)
+        else:
+            self._short.discard(dev)
         return freed

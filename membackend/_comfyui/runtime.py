@@ -397,7 +397,7 @@ class Runtime:
         if self.residency is None or self.aborted is not None:
             return 0
         given = self._give_back("prompt queue empty")
-        self.headroom.refit()  # no run now: what a run kept over a lowered cap goes
+        self.headroom.refit(every=True)  # no run now: what a run kept over a cap, or a budget drop, goes
         self.journal.idled(given)
         return given
 

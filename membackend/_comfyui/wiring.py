@@ -224,9 +224,10 @@ def _get_free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Call
     accounts for those itself, and stock's figure does not change with them (``Session.free_for_host``)."""
     def free(d: Any) -> int:
         residency = rt.policy()
-        b = rt.session.budget_query(d)
-        if b.free < b.headroom and residency.cached(d):  # less room than the headroom: the cache goes first
-            residency.drop_cache(d, b.headroom - b.free, "the room fell below the headroom")
+        if residency.cached(d):  # less room than the headroom (another process took it): the cache goes first
+            b = rt.session.budget_query(d)
+            if b.free < b.headroom:
+                residency.drop_cache(d, b.headroom - b.free, "the room fell below the headroom")
         return rt.session.free_for_host(d)
 
     def get_free_memory(dev=None, torch_free_too=False):
@@ -248,8 +249,8 @@ def _free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable
         loaded = mm.current_loaded_models
         before = list(loaded)
         sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
-        if _ours(rt, mm, device):  # the cache goes before ComfyUI's own choice of what to unload
-            dev = rt.device_for(device)
+        if _ours(rt, mm, device) and rt.policy().cached(rt.device_for(device)):
+            dev = rt.device_for(device)  # the cache goes before ComfyUI's own choice of what to unload
             short = min(float(memory_required), 1e19) - rt.session.free_for_host(dev)
             if short > 0:
                 rt.policy().drop_cache(dev, short, "room for a load of ComfyUI's")

@@ -5,7 +5,8 @@
 // Per device: the budget (total, usable, free, the headroom and where it came from), the address windows a
 // backend keeps after release (where it keeps any), a headroom control that
 // changes it live, and a chart of reserved / resident / committed bytes over the last minutes. Then the
-// models (size, resident, pinned / warm / evictable, when last used), the backend (why it was chosen, how to
+// models (size, resident, pinned / warm / cached / evictable, on the classic path, when last used), the bytes of
+// dropped models kept as cache, the backend (why it was chosen, how to
 // change it), the recent loads with the line that says why, the recent unloads and evictions with their
 // cause. When membackend is off or stays out of ComfyUI's way it says so, in the start-up line's words.
 // Colours are ComfyUI's theme variables, so the panel follows its light and dark palettes.
@@ -258,6 +259,7 @@ class Panel {
     const row = (label, value, key, extra) => el("tr", {},
       el("th", { text: label }), el("td", { class: "mb-num", "data-mb": key, "data-bytes": String(value), text: gb(value) }),
       el("td", { class: "mb-muted", text: extra ?? "" }));
+    const cache = (st.cache || {})[dev];
     return el("div", { class: "mb-card", "data-mb": "device", "data-device": dev },
       el("b", { text: dev }), el("span", { class: "mb-muted", text: `  budget from ${b.source}` }),
       el("table", {},
@@ -265,6 +267,9 @@ class Panel {
         row("usable", b.usable, "usable", "free minus headroom: what models may use"),
         row("free", b.free, "free"),
         row("headroom", b.headroom, "headroom"),
+        ...(cache ? [row("cached, reclaimable", cache.bytes, "cached",
+                         `weights of models ComfyUI dropped (keep_dropped = ${cache.keep_dropped}): they go first ` +
+                         "when anything needs the room, and a load of the same file copies from them")] : []),
         ...(b.split ? [
           row("other use", b.split.other, "split-other", "the process's context, activations, cast buffers"),
           row("weights' room", b.split.weights_room, "split-weights-room", "room under the headroom, less other use"),
@@ -312,7 +317,10 @@ class Panel {
         el("td", { text: m.name, title: `${id} (${m.kind}) on ${m.device}; address range ${gb(m.address_range ?? 0)}` }),
         el("td", { class: "mb-num", text: gb(m.size) }),
         el("td", { class: "mb-num", text: gb(m.resident) }),
-        el("td", {}, el("div", { text: m.state + (m.held ? ", kept warm" : "") + (m.pinned ? ` (${gb(m.pinned)} pinned)` : "") }),
+        el("td", {}, el("div", { "data-mb": "model-state", "data-path": m.path ?? "dynamic",
+                                 text: (m.state === "cached" ? "cached, reclaimable" : m.state) +
+                                   (m.path === "classic" ? ", classic path" : "") + (m.held ? ", kept warm" : "") +
+                                   (m.pinned ? ` (${gb(m.pinned)} pinned)` : "") }),
           el("div", { class: "mb-muted", text: `${gb(m.evictable)} evictable · ${ago(m.last_used)}` })))))
       : el("div", { class: "mb-muted", "data-mb": "models-empty",
                     text: "No model streams through membackend yet (ComfyUI loads models on a CPU device itself)." });
