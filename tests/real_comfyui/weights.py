@@ -360,6 +360,10 @@ def _phase(server: harness.Server, seed: int, workflows: dict[str, Callable[[int
     return ph, after
 
 
+def _delta(after: dict[str, Any], before: dict[str, Any], group: str, key: str) -> int:
+    return int((after.get(group) or {}).get(key, 0)) - int((before.get(group) or {}).get(key, 0))
+
+
 def reads(after: dict[str, Any], before: dict[str, Any], which: str) -> int:
     """The weights' bytes read ``from_file`` into the device (or copied ``from_vram``) between two statuses."""
     return int((after.get("reads") or {}).get(which, 0)) - int((before.get("reads") or {}).get(which, 0))
@@ -482,6 +486,8 @@ class Step:
     resident: int = 0  # the device's resident bytes after the step (the ledger's account)
     faults: int = 0  # the facade's vbar_fault calls during the step
     unpins: int = 0
+    promoted: int = 0  # models put on ComfyUI's classic path during the step (issue 41, item 1)
+    demoted: int = 0  # and put back on the dynamic path
     cached: int = 0  # bytes of dropped models' weights kept as cache after the step (issue 41, item 2)
     from_file: int = 0  # weights' bytes read from their file into the device during the step
     from_vram: int = 0  # weights' bytes copied on the device from VRAM that held them instead
@@ -516,6 +522,7 @@ def _seen(kind: str, label: str, server: harness.Server, before: dict[str, Any],
                            "held": m.get("held"), "path": m.get("path")} for k, m in (st.get("models") or {}).items()},
                 resident=sum(int(m.get("resident") or 0) for m in (st.get("models") or {}).values()),
                 faults=calls(st, before)[0], unpins=calls(st, before)[1],
+                promoted=_delta(st, before, "classic", "promoted"), demoted=_delta(st, before, "classic", "demoted"),
                 cached=sum(int(c.get("bytes") or 0) for c in (st.get("cache") or {}).values()),
                 from_file=reads(st, before, "from_file"), from_vram=reads(st, before, "from_vram"))
 
@@ -655,6 +662,40 @@ def dropped_script(models: Path) -> list[tuple[str, str, Any]]:
         ("headroom", "cap", cache_cap),
         ("free", "free", None),
     ]
+
+
+def unet_only_cap(run: "Scripted") -> int:
+    """A headroom that leaves room for the UNet (``BaseModel``) resident now and 64 MiB more: what else is
+    resident goes, and the VAE a decode then loads needs pages of the UNet."""
+    last = run.steps[-1]
+    b = last.budget
+    unet = sum(int(m["resident"] or 0) for m in last.by_id.values() if m["name"] == "BaseModel")
+    return int(b["free"]) + last.resident - unet - (64 << 20)
+
+
+def sample_only_workflow(seed: int, prefix: str) -> dict[str, Any]:
+    """:func:`txt2img_workflow` without its decode: the latent saved (``SaveLatent``), and an ``EmptyImage``
+    saved beside it (so that the prompt saves an image). The UNet is the last model it uses."""
+    wf = txt2img_workflow(seed, prefix)
+    del wf["6"], wf["7"]
+    wf["12"] = {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": prefix}}
+    wf["13"] = {"class_type": "SaveImage", "inputs": {"images": ["10", 0], "filename_prefix": prefix}}
+    return wf
+
+
+#: issue 41, item 1: warm prompts on ComfyUI's classic path; a prompt that uses the UNet last; then a cap with
+#: room for the UNet alone (the least recently used models go), so that the next prompt's sampler runs the
+#: UNet promoted and its VAE decode needs the UNet's pages: the UNet goes back to the dynamic path in the middle
+#: of the prompt
+CLASSIC: list[tuple[str, str, Any]] = [
+    ("prompt", "cold", txt2img_workflow(FIRST_SEED, "mb_classic_a")),
+    ("prompt", "warm", txt2img_workflow(SECOND_SEED, "mb_classic_b")),
+    ("prompt", "sample only", sample_only_workflow(5, "mb_classic_s")),
+    ("headroom", "cap", unet_only_cap),
+    ("prompt", "under the cap", txt2img_workflow(STREAMED_SEED, "mb_classic_c")),
+    ("prompt", "again under the cap", txt2img_workflow(4, "mb_classic_d")),
+    ("free", "free", None),
+]
 
 
 def cache_cap(run: "Scripted") -> int:
