@@ -128,6 +128,9 @@ def test_a_dropped_models_weights_are_copied_on_the_device_not_read_again(rt, ch
     assert rt.reuse.from_vram == checkpoint.stat().st_size
     assert rt.residency.cached(rt.devices[0]) == 0, "the bytes moved: the cached pages went"
     assert [m.id for m in rt.residency.models()] == [again.vbar._model.id]
+    dropped = first.vbar._model.id
+    rt.quiescent()  # between nodes: the name of the cache that went goes too
+    assert dropped not in rt.journal.names
 
 
 def _read_anew(rt, checkpoint, change=None, **second):

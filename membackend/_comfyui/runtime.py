@@ -387,6 +387,7 @@ class Runtime:
         pins to go, and close the run's load records."""
         self.unloader.reap()  # what the reaper has not retired yet (none runs in a runtime made without start())
         self.unloader.run_put_off()
+        self.unloader.forget_cached()  # the names of cached models that went
         self.headroom.refit()  # a cap or budget drop that had to wait for a model's run to end
         self.journal.close_loads(self.residency)  # the node that loaded its models is done: one line per load
         self.sample()

@@ -29,6 +29,8 @@ __all__ = ["Unloader"]
 
 #: the reason a put-off full unload runs with (the per-load line words it too)
 PUT_OFF = "put off until no page was pinned"
+#: what a dropped model kept as cache is called after its name, until the cache goes
+DROPPED = " (dropped)"
 
 
 def _in_finalizer(obj: Any, depth: int = 8) -> bool:
@@ -145,6 +147,19 @@ class Unloader:
         self._rt.vbars.discard(vbar)
         self._retire(model, vbar._dev)
 
+    def forget_cached(self) -> None:
+        """The names of dropped models kept as cache that have gone since (the cache was taken or freed)."""
+        rt = self._rt
+        if rt.residency is None:
+            return
+        names = rt.journal.names
+        dropped = [mid for mid, name in list(names.items()) if name.endswith(DROPPED)]
+        if dropped:
+            registered = {m.id for m in rt.residency.models()}
+            for mid in dropped:
+                if mid not in registered:
+                    names.pop(mid, None)
+
     def reap(self) -> int:
         """Retire every closed VBAR's model waiting on the queue, and the ones whose retirement failed before;
         returns how many were retired. Safe from any thread outside a finalizer."""
@@ -205,7 +220,7 @@ class Unloader:
                 return 0
             kept = residency.cache(model)  # its weights' pages kept as reclaimable cache (issue 41, item 2)
             if kept:
-                rt.journal.names[model.id] = f"{name} (dropped)"  # still listed, as cache, until it goes
+                rt.journal.names[model.id] = f"{name}{DROPPED}"  # still listed, as cache, until it goes
                 rt.journal.unloaded({"model": model.id, "device": str(dev), "bytes": 0, "reservations": 0,
                                      "reserved_bytes": 0, "reason": "dropped by ComfyUI; its weights kept as cache",
                                      "time": time.time(), "name": name}, dropped=True)

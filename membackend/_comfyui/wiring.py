@@ -314,8 +314,11 @@ def _dynamic_load(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callabl
         for v in _vbars_of(patcher):
             rt.classic.demote(v, "loaded again by ComfyUI")
         result = rt.comfy(original, patcher, *args, **kwargs)
-        for v in _vbars_of(patcher):  # which ranges take plain weights (item 2: only those are reused)
-            rt.reuse.layout(patcher, v)
+        try:
+            for v in _vbars_of(patcher):  # which ranges take plain weights (item 2: only those are reused)
+                rt.reuse.layout(patcher, v)
+        except Exception as exc:  # ComfyUI's own load already ran: do not run it twice
+            rt.abort(exc, "reading which of a model's ranges hold plain weights")
         return result
     return load
 
