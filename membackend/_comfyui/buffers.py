@@ -36,6 +36,7 @@ own handling of them applies unchanged.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -43,7 +44,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .runtime import current
 
@@ -130,16 +131,19 @@ class HostBuffer:
     _kept: list[Any] = []
 
     def __init__(self, size, prewarm=0, max_grow_size=0, mark_cold=True):
-        size = int(size)
+        size, prewarm, max_grow_size = _ints("HostBuffer allocation", size, prewarm, max_grow_size)
         self.size = 0
-        self.prewarm = max(0, int(prewarm))
-        self._capacity = max(size, int(max_grow_size), 1)
+        self.prewarm = max(0, prewarm)
+        self._capacity = max(size, max_grow_size, 1)
         #: the byte offset of each extension, ascending: where ComfyUI may have registered a pin
         self._starts: list[int] = []
         self._keep_mapped = False  # set when a registration could not be ended: the memory then stays mapped
+        #: copies reading the buffer now (read_file_slice): close() waits for them, never unmaps under one
+        self._copies = 0
+        self._idle = threading.Condition()
         try:
             self._map: Any = mmap.mmap(-1, self._capacity)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, OverflowError, MemoryError) as exc:
             raise RuntimeError(f"HostBuffer allocation failed ({exc})") from None
         self._base = _address(self._map)
         if size:
@@ -159,16 +163,34 @@ class HostBuffer:
         return start if size else 0
 
     def read_file_slice(self, file_obj, file_offset, size, offset=0, stream=0, device_ptr=0, device=-1):
-        size, offset, file_offset = int(size), int(offset), int(file_offset)
-        if offset < 0 or size < 0 or offset + size > self._capacity:
+        size, offset, file_offset, device_ptr = _ints("HostBuffer.read_file_slice", size, offset, file_offset,
+                                                      device_ptr or 0)
+        if offset < 0 or size < 0 or file_offset < 0 or offset + size > self._capacity:
             raise RuntimeError("HostBuffer.read_file_slice failed")
-        if not (device_ptr and _from_vram(file_obj, file_offset, size, device_ptr, device, self._base + offset)):
-            _read_into(file_obj, memoryview(self._map)[offset:offset + size], file_offset,
-                       "HostBuffer.read_file_slice")
-            if device_ptr:
-                _to_device(self._base + offset, size, device_ptr, device)
-                _read_to_device(file_obj, file_offset, size, device_ptr)
-        self.size = max(self.size, offset + size)
+        with self._copying("HostBuffer.read_file_slice") as mapped:
+            if not (device_ptr and _from_vram(file_obj, file_offset, size, device_ptr, device, self._base + offset)):
+                _read_into(file_obj, memoryview(mapped)[offset:offset + size], file_offset,
+                           "HostBuffer.read_file_slice")
+                if device_ptr:
+                    _to_device(self._base + offset, size, device_ptr, device)
+                    _read_to_device(file_obj, file_offset, size, device_ptr)
+            self.size = max(self.size, offset + size)
+
+    @contextlib.contextmanager
+    def _copying(self, what: str) -> Iterator[Any]:
+        """The mapping, kept mapped until the copy in the ``with`` block is done (``close`` waits for it);
+        aimdo's ``RuntimeError`` when the buffer is closed."""
+        with self._idle:
+            mapped = self._map
+            if mapped is None:
+                raise RuntimeError(f"{what} failed (the HostBuffer is closed)")
+            self._copies += 1
+        try:
+            yield mapped
+        finally:
+            with self._idle:
+                self._copies -= 1
+                self._idle.notify_all()
 
     def register(self, offset, size):
         """Page-locking is ComfyUI's own (``cudaHostRegister``): nothing to do."""
@@ -187,8 +209,15 @@ class HostBuffer:
         self.size = size
 
     def close(self):
-        """Ends what ComfyUI registered in this buffer, then unmaps it (aimdo's ``hostbuf_free``)."""
-        mapped, self._map = self._map, None
+        """Ends what ComfyUI registered in this buffer, then unmaps it (aimdo's ``hostbuf_free``), once every copy
+        reading it on another thread is done; a copy started after it is refused (``RuntimeError``)."""
+        idle = getattr(self, "_idle", None)
+        if idle is None:  # a constructor that failed: nothing was mapped
+            return
+        with idle:
+            mapped, self._map = self._map, None
+            while self._copies:
+                idle.wait()
         starts, self._starts = self._starts, []
         if mapped is None:
             return
@@ -233,6 +262,27 @@ _readers: ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
 
 
+def _ints(what: str, *values: Any) -> list[int]:
+    """``values`` as ints (each at most 2**63 - 1 in size), or aimdo's ``RuntimeError`` naming ``what``."""
+    try:
+        out = [int(v) for v in values]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise RuntimeError(f"{what} failed ({exc})") from None
+    if any(abs(v) >= 1 << 63 for v in out):
+        raise RuntimeError(f"{what} failed (a size or offset beyond 2**63 - 1 bytes)")
+    return out
+
+
+def _forget_readers() -> None:
+    """In a child of ``fork``: the parent's reader threads are not there, so the child makes its own pool."""
+    global _readers, _readers_lock
+    _readers, _readers_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_readers)
+
+
 def _reader_pool() -> ThreadPoolExecutor:
     global _readers
     with _readers_lock:
@@ -263,17 +313,20 @@ def _read_into(file_obj: Any, view: memoryview, file_offset: int, what: str) -> 
         errors = [exc for c in chunks if (exc := c.exception()) is not None]  # waits for every chunk
         if errors:
             raise errors[0]
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, OverflowError, TypeError) as exc:
         raise RuntimeError(f"{what} failed ({exc})") from None
 
 
 def _to_device(host_address: int, size: int, device_ptr: int, device: Any) -> None:
     """Copy ``size`` bytes at ``host_address`` to ``device_ptr`` on ComfyUI's device index ``device``."""
-    from .._tensors import tensor_at
+    from .._tensors import tensor_at, torch_device
 
     rt = current()
     dev = rt.device_for(device) if rt is not None else "cpu:0"
     where = rt.session.tensor_device(dev) if rt is not None and rt.session is not None else None
+    if (where or torch_device(dev)) == "cpu":  # the device's bytes are this process's memory: a plain copy
+        ctypes.memmove(int(device_ptr), host_address, size)  # (torch's thread pool hangs in a child of fork)
+        return
     tensor_at(int(device_ptr), size, dev, where=where).copy_(tensor_at(host_address, size, "cpu:0"))
 
 
@@ -295,16 +348,19 @@ def read_file_to_device(file_obj, file_offset, size, stream, device_ptr, device,
     """comfy-aimdo's ``host_buffer.read_file_to_device``: ``size`` bytes of the file at ``file_offset`` into
     device memory at ``device_ptr``. Synchronous (``stream`` is accepted; the copy is done on return);
     ``mark_cold`` (aimdo's page-cache hint) has no meaning here."""
-    size = int(size)
-    if size < 0 or int(file_offset) < 0:
+    size, file_offset, device_ptr = _ints("hostbuf_file_reader_read", size, file_offset, device_ptr)
+    if size < 0 or file_offset < 0:
         raise RuntimeError("hostbuf_file_reader_read failed")
-    if size == 0 or _from_vram(file_obj, int(file_offset), size, device_ptr, device):
+    if size == 0 or _from_vram(file_obj, file_offset, size, device_ptr, device):
         return
-    bounce = mmap.mmap(-1, size)
     try:
-        _read_into(file_obj, memoryview(bounce), int(file_offset), "hostbuf_file_reader_read")
+        bounce = mmap.mmap(-1, size)
+    except (OSError, ValueError, OverflowError, MemoryError) as exc:
+        raise RuntimeError(f"hostbuf_file_reader_read failed ({exc})") from None
+    try:
+        _read_into(file_obj, memoryview(bounce), file_offset, "hostbuf_file_reader_read")
         _to_device(_address(bounce), size, device_ptr, device)
-        _read_to_device(file_obj, int(file_offset), size, device_ptr)
+        _read_to_device(file_obj, file_offset, size, device_ptr)
     finally:
         try:
             bounce.close()
