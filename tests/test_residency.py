@@ -102,6 +102,17 @@ def load(policy, model):
     return f
 
 
+def loaded(env: Env, fraction: float = 0.3, name: str = "a"):
+    """A fresh session and policy with one model of ``fraction`` of the room, used by a run and loaded whole:
+    ``(session, policy, model)``."""
+    s = env.session()
+    policy = ResidencyManager(s)
+    model = policy.register(name, env.size(fraction), env.device)
+    policy.use([model])
+    load(policy, model)
+    return s, policy, model
+
+
 # --------------------------------------------------------------------------- keep warm (G4)
 
 

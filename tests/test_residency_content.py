@@ -6,7 +6,7 @@ and the cache is bounded by its limit and the budget."""
 from __future__ import annotations
 
 import pytest
-from test_residency import Env, load
+from test_residency import Env, load, loaded
 
 from membackend._residency import ResidencyManager
 from membackend._residency.content import Tags
@@ -56,11 +56,7 @@ def test_a_tag_goes_with_the_backing_of_its_pages(env):
 
 
 def test_a_borrowed_range_is_pinned_viewed_and_never_its_readers_own(env):
-    s = env.session()
-    policy = ResidencyManager(s)
-    a = policy.register("a", env.size(0.3), env.device)
-    policy.use([a])
-    load(policy, a)
+    s, policy, a = loaded(env, 0.3)
     policy.tag(a, 0, env.page, env.device, "k")
     assert policy.borrow(env.device, "k", avoid=(a, 0, env.page)) is None, "a read is never served by itself"
     lent = policy.borrow(env.device, "k")

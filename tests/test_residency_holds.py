@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from test_residency import Env, load
+from test_residency import Env, load, loaded
 
 from membackend._residency import ResidencyManager
 
@@ -106,11 +106,7 @@ def test_the_models_own_requests_end_its_hold_at_once_even_in_the_run(env):
 
 
 def test_keep_warm_a_lowered_cap_and_free_memory_respect_the_run(env):
-    s = env.session()
-    policy = ResidencyManager(s)
-    a = policy.register("a", env.size(0.5), env.device)
-    policy.use([a])
-    load(policy, a)
+    s, policy, a = loaded(env, 0.5)
     holder = Holder(policy, a, env.device)
     holder.take()
     assert policy.free_memory(a.size, env.device) == 0 and not holder.ended, "a model of the run keeps its pages"
@@ -122,11 +118,7 @@ def test_keep_warm_a_lowered_cap_and_free_memory_respect_the_run(env):
 
 
 def test_held_pages_count_as_evictable_and_are_never_shed_while_held(env):
-    s = env.session()
-    policy = ResidencyManager(s)
-    a = policy.register("a", env.size(0.3), env.device)
-    policy.use([a])
-    load(policy, a)
+    s, policy, a = loaded(env, 0.3)
     before = policy.evictable(env.device)
     Holder(policy, a, env.device).take()
     assert policy.evictable(env.device) == before == _resident(policy, a, env.device)
@@ -134,11 +126,7 @@ def test_held_pages_count_as_evictable_and_are_never_shed_while_held(env):
 
 
 def test_a_hold_never_keeps_its_holder_alive_and_a_failing_holder_is_let_go(env, caplog):
-    s = env.session()
-    policy = ResidencyManager(s)
-    a = policy.register("a", env.size(0.3), env.device)
-    policy.use([a])
-    load(policy, a)
+    s, policy, a = loaded(env, 0.3)
     holder = Holder(policy, a, env.device)
     hold = holder.take()
     del holder

@@ -20,14 +20,7 @@ PROFILE = {"MEMBACKEND_SIM_PROFILE": "h200"}
 
 @pytest.fixture(scope="module")
 def classic(trees, comfy_python, report, weight_models):
-    got = weights.run_script("classic", PROFILE, weights.CLASSIC, trees=trees, python=comfy_python,
-                             logs=report.folder / "logs")
-    report.put("classic", got.row())
-    if got.error:
-        pytest.fail(f"classic: {got.error}", pytrace=False)
-    assert not got.exceptions, f"tracebacks in the server's log: {got.exceptions}"
-    assert not any("switched off" in line for line in got.membackend_lines), got.membackend_lines
-    return got
+    return weights.clean_run("classic", PROFILE, weights.CLASSIC, trees=trees, python=comfy_python, report=report)
 
 
 def _figures(got) -> str:

@@ -37,14 +37,8 @@ def models_folder(weight_models):
 
 @pytest.fixture(scope="module")
 def dropped(trees, comfy_python, report, models_folder):
-    got = weights.run_script("dropped-default-cache", PROFILE, weights.dropped_script(models_folder), trees=trees,
-                             python=comfy_python, logs=report.folder / "logs", flags=weights.DEFAULT_CACHE_FLAGS)
-    report.put("dropped", got.row())
-    if got.error:
-        pytest.fail(f"dropped: {got.error}", pytrace=False)
-    assert not got.exceptions, f"tracebacks in the server's log: {got.exceptions}"
-    assert not any("switched off" in line for line in got.membackend_lines), got.membackend_lines
-    return got
+    return weights.clean_run("dropped", PROFILE, weights.dropped_script(models_folder), trees=trees,
+                             python=comfy_python, report=report, flags=weights.DEFAULT_CACHE_FLAGS)
 
 
 def _figures(got) -> str:
@@ -105,11 +99,9 @@ def test_every_image_equals_the_one_read_from_the_file(dropped, trees, comfy_pyt
     saves the same images. (Stock's images of the fp32 checkpoint differ from any dynamic run's in the last bit
     of a few values on a CPU: stock computes from the memory-mapped file in place, whose alignment changes the
     CPU's matrix kernels; see test_seeds.py. The fp16 checkpoint of test_weights.py matches stock bit for bit.)"""
-    off = weights.run_script("dropped-keep-dropped-off", {**PROFILE, "MEMBACKEND_KEEP_DROPPED": "off"},
-                             weights.dropped_script(models_folder), trees=trees, python=comfy_python,
-                             logs=report.folder / "logs", flags=weights.DEFAULT_CACHE_FLAGS)
-    report.put("dropped_off", off.row())
-    assert off.error is None, off.error
+    off = weights.clean_run("dropped_off", {**PROFILE, "MEMBACKEND_KEEP_DROPPED": "off"},
+                            weights.dropped_script(models_folder), trees=trees, python=comfy_python, report=report,
+                            flags=weights.DEFAULT_CACHE_FLAGS)
     assert all(s.from_vram == 0 and s.cached == 0 for s in off.steps), _figures(off)
     assert [s.image for s in dropped.steps if s.kind == "prompt"] == \
         [s.image for s in off.steps if s.kind == "prompt"]

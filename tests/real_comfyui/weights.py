@@ -570,6 +570,21 @@ def run_script(name: str, env: dict[str, str], script: list[tuple[str, str, Any]
     return got
 
 
+def clean_run(name: str, env: dict[str, str], script: list[tuple[str, str, Any]], *, trees: harness.Trees,
+              python: harness.ComfyPython, report: harness.Report, flags: tuple[str, ...] = DYNAMIC_FLAGS) -> Scripted:
+    """:func:`run_script`, its row in the report under ``name``; an error, a traceback in the server's log or
+    the adapter switching itself off fails the calling test (its fixture) with what happened."""
+    import pytest
+
+    got = run_script(name, env, script, trees=trees, python=python, logs=report.folder / "logs", flags=flags)
+    report.put(name, got.row())
+    if got.error:
+        pytest.fail(f"{name}: {got.error}", pytrace=False)
+    assert not got.exceptions, f"tracebacks in the server's log: {got.exceptions}"
+    assert not any("switched off" in line for line in got.membackend_lines), got.membackend_lines
+    return got
+
+
 def stock_images(workflows: list[dict[str, Any]], *, trees: harness.Trees, python: harness.ComfyPython,
                  logs: Path, label: str) -> list[str]:
     """The sha256 of the image each workflow saves in stock ComfyUI (no membackend) under :data:`STOCK_FLAGS`."""
