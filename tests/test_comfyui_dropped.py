@@ -176,6 +176,7 @@ def test_a_failed_retirement_is_told_and_retried_between_nodes(rt, monkeypatch, 
         return real(m)
 
     monkeypatch.setattr(rt.residency, "unregister", failing)
+    rt.journal.names[model.id] = "BaseModel"  # ComfyUI loaded it as its UNet
     rt.unloader.stop_reaper()
     del v
     gc.collect()
@@ -183,5 +184,8 @@ def test_a_failed_retirement_is_told_and_retried_between_nodes(rt, monkeypatch, 
         facade.vbars_reset_watermark_limits()
     assert any("retried at the next node" in r.getMessage() for r in caplog.records)
     assert model in rt.residency.models() and rt.aborted is None
+    # still registered, still named: the status never lists it by its bare id (it did, between the two)
+    assert rt.journal.display_name(model.id) == "BaseModel"
     facade.vbars_reset_watermark_limits()
     assert model not in rt.residency.models() and rt.session.reservations() == []
+    assert model.id not in rt.journal.names, "the name goes with the model"

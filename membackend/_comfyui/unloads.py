@@ -209,17 +209,21 @@ class Unloader:
         copy failed, a driver error) is told and retried at the next quiescent point; a model the adapter no
         longer serves (stopped, or another retirement came first) is only forgotten."""
         rt = self._rt
-        name = rt.journal.forget(model.id)
+        # the name goes with the model, not before: a status taken meanwhile names it, and a retry too
+        name = rt.journal.display_name(model.id)
         residency = rt.residency
         if residency is None or rt.session is None:
+            rt.journal.forget(model.id)
             return 0
         if rt.fences is not None:
             rt.fences.forget(model)
         try:
             if model not in residency.models():
+                rt.journal.forget(model.id)
                 return 0
             kept = residency.cache(model)  # its weights' pages kept as reclaimable cache (issue 41, item 2)
             if kept:
+                rt.journal.forget(model.id)
                 rt.journal.names[model.id] = f"{name}{DROPPED}"  # still listed, as cache, until it goes
                 rt.journal.unloaded({"model": model.id, "device": str(dev), "bytes": 0, "reservations": 0,
                                      "reserved_bytes": 0, "reason": "dropped by ComfyUI; its weights kept as cache",
@@ -229,6 +233,7 @@ class Unloader:
                 return 1
             unloaded = residency.full_unload_unless_pinned(model)
             residency.unregister(model)  # what was pinned goes too: the VBAR is closed, no unpin will come
+            rt.journal.forget(model.id)
         except Exception as exc:  # noqa: BLE001 - told, retried between nodes; ComfyUI is never stopped by it
             with self._retry_lock:
                 self._retry.append((model, dev))

@@ -256,15 +256,17 @@ def rss(server: harness.Server) -> int:
 
 
 def free_all(server: harness.Server, timeout: float = harness.FREE_TIMEOUT * 3) -> tuple[dict[str, Any], float]:
-    """``POST /free`` (unload every model, free memory); the status once no reservation is left (or at the
-    timeout), and how long that took."""
+    """``POST /free`` (unload every model, free memory); the status once no reservation and no model is left
+    (or at the timeout), and how long that took. A model's reservation goes with ComfyUI's unload, the model
+    itself when the garbage collector takes its ModelVBAR and the reaper thread retires it: a status between
+    the two lists it, not resident, with no reservation."""
     code, answer = server.post("/free", {"unload_models": True, "free_memory": True})
     if code != 200:
         raise harness.HarnessError(f"POST /free answered {code}: {answer}")
     t0 = time.monotonic()
     while True:
         st = status(server)
-        if st.get("reservations") == [] or time.monotonic() - t0 > timeout:
+        if (st.get("reservations") == [] and not st.get("models")) or time.monotonic() - t0 > timeout:
             return st, round(time.monotonic() - t0, 2)
         time.sleep(0.25)
 
