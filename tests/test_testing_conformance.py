@@ -290,6 +290,20 @@ def test_a_gpu_backend_without_its_device_is_never_a_silent_green(tmp_path):
                      "status 5 (--membackend-allow-unchecked lets a run that checks nothing pass)"], p.stdout[-2000:]
 
 
+@pytest.mark.kit_long  # the whole kit in a subprocess, twice
+def test_a_platform_tried_on_the_other_vendors_machine_is_told_what_runs_it_and_that_advice_works(tmp_path):
+    """Issue 42: the hint said "--membackend-profile=PROFILE runs them on a simulated machine" to a run that gave
+    one. It names the simulated machine that has no device of the backend's, and the advice it gives passes."""
+    p = _bare_kit(tmp_path, "--membackend-backend=cuda_wddm", "--membackend-profile=rocm-win-2gpu")
+    line = next(x for x in p.stdout.splitlines() if x.startswith("membackend kit: cuda_wddm:rocm-win-2gpu: not "))
+    assert p.returncode == 5 and "serves no device on the simulated rocm-win-2gpu" in line, p.stdout[-2000:]
+    hint = line.rsplit("); ", 1)[1]
+    assert hint == "--membackend-backend=cuda_wddm:all runs them on every simulated machine its probe fits", line
+    followed = _bare_kit(tmp_path, hint.split(" ")[0])
+    assert followed.returncode == 0 and "membackend kit: cuda_wddm:wddm-6gb: checked: " in followed.stdout, \
+        followed.stdout[-2000:]
+
+
 @pytest.mark.kit_long  # the whole kit in a subprocess
 def test_a_run_that_checks_nothing_passes_only_when_asked_to_and_says_so(tmp_path):
     allowed = _bare_kit(tmp_path, "--membackend-backend=cuda_wddm", "--membackend-allow-unchecked")

@@ -51,7 +51,7 @@ from .measure import Truth, budget_problems, host_truth, simulated_truth, tolera
 
 __all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watched_session", "checker_for",
            "Checker", "KernelWatch", "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED",
-           "CHECKED", "UNRUN", "NOT_ITS_MACHINES"]
+           "CHECKED", "UNRUN", "RERUN", "NOT_ITS_MACHINES"]
 
 #: the backends membackend builds in (no entry point to load for them)
 BUILT_IN = ("host", "vmm", "aimdo")
@@ -61,6 +61,8 @@ NOT_CHECKED: dict[str, dict[str, str]] = {}
 CHECKED: dict[str, dict[str, str]] = {}
 #: per target: rules that did not run at all, counted by the reason (printed in the summary: never a silent green)
 UNRUN: dict[str, dict[str, int]] = {}
+#: per target whose rules did not run: what runs them (printed after the count)
+RERUN: dict[str, str] = {}
 #: per backend given with the profile ``all``: the simulated machines its probe refuses, each with the probe's reason
 #: (the kit runs it on the others; printed in the summary as not its machines)
 NOT_ITS_MACHINES: dict[str, dict[str, str]] = {}
@@ -251,8 +253,10 @@ def kit_device(session: Session) -> Device:
     start here (``cuInit``/``hipInit`` fails: the machine facts name a device the driver cannot reach), skips
     the rule, saying so: there is nothing the kit could run it on. Either way the summary counts it."""
     devices = session.devices()
-    why = f"backend {session.name!r} serves no device on this machine" if not devices else None
     checker = _checkers.get(session)
+    profile = checker.target.profile if checker is not None else None
+    where = f"the simulated {profile}" if profile else "this machine"
+    why = f"backend {session.name!r} serves no device on {where}" if not devices else None
     if devices and session.device_kinds != ("cpu",):
         try:
             session.budget_query(devices[0])
@@ -271,7 +275,16 @@ def kit_device(session: Session) -> Device:
         checker.unrun = why  # nothing ran: the teardown checks nothing either
     unrun = UNRUN.setdefault(target, {})
     unrun[why] = unrun.get(why, 0) + 1
-    pytest.skip(f"{why}: nothing to run the rule on; --membackend-profile=PROFILE runs it on a simulated machine")
+    RERUN[target] = rerun_hint(checker.target if checker is not None else Target(session.name))
+    pytest.skip(f"{why}: nothing to run the rule on; {RERUN[target]}")
+
+
+def rerun_hint(target: Target) -> str:
+    """What runs rules that found no device on ``target``: a simulated machine where none was given; where one
+    was (a platform tried on the other vendor's machine), the simulated machines its own probe fits."""
+    if not target.profile:
+        return "--membackend-profile=PROFILE runs them on a simulated machine"
+    return f"--membackend-backend={target.backend}:all runs them on every simulated machine its probe fits"
 
 
 def kernel_visible() -> bool:

@@ -57,7 +57,18 @@ import pytest
 
 from ..types import MembackendError
 from .fixtures import membackend_clean_env, membackend_simulated  # noqa: F401 (registered by this plugin)
-from .harness import CHECKED, NOT_CHECKED, NOT_ITS_MACHINES, UNRUN, Target, build_session, checker_for, resolve_targets
+from .harness import (
+    CHECKED,
+    NOT_CHECKED,
+    NOT_ITS_MACHINES,
+    RERUN,
+    UNRUN,
+    Target,
+    build_session,
+    checker_for,
+    rerun_hint,
+    resolve_targets,
+)
 
 #: the seed of this run's property-based sequences (``--membackend-seed``, else drawn at start-up)
 SEED_KEY = pytest.StashKey[int]()
@@ -237,7 +248,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         if unrun:
             terminalreporter.write_line(f"membackend kit: {target}: not checked: {sum(unrun.values())} rules ("
                                         + "; ".join(f"{why}: {n}" for why, n in sorted(unrun.items()))
-                                        + "); --membackend-profile=PROFILE runs them on a simulated machine")
+                                        + "); " + RERUN.get(target, rerun_hint(Target(target))))
         if skipped:
             terminalreporter.write_line(f"membackend kit: {target}: not checked: "
                                         + ", ".join(f"{k} ({v})" for k, v in sorted(skipped.items())))
