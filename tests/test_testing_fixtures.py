@@ -79,3 +79,16 @@ def test_the_fixture_closes_every_session_it_made(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_made.py"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
+
+
+def test_a_checks_message_gives_sizes_in_a_persons_units_with_the_exact_bytes_beside():
+    """Issue 42: the kit's and the doctor's self-test failures printed raw byte counts (``free=34359738368``)."""
+    from membackend.testing.measure import Truth, budget_problems, sized
+    from membackend.types import Budget
+
+    GiB = 1 << 30
+    truth = Truth(total=24 * GiB, free_low=20 * GiB, free_high=22 * GiB, source="the machine")
+    problems = budget_problems(truth, Budget.of(32 * GiB, 32 * GiB, 0, "test"))
+    assert problems[0] == "total=32.0 GiB (34,359,738,368 bytes) but the machine says 24.0 GiB (25,769,803,776 bytes)"
+    assert problems[1].startswith("free=32.0 GiB (34,359,738,368 bytes) but the machine says at most 22.0 GiB ")
+    assert (sized(640), sized(None)) == ("640 bytes", "unknown")

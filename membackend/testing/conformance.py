@@ -78,7 +78,7 @@ from .harness import (
     resident_pages,
 )
 from .holdings import process_resident
-from .measure import budget_problems, simulated_truth, tolerance_for
+from .measure import budget_problems, simulated_truth, sized, tolerance_for
 from .plugin import RERUNS_KEY, rerun_command
 
 MiB = 1 << 20
@@ -143,7 +143,7 @@ def test_fault_backs_every_touched_page_with_generations(membackend_session):
     again = s.fault(r, 0, 2 * ps)
     assert again.ok and again.generations == f.generations and again.mapped == 0, \
         f"second fault(#{r.id}, 0, {2 * ps}) returned {again!r}; expected ok, generations {f.generations}, mapped 0"
-    assert s.ledger.resident(r) == 2 * ps, f"ledger resident {s.ledger.resident(r)}; expected {2 * ps}"
+    assert s.ledger.resident(r) == 2 * ps, f"ledger resident {sized(s.ledger.resident(r))}; expected {sized(2 * ps)}"
     _verify(s, r.device, f"second fault(#{r.id}, 0, {2 * ps})")
 
 
@@ -152,7 +152,7 @@ def test_a_page_gets_a_new_generation_when_it_gets_new_memory(membackend_session
     r, ps = _pages(s, 2)
     g1 = s.fault(r, 0, 2 * ps).generations
     dropped = s.free(r, ps, ps)
-    assert dropped == ps, f"free(#{r.id}, {ps}, {ps}) of a resident page returned {dropped}; expected {ps}"
+    assert dropped == ps, f"free(#{r.id}, {ps}, {ps}) of a resident page returned {sized(dropped)}; expected {sized(ps)}"
     _verify(s, r.device, f"free(#{r.id}, {ps}, {ps})")
     g2 = s.fault(r, 0, 2 * ps).generations
     assert g2[0] == g1[0] and g2[1] != g1[1], \
@@ -194,10 +194,10 @@ def test_free_drops_pages_and_keeps_the_range(membackend_session):
     s.fault(r, 0, 4 * ps)
     for expected in (2 * ps, 0):
         dropped = s.free(r, 0, 2 * ps)
-        assert dropped == expected, f"free(#{r.id}, 0, {2 * ps}) returned {dropped}; expected {expected}"
+        assert dropped == expected, f"free(#{r.id}, 0, {2 * ps}) returned {sized(dropped)}; expected {sized(expected)}"
         _verify(s, r.device, f"free(#{r.id}, 0, {2 * ps})")
     dropped = s.free(r)
-    assert dropped == 2 * ps, f"free(#{r.id}) of the rest returned {dropped}; expected {2 * ps}"
+    assert dropped == 2 * ps, f"free(#{r.id}) of the rest returned {sized(dropped)}; expected {sized(2 * ps)}"
     assert s.ledger.account(r.device).reserved == r.size
     _verify(s, r.device, f"free(#{r.id})")
     f = s.fault(r, 0, r.size)
@@ -472,7 +472,7 @@ def _budget_falls(s: Session, dev: Device, size: int | None, machine: bool) -> b
         for _ in range(3):
             before, machine_before = s.budget_query(dev), checker.truth(dev)
             f = s.fault(r, 0, size)
-            assert f.ok, f"fault(#{r.id}, 0, {size}) within the budget's usable {before.usable} returned {f!r}"
+            assert f.ok, f"fault(#{r.id}, 0, {size}) within the budget's usable {sized(before.usable)} returned {f!r}"
             now, machine_now = s.budget_query(dev), checker.truth(dev)
             s.free(r)
             fell = before.free - now.free

@@ -47,7 +47,7 @@ from .._settings import load_settings
 from ..hookspec import hookimpl
 from ..types import Device, DriverError, DriverState, FenceToken, PluginError, Reservation
 from .holdings import FDS, MAPS, Held, Holdings, TempWatch, device_number
-from .measure import Truth, budget_problems, host_truth, simulated_truth, tolerance_for
+from .measure import Truth, budget_problems, host_truth, simulated_truth, sized, tolerance_for
 
 __all__ = ["Target", "parse_target", "resolve_targets", "build_session", "watched_session", "checker_for",
            "Checker", "KernelWatch", "driver_view", "inject_failures", "async_work", "kit_device", "NOT_CHECKED",
@@ -635,25 +635,25 @@ class Checker:
             for r in alive:
                 mapped = mapped_bytes(r.base, r.base + r.size)
                 if mapped != r.size:
-                    problems.append(f"reservation #{r.id} [{r.base:#x}, {r.base + r.size:#x}) of {r.size} bytes: "
-                                    f"{mapped} bytes mapped in {MAPS} (expected all)")
+                    problems.append(f"reservation #{r.id} [{r.base:#x}, {r.base + r.size:#x}) of {sized(r.size)}: "
+                                    f"{sized(mapped)} mapped in {MAPS} (expected all)")
                     continue
                 found, expected = resident_bytes(r.base, r.size), s.ledger.resident(r)
                 if found != expected:
-                    problems.append(f"reservation #{r.id}: ledger says {expected} bytes resident, the kernel "
-                                    f"(mincore) finds {found}")
+                    problems.append(f"reservation #{r.id}: ledger says {sized(expected)} resident, the kernel "
+                                    f"(mincore) finds {sized(found)}")
         state = self.inspect(device)
         if state is not None and (state.reserved, state.resident) != (acct.reserved, acct.resident):
-            problems.append(f"{device}: ledger reserved={acct.reserved} resident={acct.resident}, driver "
-                            f"({state.source or 'membackend_inspect'}) reserved={state.reserved} "
-                            f"resident={state.resident}")
+            problems.append(f"{device}: ledger reserved={sized(acct.reserved)} resident={sized(acct.resident)}, "
+                            f"driver ({state.source or 'membackend_inspect'}) reserved={sized(state.reserved)} "
+                            f"resident={sized(state.resident)}")
         if state is not None and state.hazards:
             problems.append(f"{device}: the driver saw {state.hazards} unsafe operation(s) on memory that "
                             f"asynchronous work still used ({state.source or 'membackend_inspect'}; expected 0)")
         mine = sum(s.ledger.resident(r) for r in alive)
         if (acct.resident, acct.reservations_alive) != (mine, len(alive)):
-            problems.append(f"{device}: ledger account resident={acct.resident} alive={acct.reservations_alive}, "
-                            f"but its reservations sum to resident={mine} alive={len(alive)}")
+            problems.append(f"{device}: ledger account resident={sized(acct.resident)} alive={acct.reservations_alive}"
+                            f", but its reservations sum to resident={sized(mine)} alive={len(alive)}")
         assert not problems, f"{self.target}{' after ' + step if step else ''}: " + "; ".join(problems)
 
     def verify_nothing_left(self, device: Device, step: str = "after close()") -> None:
@@ -663,7 +663,7 @@ class Checker:
         problems = self.watch.take() if self.watch is not None else []
         left = (acct.reserved, acct.resident, acct.reservations_alive, acct.pending_fences)
         if left != (0, 0, 0, 0):
-            problems.append(f"ledger still holds reserved={left[0]} resident={left[1]} alive={left[2]} "
+            problems.append(f"ledger still holds reserved={sized(left[0])} resident={sized(left[1])} alive={left[2]} "
                             f"pending fences={left[3]} (expected all 0)")
         if self.has["membackend_trim"]:
             held = self.inspect(device)
@@ -671,12 +671,13 @@ class Checker:
             after = self.inspect(device)
             if held is not None and after is not None and given != held.held - after.held:
                 problems.append(f"membackend_trim({device}) returned {given!r}; the driver's held bytes went from "
-                                f"{held.held} to {after.held}: expected {held.held - after.held}")
+                                f"{sized(held.held)} to {sized(after.held)}: expected {sized(held.held - after.held)}")
         state = self.inspect(device)
         if state is not None and (state.reserved, state.resident, state.held) != (0, 0, 0):
             trimmed = " after membackend_trim" if self.has["membackend_trim"] else " (no membackend_trim)"
-            problems.append(f"leaked in the driver{trimmed}: reserved={state.reserved} resident={state.resident} "
-                            f"held={state.held} ({state.source}; expected all 0)")
+            problems.append(f"leaked in the driver{trimmed}: reserved={sized(state.reserved)} "
+                            f"resident={sized(state.resident)} held={sized(state.held)} ({state.source}; expected "
+                            "all 0)")
         problems += self.left_behind()
         assert not problems, f"{self.target} {step}: " + "; ".join(problems)
 

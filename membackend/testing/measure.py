@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from .._hostmem import CGROUP_ROOT, cgroup_memory
-from ..types import Budget, Device
+from ..types import Budget, Device, format_size
 
-__all__ = ["Truth", "host_truth", "simulated_truth", "budget_problems", "tolerance_for", "MEMINFO"]
+__all__ = ["Truth", "host_truth", "simulated_truth", "budget_problems", "tolerance_for", "sized", "MEMINFO"]
 
 MEMINFO = "/proc/meminfo"
 
@@ -134,19 +134,27 @@ def _apu_truth(sim: Any, device: Device) -> Truth:
                  "MiB, MemFree and MemAvailable of one pool with the host)")
 
 
+def sized(n: int | None) -> str:
+    """A byte count in a check's message: in a person's units, with the exact bytes beside them past 1 KiB
+    (``6.0 GiB (6,442,450,944 bytes)``) so a difference of a page is still seen."""
+    if n is None:
+        return "unknown"
+    return format_size(n) if abs(n) < 1024 else f"{format_size(n)} ({n:,} bytes)"
+
+
 def budget_problems(truth: Truth, budget: Budget, held: int = 0, tolerance: int = 0) -> list[str]:
     """What is wrong with ``budget`` against ``truth``, in words (empty: nothing). ``held``: bytes the driver
     says the backend keeps for reuse (free to the backend, made to the machine); ``tolerance``: bytes the
     machine may have moved by between the two readings."""
     problems = []
     if budget.total > truth.total + tolerance:
-        problems.append(f"total={budget.total} but {truth.source} says {truth.total}")
+        problems.append(f"total={sized(budget.total)} but {truth.source} says {sized(truth.total)}")
     if budget.free > truth.free_high + held + tolerance:
-        problems.append(f"free={budget.free} but {truth.source} says at most {truth.free_high}"
-                        + (f" (+{held} the backend keeps for reuse)" if held else ""))
+        problems.append(f"free={sized(budget.free)} but {truth.source} says at most {sized(truth.free_high)}"
+                        + (f" (+{sized(held)} the backend keeps for reuse)" if held else ""))
     if budget.free + tolerance < truth.free_low:
-        problems.append(f"free={budget.free} but {truth.source} says {truth.free_low} (one pool: what the host "
-                        "could reclaim counts)")
+        problems.append(f"free={sized(budget.free)} but {truth.source} says {sized(truth.free_low)} (one pool: "
+                        "what the host could reclaim counts)")
     return problems
 
 
