@@ -24,7 +24,7 @@ import operator
 import threading
 from collections import Counter
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator, NoReturn
+from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
 import pluggy
 
@@ -259,6 +259,11 @@ class Session:
         #: reservation id -> how often a fence began and ended taking its waited tokens off (odd: under way);
         #: written under the reservation's lock, read without it by device-wide fences (:meth:`_may_have_work`)
         self._moving: dict[int, int] = {}
+        #: reservation id -> how many frees of it reached the backend (:meth:`backing_changes`); written under
+        #: the reservation's lock, read without it
+        self._frees: dict[int, int] = {}
+        #: the same, read-only, for a caller's hot path (the residency manager's warm ranges): a missing id is 0
+        self.frees_by_id: Mapping[int, int] = self._frees
         known = self.devices()
         self._known = frozenset(known)
         self._known_kinds = frozenset(d.kind for d in known)
@@ -415,6 +420,15 @@ class Session:
         dropped: int = self._hot["free"](reservation, offset, size)
         return dropped
 
+    def backing_changes(self, reservation: Reservation) -> int:
+        """How many frees of ``reservation`` reached its backend so far (a failed one too, and a release that
+        failed): each may have taken physical memory from pages of it, so the generations a fault answered
+        before it may be stale. A caller that keeps a fault's answer to skip a copy (the residency manager's
+        warm ranges) trusts it only while this count stands, so a free made by anyone -- another layer, a
+        plugin holding this session -- is noticed. 0 for a reservation not alive in this session.
+        Thread-safe, takes no lock."""
+        return self._frees.get(reservation.id, 0)
+
     def _hot_verbs(self) -> dict[str, Callable[..., Any]]:
         """``fault`` and ``free`` as closures over what they use, made by :meth:`_bind` for the verbs as bound.
 
@@ -424,7 +438,7 @@ class Session:
         the reservation alive here, the arguments, the permit (:class:`_Permits`), G2's fence before a free,
         the ledger.
         """
-        live, permits, waiting, ledger = self._live, self._permits, self._waiting, self.ledger
+        live, permits, waiting, ledger, frees = self._live, self._permits, self._waiting, self.ledger, self._frees
         views, pending_ids, resident_by_id, sanitize = self._views, self._pending_ids, self._resident_by_id, \
             self._sanitize
         backend_fault, backend_free, refuse, in_range, failed = self._fault, self._free, self._refuse, \
@@ -496,6 +510,8 @@ class Session:
                     ledger.check_quiet(reservation, "free")
                 if not resident_by_id.get(reservation.id):
                     return 0  # the ledger holds no byte of it resident: nothing for the backend to drop
+                # counted before the call: one that raises may have dropped pages too (backing_changes)
+                frees[reservation.id] = frees.get(reservation.id, 0) + 1
                 try:
                     dropped: int = backend_free(reservation, offset, size)
                 except Exception as exc:
@@ -524,6 +540,8 @@ class Session:
                 self._check_views(reservation, 0, reservation.size, "release_reservation")
             self._wait_tokens(reservation)
             self.ledger.check_quiet(reservation, "release_reservation")
+            # counted as a free (backing_changes): one that raises may have dropped pages and left it alive
+            self._frees[reservation.id] = self._frees.get(reservation.id, 0) + 1
             try:
                 dropped = self._release_reservation(reservation)
             except Exception as exc:
@@ -535,6 +553,7 @@ class Session:
             self._live.pop(reservation, None)
             self._views.pop(reservation, None)
             self._moving.pop(reservation.id, None)
+            self._frees.pop(reservation.id, None)
         return dropped
 
     # ------------------------------------------------------------------ tensor views

@@ -127,6 +127,7 @@ class Contents:
         is resident now."""
         if not slot.alive:
             return False
+        self.manager._sync(slot)  # pages freed past the manager hold nothing known
         ps = slot.bound.page_size
         first, last = offset // ps, (offset + size - 1) // ps + 1
         if not slot.all_resident(first, last):
@@ -146,6 +147,7 @@ class Contents:
         source)."""
         m = self.manager
         for slot in m._eviction.by_priority(device):
+            m._sync(slot)  # a free made past the manager drops the tags over what it took
             tags = slot.tags
             found = tags.by_key.get(key) if tags is not None else None
             if found is None:

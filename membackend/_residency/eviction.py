@@ -132,6 +132,7 @@ class Eviction:
         slot.clear_pins()  # its pins go with it
         if not release:
             return self.shed(slot, math.inf, None)
+        before = slot.frees
         try:
             dropped = self.manager.session.release_reservation(r)
         except TensorAlive:  # refused, nothing changed: the model keeps its pages and pins
@@ -139,6 +140,7 @@ class Eviction:
             raise
         except Exception as exc:
             slot.free_failed(0, r.pages, exc)
+            self.manager._own_free(slot, r, before)  # it stays alive: the session counted the failed release
             raise
         slot.released()
         return dropped
@@ -193,14 +195,18 @@ class Eviction:
         m = self.manager
         r = slot.bound
         m.rules.fence_before_free(m.session, slot.device, m._in_fault)
+        m._sync(slot)  # the session's count of frees, as the map has followed it: this free adds one
+        before = slot.frees
         try:
             dropped = m.session.free(r, start * r.page_size, (end - start) * r.page_size)
         except TensorAlive:  # skipped, nothing changed
             return 0
         except Exception as exc:
             slot.free_failed(start, end, exc)
+            m._own_free(slot, r, before)
             raise
         slot.freed(start, end, dropped)
+        m._own_free(slot, r, before)
         if self.frees_by_release():
             slot.kept += dropped  # the range keeps their memory for its own next faults
         return dropped

@@ -43,6 +43,7 @@ class Faulting:
                 return Fault(False, (), first, 0)
             offset, size, first, last = slot.pages(offset, size)
         r = slot.bound
+        m._sync(slot)  # pages freed past the manager are missing, not resident
         model.last_used = next(m._clock)
         if slot.watermark is not None and offset + size > slot.watermark:
             m.trace("fault", model, **refused, result="fail_fast", watermark=slot.watermark)

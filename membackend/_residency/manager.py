@@ -7,7 +7,7 @@ import itertools
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, MutableMapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, MutableMapping, TypeVar
 
 from ..types import Device, Fault, FenceToken, InvalidSize, ModelError, Reservation, ReservationReleased, WrongDevice
 from .content import Borrowed, Contents
@@ -63,6 +63,14 @@ class ResidencyManager:
     :meth:`unregister` carry on past failures and raise one
     :class:`~membackend.types.PartialFailure` naming every one.
 
+    **Frees past the manager.** A caller that holds the session may free a
+    model's pages straight through it. The session counts the frees of each
+    reservation (``Session.backing_changes``); before the manager trusts a
+    reservation's page map again -- a warm range, a fault, a hold, a tag, a
+    borrow, its figures -- it takes in a count it did not follow: the pages
+    become UNKNOWN (faulted again, with new generations, instead of answered
+    from memory that went), their tags go, and a hold on them ends.
+
     **Parts.** A fault past its warm path (reserving again, keeping the headroom, evicting) is
     :class:`~.faulting.Faulting`; what to free and in which order is :class:`~.eviction.Eviction`; whole
     models leaving (unloads, and unloading idle models for address space) is :class:`~.unloading.Unloading`;
@@ -84,6 +92,9 @@ class ResidencyManager:
         self._clock = itertools.count(1)
         self._running: set[str] = set()  # ids of the models the current run uses
         self._lock = threading.RLock()  # re-entrant: full_unload recurses, fault evicts through shed
+        frees = getattr(session, "frees_by_id", None)  # a stand-in session may have none: no free is unseen
+        #: the session's count of frees per reservation id (``Session.backing_changes``), read on the warm paths
+        self._frees: Mapping[int, int] = frees if frees is not None else {}
         self._loads = LoadBook()
         self._eviction = Eviction(self)
         self._unloading = Unloading(self)
@@ -219,13 +230,44 @@ class ResidencyManager:
     def _warm_range(self, model: Model, offset: Any, size: Any, device: Any) -> "tuple[Slot, Reservation] | None":
         """The slot and live reservation for the warm paths of :meth:`fault` and :meth:`unpin` (per weight per
         step): only an int range inside a registered model on a ``Device`` it has; None sends the caller down the
-        checked path."""
+        checked path. The slot's page map has taken in every free made past the manager (:meth:`_sync`)."""
         slot = model.slots.get(device) if device.__class__ is Device else None
         if slot is None or (r := slot.reservation) is None or r.released or offset.__class__ is not int \
                 or size.__class__ is not int or not 0 <= offset < offset + size <= model.size \
                 or self._models.get(model.id) is not model:
             return None
+        if self._frees.get(r.id, 0) != slot.frees:
+            self._unseen(slot, r)
         return slot, r
+
+    def _sync(self, slot: Slot) -> None:
+        """Bring ``slot``'s page map in line with frees of its reservation the manager did not make (a caller
+        that holds the session freed through it): see :meth:`Slot.unseen_frees`. One dict look-up when there
+        was none. Under the manager's lock, before the map is trusted."""
+        r = slot.reservation
+        if r is not None and self._frees.get(r.id, 0) != slot.frees and not r.released:
+            self._unseen(slot, r)
+
+    def _unseen(self, slot: Slot, r: Reservation) -> None:
+        """Frees of ``r`` made past the manager: the map stops trusting its pages, and a hold on them ends (its
+        holder must stop reading pages that may be gone)."""
+        frees = self._frees.get(r.id, 0)
+        log.info("membackend: model %s on %s: %d free(s) of its reservation were made past the residency "
+                 "manager; its resident pages are faulted again before use", slot.model.id, slot.device,
+                 frees - slot.frees)
+        slot.unseen_frees(self.session.ledger.resident(r), frees)
+        if slot.hold is not None:
+            slot.hold.ended_by_manager("pages freed past the residency manager")
+
+    def _own_free(self, slot: Slot, r: Reservation, before: int) -> None:
+        """The manager's own free (or release) of ``r`` ran, its page map followed it, and the session's count
+        was ``before`` ahead of it: the count moved by one (it reached the backend) or not at all; more is a
+        free made past the manager at the same time (:meth:`_sync`)."""
+        now = self._frees.get(r.id, 0)
+        if now <= before + 1:
+            slot.frees = now
+        else:
+            self._unseen(slot, r)
 
     @_locked
     def fault(self, model: Model, offset: int, size: int, device: Any = None) -> Fault:
@@ -276,6 +318,7 @@ class ResidencyManager:
         if not slot.alive or slot.hold is not None:
             return None
         offset, size, first, last = slot.pages(offset, size)
+        self._sync(slot)
         if not slot.all_resident(first, last):
             return None
         held = slot.hold = Hold(self, slot, offset, size, on_end)
@@ -516,6 +559,7 @@ class ResidencyManager:
         slot = self._slot(model, device)
         if not slot.alive:
             return []
+        self._sync(slot)
         return [(1 if r else 0) | (2 if p else 0) for r, p in zip(slot.resident, slot.pins)]
 
     @_locked
@@ -546,6 +590,9 @@ class ResidencyManager:
         verbs included (pages they may have changed are counted as the ledger counts them).
         """
         dev = Device.parse(device) if device is not None else None
+        for m in self._models.values():
+            for s in m.slots.values():
+                self._sync(s)
         return {
             m.id: {
                 "resident": sum(s.resident_bytes() for d, s in m.slots.items() if dev is None or d == dev),

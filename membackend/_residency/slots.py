@@ -12,7 +12,7 @@ import weakref
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from ..types import Device, DriverError, InvalidSize, OutOfRange, Reservation
+from ..types import Device, DriverError, InvalidSize, ModelError, OutOfRange, Reservation
 
 if TYPE_CHECKING:
     from .model import Model
@@ -21,6 +21,16 @@ log = logging.getLogger(__name__)
 
 # what the policy's page map says about one page
 GONE, RESIDENT, UNKNOWN = 0, 1, 2  # UNKNOWN: a driver call on it failed part-way; it may be resident
+
+#: the pin counts: 16 bits per page (a model of 64 GiB in 2 MiB pages counts its pins in 64 KiB), widened to
+#: 64 bits for a slot only when one of its pages reaches 65,535 pins (a leak of pins, or a page holding
+#: tens of thousands of small weights): no count can overflow in practice then
+PINS, WIDE_PINS = "H", "Q"
+
+
+def no_pins(pages: int) -> array:
+    """Pin counts of ``pages`` pages, all 0, in the narrow width."""
+    return array(PINS, bytes(array(PINS).itemsize * pages))
 
 
 def as_int(value: Any, what: str) -> int:
@@ -56,10 +66,17 @@ class Slot:
     resident bytes always equal the ledger's for the reservation. UNKNOWN pages
     count as resident for eviction and unload (they are freed, and the free
     says how much went) and as missing for faults (they are backed again).
+
+    ``pins[p]`` counts the pins of page ``p`` (:meth:`pin`, :meth:`unpin`); a pin of a range is all or
+    nothing: one that cannot be counted raises a typed error with every count as it was.
+
+    ``frees`` is how many frees of the reservation the session had counted (``Session.backing_changes``)
+    when the map last followed them: a free made straight through the session, past the manager, moves the
+    session's count and not this one, and the manager then stops trusting the map (:meth:`unseen_frees`).
     """
 
     __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark", "kept", "epoch", "hold",
-                 "tags")
+                 "tags", "frees")
 
     def __init__(self, model: "Model", device: Device):
         self.model = weakref.proxy(model)  # a stock finalizer holds slots; they must not keep the model alive
@@ -67,7 +84,7 @@ class Slot:
         self.reservation: Reservation | None = None
         self.resident = bytearray()
         self.maybe = 0
-        self.pins = array("H")
+        self.pins = no_pins(0)
         self.watermark: int | None = None  # faults reaching above fail fast; None: no limit
         # bytes of pages freed whose memory stays with the reservation, for its own next faults (where memory
         # returns only when the range is freed: ``memory_returns_on_unmap`` false); 0 elsewhere
@@ -81,6 +98,7 @@ class Slot:
         #: the :class:`~membackend._residency.content.Tags` of what its pages hold (None: nothing known); a
         #: change to a page's backing drops the tags over it
         self.tags: Any = None
+        self.frees = 0
 
     def bind(self, r: Reservation) -> None:
         self.epoch += 1
@@ -88,12 +106,13 @@ class Slot:
         self.reservation = r
         self.resident = bytearray(r.pages)
         self.maybe = 0
-        self.pins = array("H", bytes(2 * r.pages))
+        self.pins = no_pins(r.pages)
         self.watermark = None
         self.kept = 0
+        self.frees = 0  # a new reservation: the session has seen no free of it
 
     def clear_pins(self) -> None:
-        self.pins = array("H", bytes(2 * len(self.pins)))
+        self.pins = no_pins(len(self.pins))
 
     @property
     def alive(self) -> bool:
@@ -129,9 +148,24 @@ class Slot:
         return (last - first - self.resident.count(RESIDENT, first, last)) * self.bound.page_size
 
     def pin(self, first: int, last: int) -> None:
+        """One more pin on each page of ``[first, last)``, all or none. A page at the most its counts hold
+        widens them (16 to 64 bits, once per slot); past 64 bits (never in practice) :class:`ModelError`
+        with every count as it was."""
         pins = self.pins
-        for p in range(first, last):
-            pins[p] += 1
+        p = first
+        try:
+            for p in range(first, last):
+                pins[p] += 1
+        except OverflowError:
+            for q in range(first, p):  # the pages this call counted already: as they were
+                pins[q] -= 1
+            if pins.typecode == WIDE_PINS:
+                raise ModelError(
+                    f"page {p} of model {self.model.id!r} on {self.device} is pinned {pins[p]} times, the most a "
+                    f"pin count holds; nothing was pinned. Accepted: unpin what was faulted (one unpin per "
+                    f"fault) before pinning it again") from None
+            self.pins = array(WIDE_PINS, pins)
+            self.pin(first, last)
 
     def unpin(self, first: int, last: int) -> None:
         pins = self.pins
@@ -202,3 +236,16 @@ class Slot:
         self.resident = bytearray(len(self.resident))
         self.maybe = 0
         self.kept = 0
+
+    def unseen_frees(self, resident: int, frees: int) -> None:
+        """The session counts ``frees`` frees of the reservation, more than the map followed: a caller freed
+        pages of it straight through the session (``Session.free``), which the policy cannot name. Every page
+        the map holds resident becomes UNKNOWN -- resident for eviction and unload, missing for faults, so
+        the next fault backs what went again and answers a new generation for it -- with the ledger's
+        ``resident`` bytes as theirs; what was known of their bytes (tags) and every warm range go."""
+        self.epoch += 1
+        self.tags = None
+        r = self.resident
+        r[:] = r.replace(b"\x01", b"\x02")  # RESIDENT -> UNKNOWN, in place: callers may hold the map
+        self.maybe = resident
+        self.frees = frees

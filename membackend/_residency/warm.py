@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 class WarmRange:
     """A range of one model's reservation that a fault backed and pinned: while nothing of that reservation
-    was freed, failed or released since (its slot's ``epoch``), :meth:`pin` pins it again and answers the
+    was freed, failed or released since (its slot's ``epoch``; a free made straight through the session, past
+    the manager, counts: ``Session.backing_changes``), :meth:`pin` pins it again and answers the
     same :class:`Fault` (the same generations: nothing to copy again) with no session call, and
     :meth:`unpin` unpins it. Made by :meth:`ResidencyManager.warm_range`; the per-weight, per-step path of a
     caller that faults the same ranges over and over (ComfyUI's sampler)."""
@@ -34,6 +35,8 @@ class WarmRange:
         m = self._manager
         with m._lock:
             slot, r = self._slot, self._reservation
+            if m._frees.get(r.id, 0) != slot.frees and not r.released:  # freed past the manager: the map goes
+                m._unseen(slot, r)  # (and the epoch with it)
             if slot.epoch != self._epoch or slot.reservation is not r or r.released or m.tracer is not None \
                     or (slot.watermark is not None and self._end > slot.watermark) \
                     or m._models.get(self._model.id) is not self._model:
