@@ -52,6 +52,7 @@ from .._drivers.open import machine_for, profile_names
 from .._session import Session
 from .._settings import load_settings
 from ..types import (
+    AddressSpaceExhausted,
     Budget,
     Candidate,
     Device,
@@ -887,7 +888,8 @@ class VerbSequences(RuleBasedStateMachine):
         SEQUENCES["steps"] += 1
         try:
             result = fn(*args)
-        except DriverError as exc:  # an injected failure surfaces as a typed error; state must stay consistent
+        except (DriverError, AddressSpaceExhausted) as exc:  # an injected failure surfaces as a typed error (a
+            # reserve's out of memory as AddressSpaceExhausted); state must stay consistent
             SEQUENCES["typed_errors"] += 1
             self._note(what, f"{type(exc).__name__}")
             return None

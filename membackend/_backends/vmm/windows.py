@@ -4,7 +4,10 @@ Chosen by the capabilities' ``address_windows`` group (``Capabilities.GROUPS``):
 
 * :class:`FreshWindows` (every platform): each reserve asks the driver for a window and each release frees
   it; under an ``address_quota`` a reserve that would pass it is refused up front with
-  ``AddressSpaceExhausted`` (a ``MemoryError``) instead of letting the driver crash (rocm-systems #9823);
+  ``AddressSpaceExhausted`` (a ``MemoryError``) instead of letting the driver crash (rocm-systems #9823); a
+  window the driver refuses for want of memory (its address space is full: ``cuMemAddressReserve``'s
+  ``CUDA_ERROR_OUT_OF_MEMORY``, ``hipMemAddressReserve``'s ``hipErrorOutOfMemory``) is the same typed
+  out-of-memory, never a ``DriverError``, so the residency manager unloads idle models and tries again;
 * :class:`~.churn.ChurnWindowKeeper` (a ``reserve_churn_limit``, Windows ROCm): large windows are kept on
   release and reused; its books (:class:`WindowBooks`) and its report (:class:`KeptWindows`) are here.
 
@@ -18,7 +21,7 @@ from typing import Callable
 
 from ..._drivers.gpu import GpuDriver
 from ...platform import KEPT_WINDOWS_PER_DEVICE
-from ...types import AddressSpaceExhausted, Capabilities, Device, format_size
+from ...types import AddressSpaceExhausted, Capabilities, Device, DriverError, format_size
 
 
 @dataclass(frozen=True)
@@ -126,9 +129,22 @@ class FreshWindows:
 
     def window_for(self, device: Device, size: int, alignment: int) -> tuple[int, int]:
         """``(base, bytes)`` of an address window of at least ``size`` bytes for a new reservation on
-        ``device``. Raises ``AddressSpaceExhausted`` past the quota, ``DriverError`` from the driver."""
+        ``device``. Raises ``AddressSpaceExhausted`` past the quota and where the driver has no window of the
+        size left (its out-of-memory answer, the cause), ``DriverError`` for any other failure of the driver.
+        Nothing is reserved when it raises."""
         self.check_quota(device, size)
-        return self._driver().address_reserve(size, alignment), size
+        driver = self._driver()
+        try:
+            return driver.address_reserve(size, alignment), size
+        except DriverError as exc:
+            # out of address space is out of memory (CUDA driver API reference, cuMemAddressReserve:
+            # CUDA_ERROR_OUT_OF_MEMORY; ROCm clr hip_vm.cpp, hipMemAddressReserve: hipErrorOutOfMemory when
+            # no range is found): typed, so the policy unloads idle models to make room (ComfyUI #12763)
+            if not driver.is_oom(exc):
+                raise
+            raise AddressSpaceExhausted(
+                f"reserving {format_size(size)} on {device}: the driver has no address range of that size left "
+                f"({exc}); accepted: a smaller reservation, or unload a model first") from exc
 
     def give_back(self, device: Device, base: int, size: int) -> None:
         """The window of a released reservation: freed (raises the driver's ``DriverError``)."""

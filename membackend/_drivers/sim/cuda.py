@@ -297,6 +297,7 @@ class SimCudaDriverModule(SimApi):
         return self._run("cuMemGetAllocationGranularity", 1, lambda: self.platform.profile.granularity)
 
     def cuMemAddressReserve(self, size, alignment, addr, flags):
+        # no range left: CUDA_ERROR_OUT_OF_MEMORY, as cuda.h documents it (SimPlatform.address_reserve)
         return self._run("cuMemAddressReserve", 1,
                          lambda: self.types.CUdeviceptr(self.platform.address_reserve(size, alignment)))
 

@@ -140,6 +140,7 @@ class SimHipModule(SimApi):
         return self._run("hipMemGetAllocationGranularity", 1, lambda: self.platform.profile.granularity)
 
     def hipMemAddressReserve(self, size, alignment, addr, flags):
+        # no range left: hipErrorOutOfMemory, as ROCm clr's hip_vm.cpp answers it (SimPlatform.address_reserve)
         return self._run("hipMemAddressReserve", 1, lambda: self.platform.address_reserve(size, alignment))
 
     def hipMemAddressFree(self, devPtr, size):

@@ -22,6 +22,14 @@ Where a behaviour comes from:
   address quota and its access violation: rocm-systems #9823 / ComfyUI PR
   #16199. The churn defect: rocm-systems #6191, aimdo PR #67. Operations on a
   device that is not current: TheRock #6224.
+* Address space: the devices' virtual addresses are the process's (CUDA C Programming Guide, "Unified
+  Virtual Address Space"), so reservations together get at most the process's user address space,
+  ``va_space`` (128 TiB: x86-64 Linux with 4-level page tables, the kernel's
+  Documentation/arch/x86/x86_64/mm.rst); past it ``cuMemAddressReserve`` is CUDA_ERROR_OUT_OF_MEMORY (CUDA
+  driver API reference, cuMemAddressReserve's return values, cuda.h) and ``hipMemAddressReserve``
+  hipErrorOutOfMemory (ROCm clr, hipamd/src/hip_vm.cpp: no range found), in books-only mode too. Where
+  the bytes are real, the kernel may refuse a range earlier (the rest of the process shares its space):
+  the same answer.
 * Bytes: a simulated device holds real bytes (:mod:`.memory`): reservations,
   handles and mappings are the operating system's own address space and
   memory, one call for one call. Asynchronous copies move their bytes when
@@ -222,6 +230,8 @@ class SimPlatform:
     """The simulated machine and process; see the module docstring for its sources."""
 
     VA_BASE = 0x7F00_0000_0000
+    #: bytes of address space all reservations together may hold (see the module docstring)
+    VA_SPACE = 1 << 47
 
     def __init__(self, profile: Profile | str, faults: FaultPlan | None = None,
                  environ: Mapping[str, str] | None = None, hold_bytes: bool = True):
@@ -236,6 +246,9 @@ class SimPlatform:
         self.clock = 0.0
         self._ids = itertools.count(1)
         self._next_va = self.VA_BASE
+        #: the process's address space for reservations, :attr:`VA_SPACE`; a test may make it smaller to fill it
+        #: with a few models
+        self.va_space = self.VA_SPACE
         self.reservations: dict[int, _Reservation] = {}
         self.handles: dict[int, _Handle] = {}
         self.mappings: dict[int, _Mapping] = {}
@@ -567,11 +580,14 @@ class SimPlatform:
                                  f"{p.address_quota} byte per-process quota")
         if p.churn_limit is not None and size >= p.churn_window and self.churn_frees >= p.churn_limit:
             raise SimError("oom", f"reserve failed after {self.churn_frees} reserve/free cycles of large windows")
+        if self._reserved_total + size > self.va_space:  # the address space is full: out of memory (docstring)
+            raise SimError("oom", f"address reserve of {size} bytes: {self._reserved_total} of the process's "
+                                  f"{self.va_space} bytes of address space are reserved")
         align = max(alignment or 0, p.granularity)
         if self.memory.backed:
             try:
                 base = self.memory.reserve(size, align)
-            except MemoryCallFailed as exc:  # the process's address space is full
+            except MemoryCallFailed as exc:  # the process's address space is full: out of memory (docstring)
                 if exc.errno in NO_FILES:
                     raise  # no descriptor left for the memory file: the caller's error names the limit
                 raise SimError("oom", f"address reserve of {size} bytes: {exc}") from None
