@@ -10,9 +10,13 @@ with ``membackend.lab._pictures``); ``membackend bench`` runs the benchmark suit
 
 Exit codes: 0 ok; 1 the self-test failed, or a replay's plugin side broke a
 guarantee; 2 a configuration error (its message is printed, one line), including a
-forced backend that is not installed (with the closest installed name), broken,
-blocked or serving no device of this machine (with its probe's reason), a folder
-that is not a ComfyUI checkout, and a trace that cannot be read.
+forced backend that is not installed (with the closest installed name and where the
+name was set), broken, blocked or serving no device of this machine (with its probe's
+reason), a bad value of a setting a platform plugin declares, a simulated profile
+that does not exist (with the closest name), a ``host_capacity`` above the RAM, one
+variable set in two spellings with different values, a path that cannot be looked
+up (a part too long, a folder this user may not search), a folder that is not a
+ComfyUI checkout, and a trace that cannot be read.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ._manager import BackendManager, Selection
 from ._session import Session
 from ._settings import load_settings
 from ._settings.rules import FIELDS as SETTING_FIELDS
-from ._settings.rules import format_bytes
+from ._settings.rules import format_bytes, os_reason, shown
 from ._settings.sources import ENV_PREFIX
 from .types import BackendDisabled, Budget, Machine, MembackendError, format_size
 
@@ -481,7 +485,7 @@ def _replay(a: argparse.Namespace) -> int:
         print(f"membackend: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # nothing of membackend's own should get here; if it does, name the file
-        print(f"membackend: {exc.filename or a.source}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"membackend: {shown(exc.filename or a.source)}: {os_reason(exc)}", file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(comparison.to_json(), indent=2, default=str))
@@ -499,7 +503,7 @@ def _replay(a: argparse.Namespace) -> int:
             print(f"membackend: --plot: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:  # a full disk, a folder that cannot be written
-            print(f"membackend: --plot {a.plot!r}: cannot write it: {exc.strerror or exc}", file=sys.stderr)
+            print(f"membackend: --plot {shown(a.plot)}: cannot write it: {os_reason(exc)}", file=sys.stderr)
             return 2
         print(f"timeline written to {path}", file=sys.stderr if a.json else sys.stdout)
     return 1 if comparison.violations else 0

@@ -5,13 +5,19 @@ Backends come from the built-ins (``host``, the generic ``vmm`` platform,
 name a backend object, a class (built with ``from_settings(settings)`` when it
 has one, else with no arguments) or a :class:`~membackend.platform.Platform`
 (built into a :class:`~membackend._backends.vmm.VmmBackend`, which reads the
-settings the platform declares from the same sources as the settings: a bad
-value leaves the plugin broken with the ``ConfigError`` as its reason). Each is
+settings the platform declares from the same sources as the settings). A bad
+value of a setting a plugin declares is a settings error like any other: the
+``ConfigError`` (the key, the source, what is accepted) is raised, not the
+plugin listed as broken, since selecting another backend would quietly move the
+user off the one they configured. So are a ``sim_profile`` no simulated machine
+has (with every profile's name and the closest one) and a ``host_capacity``
+above the RAM the host backend draws from. Each is
 validated (a unique name; the six verbs and ``membackend_probe`` as
 hookimpls with the contract's parameter names; optional hooks checked the
 same way when present). A plugin that fails to import, to construct, to
 validate or to probe — by raising anything, ``sys.exit()`` included, except
-``KeyboardInterrupt`` — is logged with the reason and skipped; it never stops
+``KeyboardInterrupt`` and a ``ConfigError`` while it is built — is logged with
+the reason and skipped; it never stops
 the caller. A missing vendor runtime is no such failure: registering a
 plugin runs none of its attributes (a lazy driver stays unopened), and a
 probe that raises ``DriverError`` with code ``unavailable`` (the vendor's
@@ -24,7 +30,8 @@ skipped as broken.
 
 Selection: ``MEMBACKEND_DISABLE`` switches everything off; a forced name
 (``MEMBACKEND_BACKEND``) wins, and an unknown one raises ``BackendNotFound``
-listing what is available and why the rest is not; otherwise the highest
+listing what is available and why the rest is not, and where the name was
+set (``env MEMBACKEND_BACKEND``, a file's path); otherwise the highest
 probe score wins (:class:`~membackend.types.Score`), passing over opt-in
 candidates. A tie at the top never stops the caller: the alphabetically first
 name wins, one warning says so, and the selection records the tie for the
@@ -46,12 +53,13 @@ from typing import TYPE_CHECKING, Any, Iterable
 import pluggy
 
 from . import hookspec
+from ._backends import host as host_backend
 from ._backends.host import HostBackend
-from ._drivers.open import check_sim_profile, machine_for
+from ._drivers.open import machine_for, profile_names
 from ._ledger import Ledger
 from ._session import Session
 from ._settings import NAME_PATTERN, load_settings
-from ._settings.rules import FIELD_NAMES, FILES_ACCEPTED, out_of_files
+from ._settings.rules import FIELD_NAMES, FILES_ACCEPTED, did_you_mean, out_of_files, quoted
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
 from .platform import Platform, PlatformSetting, takes_parameter
 from .types import (
@@ -59,11 +67,13 @@ from .types import (
     BackendNotFound,
     Candidate,
     Capabilities,
+    ConfigError,
     DriverError,
     Machine,
     MembackendError,
     PluginError,
     Score,
+    format_size,
 )
 
 if TYPE_CHECKING:  # naming the pydantic model at import would build it: start-up stays free of pydantic
@@ -177,6 +187,47 @@ def declared_settings(obj: Any) -> tuple[PlatformSetting, ...]:
     return tuple(declared)
 
 
+def _source(settings: Any, key: str) -> str:
+    """Where the value of setting ``key`` came from, as errors name it (``settings`` when it cannot say)."""
+    source_of = getattr(settings, "source_of", None)
+    return source_of(key) if callable(source_of) else "settings"
+
+
+def check_profile(settings: Any) -> None:
+    """Raise ``ConfigError`` (key ``sim_profile``, the source that set it) for a profile no simulated machine
+    has: every profile's name, from the simulation's own table, and the closest one ("did you mean
+    strix-halo-128gb?"). The settings take any text here (they sit below the simulation and cannot know)."""
+    name = getattr(settings, "sim_profile", None)
+    if name is None:
+        return
+    names = profile_names()
+    if name not in names:
+        raise ConfigError("sim_profile", _source(settings, "sim_profile"),
+                          f"unknown simulation profile {quoted(name)}{did_you_mean(name, names)}", ", ".join(names))
+
+
+def check_host_capacity(settings: Any) -> None:
+    """Raise ``ConfigError`` (key ``host_capacity``) for a cap above the memory the host backend draws from
+    (the machine's RAM, or its memory cgroup's limit): such a cap caps nothing, and its budget would claim
+    memory that is not there (the self-test's budget check then fails). Said in human units."""
+    cap = getattr(settings, "host_capacity", None)
+    if cap is None:
+        return
+    mem = host_backend.host_memory()  # read as the host backend reads it for its budget
+    if cap <= mem.total:
+        return
+    snapshot = getattr(settings, "snapshot", None)
+    sources = snapshot() if callable(snapshot) else None
+    found = sources.find("host_capacity") if sources is not None else None
+    given = format_size(cap) if found is None or not isinstance(found[0], str) else \
+        f"{quoted(found[0].strip())} ({format_size(cap)})"
+    room = "RAM" if mem.total == mem.ram_total else "memory (its memory cgroup's limit)"
+    raise ConfigError("host_capacity", _source(settings, "host_capacity"),
+                      f"{given} is more than this machine's {format_size(mem.total)} of {room}",
+                      f"a size of at most {format_size(mem.total)} ({mem.total} bytes), the {room} the host "
+                      "backend draws from; or no setting, for no cap")
+
+
 def _instantiate(obj: Any, settings: Settings) -> Any:
     """Entry points may name a Platform, a class (built with ``from_settings`` or no arguments), an
     instance or a module. A class that declares ``settings`` gets their values, read under its ``name``
@@ -222,7 +273,8 @@ class BackendManager:
     def __init__(self, settings: Settings | None = None, *, builtins: Iterable[Any] | None = None,
                  entry_points: Iterable[Any] | None = None):
         self.settings = settings or load_settings()
-        check_sim_profile(self.settings.sim_profile)
+        check_profile(self.settings)
+        check_host_capacity(self.settings)
         self.records: dict[str, PluginRecord] = {}
         self.broken: dict[str, str] = {}
         self._probed: dict[Machine, tuple[dict[str, Candidate], dict[str, str]]] = {}
@@ -250,8 +302,8 @@ class BackendManager:
         label = f"entry point {ep.name} = {ep.value}"
         try:
             plugin = _instantiate(ep.load(), self.settings)
-        except KeyboardInterrupt:
-            raise
+        except (KeyboardInterrupt, ConfigError):  # a bad value of a setting it declares is the user's to fix:
+            raise  # listing the plugin as broken would select another backend, and the typo would go unseen
         except BaseException as exc:  # a broken plugin is never fatal, sys.exit() included
             self._broken(ep.name, f"failed to load ({label}): {type(exc).__name__}: {exc}")
             return
@@ -277,9 +329,11 @@ class BackendManager:
         caps = getattr(plugin, "capabilities", None) or Capabilities()
         try:
             values = getattr(plugin, "platform_values", None) or backend_values(plugin, self.settings)
-        except MembackendError as exc:  # a ConfigError names the key, the source and what is accepted
-            self._broken(name, f"{origin}: {exc}")
+        except MembackendError as exc:
             self._pm.unregister(name=name)
+            if isinstance(exc, ConfigError):  # a bad value of its settings: the user's to fix, as above
+                raise
+            self._broken(name, f"{origin}: {exc}")
             return
         self.records[name] = PluginRecord(name, plugin, version, origin, caps, values)
 
@@ -389,7 +443,12 @@ class BackendManager:
         """The selection the ``backend`` setting forces, or ``BackendNotFound`` in one line: a name not installed
         (with the closest installed one), or one of ``refused`` (:meth:`_refusals`) with its reason."""
         if name not in self.records or name in refused:
-            raise BackendNotFound(name, sorted(n for n in candidates if n not in refused), refused)
+            err = BackendNotFound(name, sorted(n for n in candidates if n not in refused), refused)
+            # BackendNotFound words what was asked and why it cannot be had; where the name was set (a typo
+            # in membackend.toml is fixed there) only the settings know. Said last: the reason comes first
+            # where the line is cut short (the ComfyUI adapter's start-up line)
+            err.args = (f"{err}; the name is from {_source(self.settings, 'backend')}",)
+            raise err
         c = candidates[name]
         note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
         return Selection(self.records[name], "forced", f"forced by backend={name!r}{note}", candidates, broken,

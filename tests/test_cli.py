@@ -169,7 +169,8 @@ def test_forcing_a_gpu_backend_on_a_machine_without_its_device_is_a_configuratio
         assert len(lines) == 1 and lines[0].startswith(
             "membackend: configuration error: backend 'vmm' cannot be used here: it serves cuda devices and this "
             "machine has none; its probe says: no CUDA or HIP device found; choices here: "), (command, err)
-        assert "host" in lines[0].rpartition("choices here: ")[2].split(", "), (command, err)
+        choices, _, source = lines[0].rpartition("choices here: ")[2].partition("; the name is from ")
+        assert "host" in choices.split(", ") and source == "env MEMBACKEND_BACKEND", (command, err)
 
 
 def test_the_doctor_suggests_forcing_only_what_forcing_would_accept_here(capsys, monkeypatch):

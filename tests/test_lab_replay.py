@@ -299,7 +299,8 @@ def test_bad_replay_arguments_are_refused_before_anything_runs(tmp_path, capsys,
 
 def test_a_backend_asked_for_by_name_that_is_not_installed_is_a_configuration_error(capsys):
     assert cli.main(["replay", "hook-unload", "--backend", "nosuch"]) == 2
-    assert "pip install membackend-nosuch" in capsys.readouterr().err
+    err = capsys.readouterr().err  # no plugin of that name is known: no install hint for a package that is not
+    assert "backend 'nosuch' is not installed (installed: " in err and "pip install" not in err
 
 
 def test_unregistering_an_owner_replays_once(tmp_path):

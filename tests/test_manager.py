@@ -79,7 +79,7 @@ def test_unknown_forced_name_says_so_in_one_line_with_what_is_installed():
     err = info.value
     assert err.available == ["alpha", "host"]  # the built-in GPU backends serve no device of this machine
     assert str(err) == ("backend 'nope' is not installed (installed: aimdo, alpha, badresult, host, importer, "
-                        "missing, noverb, raiser, unmarked, vmm, wrongsig)")
+                        "missing, noverb, raiser, unmarked, vmm, wrongsig); the name is from kwargs")
     assert "raiser" in err.unavailable and "probe raised RuntimeError" in err.unavailable["raiser"]
     assert "missing membackend_fence" in err.unavailable["noverb"]
 
@@ -101,13 +101,13 @@ def _refused(target: str, name: str) -> str:
 def test_forcing_a_broken_backend_says_why():
     assert _refused("fakeplugins.backends:RaisingProbe", "raiser") == (
         "backend 'raiser' cannot be used here: broken: probe raised RuntimeError: driver exploded while probing; "
-        "choices here: host")
+        "choices here: host; the name is from kwargs")
 
 
 def test_forcing_a_backend_that_serves_no_device_here_gives_its_probes_reason():
     assert _refused("fakeplugins.backends:GpuOnly", "gpuonly") == (
         "backend 'gpuonly' cannot be used here: it serves cuda devices and this machine has none; its probe says: "
-        "no CUDA device; choices here: host")
+        "no CUDA device; choices here: host; the name is from kwargs")
     # with its device, forcing it overrides its probe, as for any backend that fits by device
     sel = manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly",
                   machine={"devices": [{"kind": "cuda", "total_memory": "8GiB"}]}).select()

@@ -556,12 +556,14 @@ def test_the_values_reach_the_platform_s_functions_through_the_backend(monkeypat
     assert DECLARED.headroom_for(20 * GiB, backend.platform_values) == GiB  # the setting's 1 GiB
 
 
-def test_a_bad_platform_setting_leaves_the_plugin_broken_with_the_reason(monkeypatch):
+def test_a_bad_platform_setting_is_a_config_error_not_a_broken_plugin(monkeypatch):
+    """A settings error like any other (issue 42, round 6): listing the plugin as broken selected another
+    backend, and the typo went unseen."""
     monkeypatch.setenv("MEMBACKEND_DECLARED_DEPTH", "99")
-    mgr = BackendManager(load_settings(sim_profile="h200"),
-                         entry_points=[EntryPoint("declared", "test_settings:DECLARED", GROUP)])
-    assert "declared" not in mgr.records
-    assert "declared.depth (from env MEMBACKEND_DECLARED_DEPTH): 99 is not a depth" in mgr.broken["declared"]
+    with pytest.raises(ConfigError) as info:
+        BackendManager(load_settings(sim_profile="h200"),
+                       entry_points=[EntryPoint("declared", "test_settings:DECLARED", GROUP)])
+    assert str(info.value).startswith("declared.depth (from env MEMBACKEND_DECLARED_DEPTH): 99 is not a depth")
 
 
 def test_the_doctor_shows_every_value_with_its_source_and_what_nothing_reads(tmp_path, monkeypatch, capsys):
@@ -623,11 +625,10 @@ def test_a_backend_that_is_no_platform_declares_settings_read_as_a_platform_s(tm
     assert "ownsettings" not in report["tables_without_platform"]
 
 
-def test_a_bad_value_of_a_backend_s_own_setting_leaves_it_broken_naming_the_key(monkeypatch):
+def test_a_bad_value_of_a_backend_s_own_setting_is_a_config_error_naming_the_key(monkeypatch):
     monkeypatch.setenv("MEMBACKEND_OWNSETTINGS_POOL", "lots")
-    mgr = BackendManager(load_settings(), entry_points=[EntryPoint("own", "test_settings:OwnSettings", GROUP)])
-    assert "ownsettings" not in mgr.records
-    assert "ownsettings.pool (from env MEMBACKEND_OWNSETTINGS_POOL)" in mgr.broken["own"], mgr.broken
+    with pytest.raises(ConfigError, match=r"^ownsettings\.pool \(from env MEMBACKEND_OWNSETTINGS_POOL\): 'lots'"):
+        BackendManager(load_settings(), entry_points=[EntryPoint("own", "test_settings:OwnSettings", GROUP)])
 
 
 class ClashingSettings(OwnSettings):

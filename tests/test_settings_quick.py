@@ -48,6 +48,10 @@ CASES = [
     ("trace", {"MEMBACKEND_TRACE": "logs/run.jsonl"}, None, None, QUICK),
     ("other-vars", {"MEMBACKEND_WDDM_HEADROOM": "x", "MEMBACKEND_FOO": "1"}, None, None, QUICK),
     ("lower-case-var", {"membackend_backend": "host"}, None, None, QUICK),
+    # names in any case, blanks around them ignored: backend names are lower-case, so CUDA_WDDM is cuda_wddm
+    ("name-any-case", {"MEMBACKEND_BACKEND": "CUDA_WDDM", "MEMBACKEND_BLOCK": "Aimdo"}, None, None, QUICK),
+    ("name-newline", {"MEMBACKEND_BACKEND": "host\n"}, None, None, QUICK),
+    ("profile-any-case", {"MEMBACKEND_SIM_PROFILE": "Strix-Halo-128GB"}, None, None, QUICK),
     ("empty-name", {"MEMBACKEND_BACKEND": ""}, None, None, QUICK),  # empty: not set
     ("trace-empty", {"MEMBACKEND_TRACE": " "}, None, None, QUICK),
     ("toml", {}, 'backend = "vmm"\ndisable = true\nblock = ["aimdo"]\nheadroom = 1048576\nprobe_timeout = 3\n'
@@ -67,10 +71,11 @@ CASES = [
     ("machine-toml", {}, "[machine]\nos = \"linux\"\n", None, MODEL),
     # invalid: the same ConfigError from both
     ("bad-name", {"MEMBACKEND_BACKEND": "Not A Name"}, None, None, ERROR),
-    ("name-newline", {"MEMBACKEND_BACKEND": "host\n"}, None, None, ERROR),
+    ("name-inner-newline", {"MEMBACKEND_BACKEND": "ho\nst"}, None, None, ERROR),
     ("bad-flag", {"MEMBACKEND_DISABLE": "2"}, None, None, ERROR),
     ("block-host", {"MEMBACKEND_BLOCK": "aimdo,host"}, None, None, ERROR),
-    ("block-bad", {"MEMBACKEND_BLOCK": "Aimdo"}, None, None, ERROR),
+    ("block-bad", {"MEMBACKEND_BLOCK": "aim do"}, None, None, ERROR),
+    ("name-too-long", {"MEMBACKEND_BACKEND": "a" * 101}, None, None, ERROR),
     ("size-words", {"MEMBACKEND_HEADROOM": "lots"}, None, None, ERROR),
     ("size-negative", {"MEMBACKEND_HOST_CAPACITY": "-1"}, None, None, ERROR),
     ("underscore", {"MEMBACKEND_HOST_CAPACITY": "1_000"}, None, None, ERROR),

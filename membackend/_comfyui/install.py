@@ -21,7 +21,9 @@ symbolic link, and nothing outside ``custom_nodes/membackend`` is changed
 Refusals, each a :class:`~membackend.types.MembackendError` (the CLI exits 2)
 that leaves everything as it was:
 
-* :class:`NotComfyUI` — the folder is not a ComfyUI checkout;
+* :class:`NotComfyUI` — the folder is not a ComfyUI checkout, or cannot be
+  looked into (a part of its path too long for the file system, a folder on the
+  way this user may not search);
 * :class:`UnsafeLayout` — a link, or a file where a folder belongs (or the
   reverse): ``custom_nodes``, the node folder or one of the two files;
 * :class:`ForeignFolder` — one of the two files exists and was not written
@@ -42,6 +44,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._settings.rules import os_reason, shown
 from ..types import CannotWrite, ForeignFolder, NotComfyUI, UnsafeLayout
 
 __all__ = ["NotComfyUI", "ForeignFolder", "UnsafeLayout", "CannotWrite", "Outcome", "install", "uninstall",
@@ -107,25 +110,41 @@ except Exception as _exc:  # noqa: BLE001
 FILES = {"prestartup_script.py": PRESTARTUP, "__init__.py": INIT}
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` is there (following links); :class:`NotComfyUI` for one that cannot be looked up at
+    all (a part of it longer than the file system allows, a folder on the way this user may not search, a
+    NUL byte), which ``Path.exists`` would raise as a bare ``OSError``."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except (OSError, ValueError) as exc:
+        why = os_reason(exc) if isinstance(exc, OSError) else "not a path (it holds a NUL byte)"
+        raise NotComfyUI(f"{shown(path)} cannot be looked up: {why}; nothing was changed; accepted: the folder of "
+                         f"a ComfyUI checkout this user can read (it holds {', '.join(REQUIRED)})") from None
+    return True
+
+
 def is_comfyui(folder: Path) -> list[str]:
-    """What ``folder`` lacks to be a ComfyUI checkout (empty: it is one)."""
-    return [name for name in REQUIRED if not (folder / name).exists()]
+    """What ``folder`` lacks to be a ComfyUI checkout (empty: it is one); :class:`NotComfyUI` when it
+    cannot be looked into."""
+    return [name for name in REQUIRED if not _exists(folder / name)]
 
 
 def _check(folder: str | Path) -> Path:
     path = Path(folder).expanduser()
-    if not path.is_dir():
-        raise NotComfyUI(f"{path} is not a folder; accepted: the folder of a ComfyUI checkout "
+    if not _exists(path) or not path.is_dir():
+        raise NotComfyUI(f"{shown(path)} is not a folder; accepted: the folder of a ComfyUI checkout "
                          f"(it holds {', '.join(REQUIRED)})")
     missing = is_comfyui(path)
     if missing:
-        raise NotComfyUI(f"{path} is not a ComfyUI checkout: no {', '.join(missing)}; accepted: the folder "
+        raise NotComfyUI(f"{shown(path)} is not a ComfyUI checkout: no {', '.join(missing)}; accepted: the folder "
                          f"that holds {', '.join(REQUIRED)} (for the portable build, its ComfyUI subfolder)")
     return path
 
 
 def _failed(verb: str, path: Path, exc: OSError, tail: str) -> CannotWrite:
-    return CannotWrite(f"could not {verb} {path} ({type(exc).__name__}: {exc.strerror or exc}); {tail}; "
+    return CannotWrite(f"could not {verb} {shown(path)} ({type(exc).__name__}: {os_reason(exc)}); {tail}; "
                        f"expected: a custom_nodes folder this user can write")
 
 
@@ -141,7 +160,7 @@ def _lstat(path: Path) -> os.stat_result | None:
 def _what(path: Path, st: os.stat_result) -> str:
     if stat.S_ISLNK(st.st_mode):
         try:
-            return f"a symbolic link to {os.readlink(path)}"
+            return f"a symbolic link to {shown(os.readlink(path))}"
         except OSError:
             return "a symbolic link"
     return "a folder" if stat.S_ISDIR(st.st_mode) else "a file" if stat.S_ISREG(st.st_mode) else "a special file"
@@ -151,13 +170,13 @@ def _node(folder: str | Path, action: str) -> tuple[Path, bool]:
     """The node folder and whether it exists; raises unless it is absent or a real folder."""
     custom = _check(folder) / "custom_nodes"
     if not custom.is_dir():
-        raise UnsafeLayout(f"{custom} is {_what(custom, os.lstat(custom))}; expected ComfyUI's custom_nodes "
+        raise UnsafeLayout(f"{shown(custom)} is {_what(custom, os.lstat(custom))}; expected ComfyUI's custom_nodes "
                            f"folder (or a link to one); nothing was changed")
     node = custom / NODE_DIR
     st = _lstat(node)
     if st is not None and not stat.S_ISDIR(st.st_mode):  # lstat: a link to a folder is not S_ISDIR
         fix = "remove the link" if stat.S_ISLNK(st.st_mode) else "move it away"
-        raise UnsafeLayout(f"{node} is {_what(node, st)}; expected a folder written by `membackend comfyui "
+        raise UnsafeLayout(f"{shown(node)} is {_what(node, st)}; expected a folder written by `membackend comfyui "
                            f"install`; nothing was changed; {fix}, then {action} again")
     return node, st is not None
 
@@ -170,7 +189,7 @@ def _scan(node: Path, action: str) -> dict[str, bytes | None]:
         st = _lstat(path)
         if st is not None and not stat.S_ISREG(st.st_mode):
             fix = "remove the link" if stat.S_ISLNK(st.st_mode) else "move it away"
-            raise UnsafeLayout(f"{path} is {_what(path, st)}; expected a file written by `membackend comfyui "
+            raise UnsafeLayout(f"{shown(path)} is {_what(path, st)}; expected a file written by `membackend comfyui "
                                f"install`; nothing was changed; {fix}, then {action} again")
         try:
             found[name] = None if st is None else _read(path)
@@ -214,7 +233,7 @@ def install(folder: str | Path) -> Outcome:
     found = _scan(node, "install") if exists else dict.fromkeys(FILES)
     foreign = [name for name, data in found.items() if data is not None and not _ours(data)]
     if foreign:
-        raise ForeignFolder(f"{node} exists and was not written by membackend ({', '.join(foreign)} without its "
+        raise ForeignFolder(f"{shown(node)} exists and was not written by membackend ({', '.join(foreign)} without its "
                             f"marker line); expected: no such file, or the one `membackend comfyui install` "
                             f"writes; nothing was changed; move the folder away, then install again")
     todo = {name: text.encode() for name, text in FILES.items() if found[name] != text.encode()}
@@ -286,7 +305,7 @@ def uninstall(folder: str | Path) -> Outcome:
     if not ours:
         if any(data is not None for data in found.values()):
             theirs = ", ".join(name for name in FILES if found[name] is not None)
-            raise ForeignFolder(f"{node} was not written by membackend ({theirs} without its marker line); "
+            raise ForeignFolder(f"{shown(node)} was not written by membackend ({theirs} without its marker line); "
                                 f"it was left as it is")
         return Outcome(node, False, _left(node))
     removed: list[str] = []

@@ -20,12 +20,12 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..types import DEVICE_KINDS, RuleError
 
-__all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "SIZE_MAX", "QUOTE_LIMIT", "format_bytes", "size",
-           "flag", "name", "seconds",
+__all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "shown", "did_you_mean", "os_reason", "SIZE_MAX",
+           "QUOTE_LIMIT", "NAME_MAX", "format_bytes", "size", "flag", "name", "seconds",
            "FIELDS", "MACHINE_FIELDS", "DEVICE_FIELDS", "FIELD_NAMES", "SIZE_ACCEPTED", "NAME_PATTERN",
            "HOST_PAGE_SIZE", "UNITS", "check_appendable", "out_of_files", "FILES_ACCEPTED"]
 
@@ -48,6 +48,9 @@ SIZE_ACCEPTED = (
 )
 #: the most characters of a value an error message quotes (a 10 MB body is not sent back whole)
 QUOTE_LIMIT = 200
+#: the longest name (a backend's, in the ``backend`` and ``block`` settings) a setting takes: a longer one is a
+#: paste, not a name, so a refusal that echoes a name it took never echoes more than this
+NAME_MAX = 100
 FLAG_ACCEPTED = "true/false, 1/0, yes/no, on/off (any case)"
 TRACE_ACCEPTED = "a path to a file that can be opened for appending (missing parent directories are created)"
 PROBE_TIMEOUT_ABOVE, PROBE_TIMEOUT_MAX = 0, 600  # probe_timeout: seconds, > 0 and <= 600
@@ -69,6 +72,59 @@ def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
     except Exception:  # noqa: BLE001 - a repr that fails is named by its type
         return f"<a {type(value).__name__}>"
     return text if len(text) <= limit + 20 else f"{text[:limit]}... ({len(text):,} characters in all)"
+
+
+def shown(text: Any, limit: int = QUOTE_LIMIT) -> str:
+    """A path or a name as a message names it: as it is where that reads unambiguously (text, not empty,
+    printable, no blank at either end), cut in the middle when longer than ``limit`` (its end, a file's
+    name, stays) saying how long it was; anything else as :func:`quoted` gives it (an empty name shows as
+    two quotes, a newline as a backslash and an n), so a message stays one line. Never raises."""
+    if isinstance(text, os.PathLike):
+        try:
+            text = os.fspath(text)
+        except Exception:  # noqa: BLE001 - a path that cannot say what it is is quoted as it is
+            return quoted(text, limit)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not (isinstance(text, str) and text and text.isprintable() and text == text.strip()):
+        return quoted(text, limit)
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 5
+    return f"{text[:head]}...{text[len(text) - (limit - head - 3):]} ({len(text):,} characters in all)"
+
+
+#: how close a name must be to a choice to be suggested (difflib's ratio): one wrong letter of three (vmn:
+#: vmm) is close, three of six (nope, noverb) is not -- the cut-off of ``BackendNotFound``'s suggestion
+CLOSE_ENOUGH = 0.65
+
+
+def did_you_mean(name: Any, choices: Iterable[str]) -> str:
+    """``"; did you mean X?"`` naming the one of ``choices`` closest to ``name`` (compared in any case, at
+    least :data:`CLOSE_ENOUGH` alike), else ``""``: what a refusal of an unknown name appends (simulated
+    profiles, the replay's backends). A name that is no text or longer than :data:`NAME_MAX` is like none."""
+    import difflib  # only a refusal needs it
+
+    if not isinstance(name, str) or len(name) > NAME_MAX:
+        return ""
+    lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=CLOSE_ENOUGH)
+    return f"; did you mean {lower[close[0]]}?" if close else ""
+
+
+def os_reason(exc: OSError) -> str:
+    """Words for why a path could not be used, from its ``OSError``: the system's own (``strerror``), and
+    what it means where that is not plain -- a part of the path too long for the file system, a folder on
+    the way this user may not search, no file descriptor left (:func:`out_of_files`)."""
+    held = out_of_files(exc)
+    if held:
+        return held
+    why = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno == errno.ENAMETOOLONG:
+        return f"{why} (a part of the path is longer than the file system allows: 255 bytes on most)"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"{why} (this user may not search or read a folder on the way)"
+    return why
 
 
 class Rule:
@@ -211,10 +267,18 @@ def _flag(value: Any) -> bool:
     raise RuleError(f"{quoted(value)} is not a boolean")
 
 
+NAME_ACCEPTED = (f"letters, digits, '_' and '-', starting with a letter, at most {NAME_MAX} characters, in any "
+                 "case (CUDA_WDDM is cuda_wddm)")
+
+
 def _name(value: Any) -> str:
-    if isinstance(value, str) and _NAME.fullmatch(value):
-        return value
-    raise RuleError(f"{quoted(value)} is not a name (lower-case letters, digits, '_' and '-', starting with a letter)")
+    """A backend's name in any case, blanks around it ignored. Every backend's name is lower-case
+    (``NAME_PATTERN``), so ``CUDA_WDDM`` can only mean ``cuda_wddm``: it is taken, not refused."""
+    if isinstance(value, str) and len(value) <= 2 * NAME_MAX:  # no copy of a 10 MB value is made
+        lowered = value.strip().lower()
+        if len(lowered) <= NAME_MAX and _NAME.fullmatch(lowered):
+            return lowered
+    raise RuleError(f"{quoted(value)} is not a name")
 
 
 def _names(value: Any) -> list[str]:
@@ -222,12 +286,28 @@ def _names(value: Any) -> list[str]:
         value = [part.strip() for part in value.split(",") if part.strip()]
     if not isinstance(value, (list, tuple)):
         raise RuleError(f"{quoted(value)} is not a list of backend names")
+    names = []
     for item in value:
-        if not (isinstance(item, str) and _NAME.fullmatch(item)):
-            raise RuleError(f"{quoted(item)} is not a backend name")
-        if item == "host":
+        try:
+            names.append(_name(item))
+        except RuleError:
+            raise RuleError(f"{quoted(item)} is not a backend name ({NAME_ACCEPTED})") from None
+        if names[-1] == "host":
             raise RuleError("'host' is the fallback and cannot be blocked")
-    return list(value)
+    return names
+
+
+PROFILE_ACCEPTED = ("the name of a simulated profile, in any case (an unknown one is refused when the backends "
+                    "load, with every profile's name)")
+
+
+def _profile(value: Any) -> str:
+    """``sim_profile``: text, lower-cased (every profile's name is), blanks around it ignored. The profiles
+    live with the simulation, above the settings: a name none has is refused where they are known, when the
+    backends load, with every profile's name and the closest one -- never from a list written here."""
+    if not isinstance(value, str):
+        raise RuleError(f"{quoted(value)} is not a profile name (text)")
+    return value.strip().lower() if len(value) <= 2 * NAME_MAX else value  # a 10 MB value is refused unchanged
 
 
 _NUMBER = re.compile(r"\s*[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?\s*", re.ASCII)
@@ -309,7 +389,7 @@ def _trace(value: Any) -> Path:
     try:
         check_appendable(path)
     except OSError as exc:
-        why = "a FIFO (named pipe) nobody reads" if exc.errno == errno.ENXIO else exc.strerror or exc
+        why = "a FIFO (named pipe) nobody reads" if exc.errno == errno.ENXIO else os_reason(exc)
         raise RuleError(f"cannot open {quoted(value)} for appending: {why}") from None
     return path
 
@@ -361,7 +441,7 @@ def _keep_dropped(value: Any) -> str | int:
     except RuleError:
         raise RuleError(f"{quoted(value)} is neither auto, off nor a size") from None
 flag = Rule("flag", _flag, FLAG_ACCEPTED)
-name = Rule("name", _name, "lower-case letters, digits, '_' and '-', starting with a letter")
+name = Rule("name", _name, NAME_ACCEPTED)
 seconds = Rule("seconds", _seconds, f"a number of seconds, > {PROBE_TIMEOUT_ABOVE} and <= {PROBE_TIMEOUT_MAX}")
 
 
@@ -484,9 +564,10 @@ _MACHINE_ACCEPTED = ("a table (in the environment: a JSON object) with keys " + 
 
 FIELDS: tuple[Field, ...] = (
     Field("backend", name.or_none(), None, "force this backend by name", str | None,
-          accepted_text="the name of an installed backend (see `membackend backends`)"),
+          accepted_text="the name of an installed backend (see `membackend backends`): " + NAME_ACCEPTED),
     Field("disable", flag, False, "switch membackend off: callers use their legacy path", bool),
-    Field("block", Rule("backend names", _names, "a comma-separated list of backend names other than 'host'"),
+    Field("block", Rule("backend names", _names, "a comma-separated list of backend names other than 'host', in "
+                                                 "any case"),
           doc="backend names never to select", annotation=list[str], factory=list),
     Field("headroom", size.or_none(), None,
           "bytes kept free on every device; replaces the platform's or backend's own (a live change and "
@@ -501,9 +582,9 @@ FIELDS: tuple[Field, ...] = (
           "the weights of models ComfyUI dropped, kept in VRAM as reclaimable cache so that loading the same file "
           "again reads nothing (auto: as the room allows; off: none; a size: at most that per device)",
           str | int),
-    Field("sim_profile", name.or_none(), None,
+    Field("sim_profile", Rule("profile name", _profile, PROFILE_ACCEPTED, nullable=True), None,
           "run GPU backends on a simulated machine; the names are checked where the simulation lives, when "
-          "backends are loaded", str | None, accepted_text="wddm-6gb, rocm-win-2gpu, gb10-128gb, h200, mi100-novmm"),
+          "backends are loaded", str | None),
     Field("probe_timeout", seconds, 10.0, "seconds each backend's probe may take before it is skipped as broken",
           float),
     Field("sanitize", flag, False, "check every free/release for pending work and use after release", bool),

@@ -4,9 +4,9 @@ Precedence, highest first:
 
 1. keyword arguments (``load_settings(headroom="1GiB")``): source ``kwargs``;
 2. environment variables ``MEMBACKEND_<KEY>`` (``MEMBACKEND_MACHINE__<KEY>``
-   for one machine fact): source ``env <NAME>``. Names match in any case (the
-   upper-case spelling wins when both are set); a variable that is empty or
-   only blanks counts as not set;
+   for one machine fact): source ``env <NAME>``. Names match in any case (two
+   spellings of one name set to different values are refused, naming both);
+   a variable that is empty or only blanks counts as not set;
 3. the config file: ``$MEMBACKEND_CONFIG`` when set (it must name a file),
    else ``./membackend.toml``: source its path;
 4. ``[tool.membackend]`` in ``./pyproject.toml``: source
@@ -28,12 +28,26 @@ doctor`` lists those nothing reads).
 from __future__ import annotations
 
 import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ..types import ConfigError
-from .rules import _NAME, BY_NAME, FIELD_NAMES, FIELDS, FILES_ACCEPTED, MACHINE_FIELDS, RuleError, _json, out_of_files
+from .rules import (
+    _NAME,
+    BY_NAME,
+    FIELD_NAMES,
+    FIELDS,
+    FILES_ACCEPTED,
+    MACHINE_FIELDS,
+    RuleError,
+    _json,
+    os_reason,
+    out_of_files,
+    quoted,
+    shown,
+)
 
 __all__ = ["Sources", "Resolved", "PlatformValues", "resolve", "resolve_platform", "platform_env_name",
            "config_file", "ENV_PREFIX", "CONFIG_ENV", "CONFIG_NAME", "PYPROJECT_LABEL"]
@@ -51,15 +65,35 @@ TOP_ACCEPTED = ("one of: " + ", ".join(FIELD_NAMES) + "; or a table named after 
                 "it declares")
 
 
+SPELLINGS_ACCEPTED = ("one spelling of each variable (names match in any case), or the same value in every "
+                      "spelling")
+
+
 def _environment() -> dict[str, tuple[str, str]]:
-    """Every ``MEMBACKEND_*`` variable that is set to something: upper-cased name -> (name as set, value)."""
+    """Every ``MEMBACKEND_*`` variable that is set to something: upper-cased name -> (name as set, value).
+
+    Names match in any case, so two spellings of one name (``membackend_backend`` and
+    ``Membackend_Backend``, or either beside ``MEMBACKEND_BACKEND``) are one variable set twice: with
+    different values that is a ``ConfigError`` naming every spelling and its value, since which one would
+    win depends on the order of the environment, which the user does not see. With one value, the
+    upper-case spelling (else the first) names it."""
     found: dict[str, tuple[str, str]] = {}
+    twice: dict[str, list[tuple[str, str]]] = {}
     for key, value in os.environ.items():
         upper = key.upper()
         if not upper.startswith(ENV_PREFIX) or not value.strip():
             continue
+        if upper in found:
+            twice.setdefault(upper, [found[upper]]).append((key, value))
         if upper not in found or key == upper:
             found[upper] = (key, value)
+    for upper, spellings in sorted(twice.items()):
+        if len({value for _, value in spellings}) > 1:
+            spellings.sort()
+            raise ConfigError(upper, " and ".join(f"env {key}" for key, _ in spellings),
+                              "one variable set in several spellings, with different values: "
+                              + ", ".join(f"{key}={quoted(value)}" for key, value in spellings),
+                              SPELLINGS_ACCEPTED)
     return found
 
 
@@ -69,26 +103,42 @@ def config_file() -> Path:
     return Path(named[1] if named else CONFIG_NAME)
 
 
+def _is_file(path: Path, source: str) -> bool:
+    """Whether ``path`` is a file (following links); False for nothing there. A path that cannot even be
+    looked up -- a part of it longer than the file system allows, a folder on the way this user may not
+    search, a NUL byte -- is a ``ConfigError`` (key ``config``) naming ``source``, not an ``OSError``."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise ConfigError("config", source, f"{shown(path)} cannot be looked up: {os_reason(exc)}",
+                          FILES_ACCEPTED if out_of_files(exc) else CONFIG_ACCEPTED) from None
+    except ValueError:  # an embedded NUL byte
+        raise ConfigError("config", source, f"{quoted(str(path))} is not a path (it holds a NUL byte)",
+                          CONFIG_ACCEPTED) from None
+
+
 def read_toml(path: Path, table: tuple[str, ...] = ()) -> dict[str, Any]:
     """The TOML table at ``table`` in ``path``; ``{}`` when the file does not exist.
 
     Raises ``ConfigError`` (key ``config``, the file as source) for a file
-    that cannot be read, is not UTF-8 or is not TOML.
+    that cannot be looked up or read, is not UTF-8 or is not TOML.
     """
-    if not path.is_file():
+    if not _is_file(path, shown(path)):
         return {}
     try:
         with path.open("rb") as f:
             data = tomllib.load(f)
     except OSError as exc:
         held = out_of_files(exc)
-        raise ConfigError("config", str(path), f"cannot be read: {held or exc.strerror or exc}",
+        raise ConfigError("config", shown(path), f"cannot be read: {os_reason(exc)}",
                           FILES_ACCEPTED if held else CONFIG_ACCEPTED) from None
     except UnicodeDecodeError as exc:  # tomllib decodes as UTF-8 and lets this through
-        raise ConfigError("config", str(path), f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+        raise ConfigError("config", shown(path), f"not UTF-8 text ({exc.reason} at byte {exc.start})",
                           CONFIG_ACCEPTED) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", str(path), f"not valid TOML: {exc}", CONFIG_ACCEPTED) from None
+        raise ConfigError("config", shown(path), f"not valid TOML: {exc}", CONFIG_ACCEPTED) from None
     for key in table:
         data = data.get(key, {}) if isinstance(data, dict) else {}
     return data if isinstance(data, dict) else {}
@@ -136,14 +186,15 @@ class Sources:
         named = env.get(CONFIG_ENV)
         if named is not None:
             path = Path(named[1])
-            if not path.is_file():
+            if not _is_file(path, f"env {named[0]}"):
                 what = "is a directory" if path.is_dir() else "does not exist"
-                raise ConfigError("config", f"env {named[0]}", f"{named[1]!r} {what}", CONFIG_ACCEPTED)
+                raise ConfigError("config", f"env {named[0]}", f"{quoted(named[1])} {what}", CONFIG_ACCEPTED)
         else:
             path = Path(CONFIG_NAME)
         config = read_toml(path)
         pyproject = read_toml(Path(PYPROJECT), PYPROJECT_TABLE)
-        return cls(dict(kwargs or {}), env, str(path), config, pyproject)
+        # the file's label names it in every error and in the doctor: one line, whatever its name holds
+        return cls(dict(kwargs or {}), env, shown(path), config, pyproject)
 
     # ------------------------------------------------------------------ lookups, highest precedence first
 

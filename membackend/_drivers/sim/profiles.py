@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..._settings.rules import did_you_mean, quoted
 from ...types import Capabilities, ConfigError
 
 __all__ = ["SimDeviceSpec", "Profile", "PROFILES", "get_profile"]
@@ -209,8 +210,11 @@ PROFILES: dict[str, Profile] = {
 
 
 def get_profile(name: str) -> Profile:
+    """The profile called ``name``; ``ConfigError`` (key ``sim_profile``) for a name none has, quoting it
+    cut short, with the closest name and every profile's (from :data:`PROFILES` itself)."""
     try:
         return PROFILES[name]
-    except KeyError:
-        raise ConfigError("sim_profile", "settings", f"unknown simulation profile {name!r}",
+    except (KeyError, TypeError):  # TypeError: a name that is no key at all (a list)
+        raise ConfigError("sim_profile", "settings",
+                          f"unknown simulation profile {quoted(name)}{did_you_mean(name, PROFILES)}",
                           ", ".join(PROFILES)) from None

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..._settings.rules import NAME_MAX, did_you_mean, os_reason, quoted, shown
 from ...types import ConfigError
 from .engine import SIDES, PluginMissing, ReplayError, SideResult, run_side
 from .scenarios import SCENARIOS, Scenario, get_scenario
@@ -253,13 +254,21 @@ def load_source(source: str, run: int | None = None) -> tuple[Trace, Scenario | 
     """A built-in scenario's name or a trace file's path → (trace for seed 0, scenario, profile changes).
 
     A file that does not exist is a :class:`TraceError` ("no such file") when ``source`` reads as
-    a path, else an ``UnknownScenario`` listing the built-in ones."""
+    a path, else an ``UnknownScenario`` listing the built-in ones; an empty (or blank) ``source`` names
+    neither, and is a :class:`ReplayError` saying so (as a path it would be the current folder)."""
+    if not isinstance(source, str) or not source.strip():
+        raise ReplayError(f"{quoted(source)} names no built-in scenario and no file; accepted: a built-in scenario "
+                          f"({', '.join(SCENARIOS)}) or the path of a trace file")
     if source in SCENARIOS:
         sc = SCENARIOS[source]
         events, changes = sc.build(0)
         return Trace({"scenario": sc.name, "sim_profile": sc.profile}, events, sc.name), sc, {**sc.machine, **changes}
     p = Path(source)
-    if not p.exists() and not p.is_symlink() and not _looks_like_a_path(source):
+    try:
+        there = p.exists() or p.is_symlink()
+    except (OSError, ValueError):  # a name too long for the file system, a folder this user may not search:
+        there = True  # a path all the same, which read_trace words
+    if not there and not _looks_like_a_path(source):
         get_scenario(source)  # raises UnknownScenario, listing the built-in ones
     trace = read_trace(source, run)  # a path that is not there: "no such file"
     scenario = SCENARIOS.get(trace.scenario or "")
@@ -268,15 +277,22 @@ def load_source(source: str, run: int | None = None) -> tuple[Trace, Scenario | 
 
 def _check_record_path(record: str, source: str) -> None:
     p = Path(record)
-    if p.is_dir() or not p.parent.is_dir():
-        raise ReplayError(f"--record {record!r}: {'a folder' if p.is_dir() else 'its folder does not exist'}; "
+    try:
+        folder = p.is_dir()
+        lost = not folder and not p.parent.is_dir()
+    except (OSError, ValueError) as exc:  # a name too long, a folder this user may not search, a NUL byte
+        why = os_reason(exc) if isinstance(exc, OSError) else "not a path (it holds a NUL byte)"
+        raise ReplayError(f"--record {shown(record)}: cannot be looked up: {why}; accepted: a file path in an "
+                          "existing folder") from None
+    if folder or lost:
+        raise ReplayError(f"--record {shown(record)}: {'a folder' if folder else 'its folder does not exist'}; "
                           "accepted: a file path in an existing folder")
     try:
         same = Path(source).exists() and p.exists() and os.path.samefile(source, record)
-    except OSError:
+    except (OSError, ValueError):
         same = False
     if same:
-        raise ReplayError(f"--record {record!r} is the trace being replayed; accepted: another file")
+        raise ReplayError(f"--record {shown(record)} is the trace being replayed; accepted: another file")
 
 
 #: what each profile field a trace's ``machine`` may change accepts, by the field's annotation
@@ -452,16 +468,20 @@ def _checked_profile(asked: str | None, home: str | None, trace: Trace) -> str:
     was recorded on); a simulated one, else :class:`ReplayError` (:class:`TraceError` for the header's)."""
     from ..._drivers.open import profile_names
 
-    prof = asked or home
-    if not prof:
+    names = profile_names()
+    if asked is not None:  # profile names are lower-case: any case of one is that one (as sim_profile)
+        asked = asked.strip().lower() if isinstance(asked, str) and len(asked) <= 2 * NAME_MAX else asked
+        if asked not in names:  # an empty --profile too: it is no profile, not "the scenario's"
+            raise ReplayError(f"profile {quoted(asked)} is unknown{did_you_mean(asked, names)}; accepted: "
+                              f"{', '.join(names)}")
+        return asked
+    if not home:
         raise ReplayError(f"{trace.header_where()}: the trace names no simulated profile (it was recorded on real "
-                          f"hardware); pass --profile, one of: {', '.join(profile_names())}")
-    if prof not in profile_names():
-        if asked is None:  # the header's
-            raise TraceError(f"{trace.header_where()}: header 'sim_profile' {prof!r} is no simulated profile; "
-                             f"accepted: {', '.join(profile_names())} (or pass --profile)")
-        raise ReplayError(f"profile {prof!r} is unknown; accepted: {', '.join(profile_names())}")
-    return prof
+                          f"hardware); pass --profile, one of: {', '.join(names)}")
+    if home not in names:  # the header's
+        raise TraceError(f"{trace.header_where()}: header 'sim_profile' {quoted(home)} is no simulated profile"
+                         f"{did_you_mean(home, names)}; accepted: {', '.join(names)} (or pass --profile)")
+    return home
 
 
 def _plugin_backend(backend: str | None, builtin: Scenario | None, trace: Trace, prof: str) -> tuple[str | None, bool]:

@@ -39,6 +39,7 @@ from ..._ledger import Ledger
 from ..._residency import ResidencyManager
 from ..._session import Session
 from ..._settings import load_settings
+from ..._settings.rules import did_you_mean, quoted
 from ..._trace import TraceObserver
 from ...platform import Platform
 from ...types import Device, MembackendError, PluginMissing, ReplayError, TraceError, TraceWriteError
@@ -104,6 +105,25 @@ def _distribution(backend: str) -> str:
     return "membackend-" + backend.replace("_", "-")
 
 
+def _check_installed(manager: Any, backend: str) -> None:
+    """:class:`PluginMissing` unless ``backend`` is one of ``manager``'s records, saying what to do: a plugin
+    the replays know (a scenario's) gets the command that installs it; one installed but broken, its
+    reason; any other name the closest installed one -- never an install hint for a package that does not
+    exist (``cuda_wdm`` is a typo of ``cuda_wddm``, not a plugin called ``membackend-cuda-wdm``)."""
+    from .scenarios import SCENARIOS
+
+    if backend in manager.records:
+        return
+    installed = sorted(manager.records)
+    if backend in manager.broken:
+        raise PluginMissing(f"backend {quoted(backend)} cannot be used: broken: {manager.broken[backend]}")
+    if backend in {sc.plugin for sc in SCENARIOS.values() if sc.plugin}:
+        raise PluginMissing(f"backend {quoted(backend)} is not installed (pip install {_distribution(backend)}); "
+                            f"installed: {', '.join(installed)}")
+    raise PluginMissing(f"backend {quoted(backend)} is not installed{did_you_mean(backend, installed)} "
+                        f"(installed: {', '.join(installed)})")
+
+
 def _plugin_session(profile: str, backend: str | None, changes: dict[str, Any]) -> Session:
     from ..._backends.vmm import VmmBackend
 
@@ -129,9 +149,9 @@ def _plugin_platform(settings: Any, profile: str, backend: str | None) -> tuple[
     from ..._manager import BackendManager
 
     manager = BackendManager(settings)
-    if backend is not None and backend not in manager.records:
-        raise PluginMissing(f"backend {backend!r} is not installed (pip install {_distribution(backend)}); "
-                            f"installed: {', '.join(sorted(manager.records))}")
+    if backend is not None:
+        backend = settings.backend  # as the settings took it: any case of a name is that name
+        _check_installed(manager, backend)
     record = manager.records[backend] if backend else manager.select(machine_for(settings)).record
     if record is None:  # nothing selected: only with membackend switched off, which this session is not
         raise ReplayError(f"membackend selects no backend on profile {profile!r}; pass --backend")

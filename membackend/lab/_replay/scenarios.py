@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..._settings.rules import did_you_mean, quoted
 from ...types import UnknownScenario
 
 __all__ = ["Scenario", "SCENARIOS", "get_scenario", "UnknownScenario", "layered_run"]
@@ -458,8 +459,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 
 def get_scenario(name: str) -> Scenario:
+    """The built-in scenario ``name``; :class:`UnknownScenario` quoting the name (cut short), with the closest
+    built-in one and every one's name."""
     try:
         return SCENARIOS[name]
-    except KeyError:
-        raise UnknownScenario(f"no built-in scenario {name!r}; built in: {', '.join(SCENARIOS)} "
-                              "(or give the path of a trace file)") from None
+    except (KeyError, TypeError):
+        raise UnknownScenario(f"no built-in scenario {quoted(name)}{did_you_mean(name, SCENARIOS)}; built in: "
+                              f"{', '.join(SCENARIOS)} (or give the path of a trace file)") from None

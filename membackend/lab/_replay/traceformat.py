@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from ..._settings.rules import os_reason, shown
 from ..._trace import TRACE_FORMAT, TRACE_VERSION, trace_header
 from ...types import TraceError, TraceWriteError
 
@@ -77,15 +78,11 @@ _HEADER_NAMES = ("scenario", "sim_profile", "backend", "membackend")
 
 
 def shown_path(path: str | os.PathLike[str], limit: int = MAX_SHOWN) -> str:
-    """``path`` as an error message shows it: whole up to ``limit`` characters, else its start and its
-    end (the file's name) around ``...``, so a message stays one readable line."""
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        text = os.fsdecode(text)
-    if len(text) <= limit:
-        return text
-    head = limit * 2 // 5
-    return f"{text[:head]}...{text[len(text) - (limit - head - 3):]}"
+    """``path`` as an error message shows it (:func:`membackend._settings.rules.shown`, what every refusal
+    that names a path or a name uses): as it is up to ``limit`` characters, else its start and its end (the
+    file's name) around ``...`` with its length; an empty path, or one with a newline or another character
+    that does not print, quoted as Python writes it -- so a message stays one readable line."""
+    return shown(path, limit)
 
 
 def file_kind(mode: int) -> str:
@@ -443,7 +440,7 @@ def _file_lines(f: Any) -> Iterator[tuple[int, int, bytes]]:
 
 
 def _unreadable(source: str, exc: OSError) -> TraceError:
-    return TraceError(f"{source}: cannot read it: {exc.strerror or exc}; accepted: a readable trace file")
+    return TraceError(f"{source}: cannot read it: {os_reason(exc)}; accepted: a readable trace file")
 
 
 def read_trace(path: str | Path, run: int | None = None) -> Trace:
@@ -469,7 +466,7 @@ def read_trace(path: str | Path, run: int | None = None) -> Trace:
     except OSError as exc:
         raise _unreadable(source, exc) from None
     except ValueError:  # a NUL byte in the path
-        raise TraceError(f"{source!r} is not a path (it holds a NUL byte); accepted: {ACCEPTED_FILE}") from None
+        raise TraceError(f"{source} is not a path (it holds a NUL byte); accepted: {ACCEPTED_FILE}") from None
     with f:
         try:
             st = os.fstat(f.fileno())

@@ -180,12 +180,12 @@ def test_the_generic_headroom_setting_overrides_the_plugin_s(monkeypatch):
         s.close()
 
 
-def test_a_bad_headroom_shows_as_a_broken_plugin_with_the_reason(monkeypatch):
+def test_a_bad_headroom_is_a_settings_error_not_a_broken_plugin(monkeypatch):
+    """Selecting another backend would quietly move the user off the plugin that prevents the bluescreen."""
     monkeypatch.setenv(wddm.HEADROOM_ENV, "lots")
-    sel = BackendManager(load_settings(sim_profile="wddm-6gb")).select()
-    assert sel.record.name != "cuda_wddm"
-    assert "cuda_wddm.headroom (from env MEMBACKEND_CUDA_WDDM_HEADROOM): 'lots' is not a size" in \
-        sel.broken["cuda_wddm"]
+    with pytest.raises(ConfigError, match=r"^cuda_wddm\.headroom \(from env MEMBACKEND_CUDA_WDDM_HEADROOM\): 'lots' "
+                                          "is not a size"):
+        BackendManager(load_settings(sim_profile="wddm-6gb"))
 
 
 def test_the_doctor_shows_the_headroom_setting_with_its_source(monkeypatch, capsys):

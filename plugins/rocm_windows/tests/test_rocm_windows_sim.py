@@ -17,6 +17,7 @@ from membackend._manager import BackendManager
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
 from membackend.lab._replay.stock import StockPolicy
+from membackend.types import ConfigError
 
 from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
 
@@ -181,12 +182,10 @@ def test_a_configured_quota_is_enforced_through_the_entry_point(monkeypatch):
     s.close()
 
 
-def test_a_bad_quota_setting_leaves_the_plugin_broken_with_the_reason(monkeypatch):
+def test_a_bad_quota_setting_is_a_settings_error_not_a_broken_plugin(monkeypatch):
     monkeypatch.setenv("MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA", "plenty")
-    mgr = BackendManager(load_settings(sim_profile=PROFILE))
-    sel = mgr.select()
-    assert sel.record.name != "rocm_windows"
-    assert "MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA" in next(v for k, v in sel.broken.items() if "rocm_windows" in k)
+    with pytest.raises(ConfigError, match="rocm_windows.address_quota .from env MEMBACKEND_ROCM_WINDOWS_ADDRESS_QUOTA"):
+        BackendManager(load_settings(sim_profile=PROFILE))
 
 
 # --------------------------------------------------------------------------- per device
