@@ -81,6 +81,33 @@ def sanitized_session():
 
 
 @pytest.fixture
+def host_adapter():
+    """An armed ComfyUI adapter on the host backend (16 pages of 2 MiB, no headroom), no reaper, no ComfyUI
+    patches: the facade's calls land on real host memory."""
+    from membackend._comfyui import runtime as adapter
+    from membackend._comfyui.runtime import Runtime
+    from membackend._drivers.open import machine_for
+    from membackend._manager import BackendManager
+    from membackend._residency import ResidencyManager
+    from membackend._settings import load_settings
+
+    page = 2 << 20
+    settings = load_settings(backend="host", headroom=0, host_capacity=16 * page, page_size=page)
+    mgr = BackendManager(settings)
+    machine = machine_for(settings)
+    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+    runtime.session = mgr.session(machine, selection=runtime.selection)
+    runtime.residency = ResidencyManager(runtime.session)
+    runtime.devices = [runtime.device_for(0)]
+    adapter.decided("armed", "test", "", runtime)
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+        adapter.decided("stock", "test over", "", None)
+
+
+@pytest.fixture
 def h200_adapter():
     """A started ComfyUI adapter on the simulated H200 (its reaper thread running), no ComfyUI patches."""
     from membackend._comfyui import runtime as adapter

@@ -153,41 +153,26 @@ def test_the_manager_own_frees_keep_its_warm_ranges_of_other_reservations(gpu):
     assert warm.pin() == fa
 
 
-def test_the_comfyui_adapter_copies_again_after_a_free_past_the_manager():
+def test_the_comfyui_adapter_copies_again_after_a_free_past_the_manager(host_adapter):
     torch = pytest.importorskip("torch")
-    from membackend._comfyui import runtime as adapter
     from membackend._comfyui import vbar as facade
-    from membackend._comfyui.runtime import Runtime
-    from membackend._drivers.open import machine_for
-    from membackend._manager import BackendManager
 
-    settings = load_settings(backend="host", headroom=0, host_capacity=16 * PAGE, page_size=PAGE)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    rt = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    rt.session = mgr.session(machine, selection=rt.selection)
-    rt.residency = ResidencyManager(rt.session)
-    rt.devices = [rt.device_for(0)]
-    adapter.decided("armed", "test", "", rt)
-    try:
-        v = facade.ModelVBAR(4 * PAGE, 0)
-        w = torch.arange(1000, dtype=torch.float32)
-        alloc = v.alloc(w.numel() * 4)
-        sig = facade.vbar_fault(alloc)
-        facade.aimdo_to_tensor(alloc, "cpu").view(torch.float32).copy_(w)
-        facade.vbar_unpin(alloc)
-        r = v._model.reservation(v._dev)
-        assert rt.session.free(r, 0, PAGE) == PAGE  # a plugin holding the session frees the page
-        again = facade.vbar_fault(alloc)
-        assert again is not None and not facade.vbar_signature_compare(again, sig), \
-            "the fault answered the old signature: ComfyUI would skip the copy and read what was freed"
-        facade.aimdo_to_tensor(alloc, "cpu").view(torch.float32).copy_(w)  # what ComfyUI then does
-        facade.vbar_unpin(alloc)
-        assert facade.vbar_signature_compare(facade.vbar_fault(alloc), again)  # warm again from here
-        assert torch.equal(facade.aimdo_to_tensor(alloc, "cpu").view(torch.float32), w)
-        facade.vbar_unpin(alloc)
-        assert rt.aborted is None, rt.aborted
-        assert v.loaded_size() == rt.session.ledger.resident(r) == PAGE
-    finally:
-        rt.stop()
-        adapter.decided("stock", "test over", "", None)
+    rt = host_adapter  # its page is PAGE
+    v = facade.ModelVBAR(4 * PAGE, 0)
+    w = torch.arange(1000, dtype=torch.float32)
+    alloc = v.alloc(w.numel() * 4)
+    sig = facade.vbar_fault(alloc)
+    facade.aimdo_to_tensor(alloc, "cpu").view(torch.float32).copy_(w)
+    facade.vbar_unpin(alloc)
+    r = v._model.reservation(v._dev)
+    assert rt.session.free(r, 0, PAGE) == PAGE  # a plugin holding the session frees the page
+    again = facade.vbar_fault(alloc)
+    assert again is not None and not facade.vbar_signature_compare(again, sig), \
+        "the fault answered the old signature: ComfyUI would skip the copy and read what was freed"
+    facade.aimdo_to_tensor(alloc, "cpu").view(torch.float32).copy_(w)  # what ComfyUI then does
+    facade.vbar_unpin(alloc)
+    assert facade.vbar_signature_compare(facade.vbar_fault(alloc), again)  # warm again from here
+    assert torch.equal(facade.aimdo_to_tensor(alloc, "cpu").view(torch.float32), w)
+    facade.vbar_unpin(alloc)
+    assert rt.aborted is None, rt.aborted
+    assert v.loaded_size() == rt.session.ledger.resident(r) == PAGE

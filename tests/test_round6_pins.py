@@ -99,35 +99,19 @@ def test_a_pin_past_the_widest_count_is_typed_and_changes_no_count(manager):
     assert m.fault(c, 0, PAGE, CPU).ok and list(slot.pins) == [1, most]  # the other page pins as before
 
 
-def test_the_comfyui_adapter_stays_on_past_65535_pins_of_one_page():
+def test_the_comfyui_adapter_stays_on_past_65535_pins_of_one_page(host_adapter):
     pytest.importorskip("torch")
-    from membackend._comfyui import runtime as adapter
     from membackend._comfyui import vbar as facade
-    from membackend._comfyui.runtime import Runtime
-    from membackend._drivers.open import machine_for
-    from membackend._manager import BackendManager
-    from membackend._settings import load_settings
 
-    settings = load_settings(backend="host", headroom=0, host_capacity=16 * PAGE, page_size=PAGE)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    rt = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    rt.session = mgr.session(machine, selection=rt.selection)
-    rt.residency = ResidencyManager(rt.session)
-    rt.devices = [rt.device_for(0)]
-    adapter.decided("armed", "test", "", rt)
-    try:
-        v = facade.ModelVBAR(4 * PAGE, 0)
-        small = v.alloc(64)  # small weights share a page: each fault pins it once more
-        first = facade.vbar_fault(small)
-        assert first is not None
-        for _ in range(NARROW + 1):
-            assert facade.vbar_signature_compare(facade.vbar_fault(small), first)
-        assert rt.aborted is None, rt.aborted
-        for _ in range(NARROW + 2):
-            facade.vbar_unpin(small)
-        assert rt.aborted is None, rt.aborted
-        assert v.get_residency()[0] == 1  # resident, no pin left
-    finally:
-        rt.stop()
-        adapter.decided("stock", "test over", "", None)
+    rt = host_adapter  # its page is PAGE
+    v = facade.ModelVBAR(4 * PAGE, 0)
+    small = v.alloc(64)  # small weights share a page: each fault pins it once more
+    first = facade.vbar_fault(small)
+    assert first is not None
+    for _ in range(NARROW + 1):
+        assert facade.vbar_signature_compare(facade.vbar_fault(small), first)
+    assert rt.aborted is None, rt.aborted
+    for _ in range(NARROW + 2):
+        facade.vbar_unpin(small)
+    assert rt.aborted is None, rt.aborted
+    assert v.get_residency()[0] == 1  # resident, no pin left
