@@ -10,7 +10,7 @@ import pytest
 from membackend._cli import main
 from membackend._manager import BackendManager
 from membackend._settings import load_settings
-from membackend.types import BackendNotFound
+from membackend.types import ConfigError
 from membackend_unified_gb10 import HEADROOM_ENV, PLATFORM, SCORE
 
 
@@ -71,9 +71,10 @@ def test_the_doctor_explains_a_forced_choice_where_it_does_not_fit(monkeypatch, 
 def test_the_doctor_shows_a_bad_headroom_variable_and_forcing_then_names_it(monkeypatch, capsys):
     monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "gb10-128gb")
     monkeypatch.setenv(HEADROOM_ENV, "plenty")
-    assert main(["backends"]) == 0
-    out = capsys.readouterr().out
-    assert f"unified_gb10.headroom (from env {HEADROOM_ENV}): 'plenty' is not a size" in out
-    assert "selected: unified_gb10" not in out
-    with pytest.raises(BackendNotFound, match=HEADROOM_ENV):
+    # a settings error (issue 42): exit 2 naming the variable, never another backend selected in its place
+    assert main(["backends"]) == 2
+    captured = capsys.readouterr()
+    assert f"unified_gb10.headroom (from env {HEADROOM_ENV}): 'plenty' is not a size" in captured.err
+    assert "selected:" not in captured.out
+    with pytest.raises(ConfigError, match=HEADROOM_ENV):
         BackendManager(load_settings(backend="unified_gb10")).select()
