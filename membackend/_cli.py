@@ -254,7 +254,11 @@ def self_test(mgr: BackendManager, machine: Machine, sel: Selection) -> dict[str
                 session.close()
             except MembackendError as exc:
                 step("close", f"{type(exc).__name__}: {exc}", passed=False)
-    return {"ok": ok, "backend": backend, "device": str(dev), "steps": steps}
+    listed = next((d.source for d in machine.devices if d.device == dev), "")
+    note = (f"RSS is this process's own resident memory: the bytes of a GPU simulated by {listed} are pages of a "
+            "memfd, counted there only once written, and a fault maps them without writing (a real GPU's never "
+            "count there); the ledger column is the device's figure") if listed.startswith("sim:") else ""
+    return {"ok": ok, "backend": backend, "device": str(dev), "steps": steps, "rss_note": note}
 
 
 class _Said(Exception):
@@ -356,11 +360,17 @@ def _print_backends(rows: list[dict[str, Any]], sel: Selection) -> None:
     if sel.record is None:
         print(f"selected: none ({sel.how}): {sel.reason}")
     else:
-        print(f"selected: {sel.record.name} ({sel.how}): {sel.reason}")
-        others = [n for n in sel.forceable if n != sel.record.name]  # what forcing would accept on this machine
+        chosen = sel.candidates.get(sel.record.name)
+        reason = sel.reason
+        if chosen is not None and len(chosen.reason) > 60:  # its row above says it in full: not twice
+            reason = reason.replace(chosen.reason, "its probe's reason, above")
+        print(f"selected: {sel.record.name} ({sel.how}): {reason}")
+        others = [n for n in sel.forceable if n != sel.record.name]  # what forcing would accept, best first
         if others:
             print(f"  to force another: MEMBACKEND_BACKEND={others[0]} (or backend = \"{others[0]}\" in "
                   f"membackend.toml); choices: {', '.join(others)}")
+        else:
+            print("  to force one whose probe turned it down: MEMBACKEND_BACKEND=<name> with MEMBACKEND_OVERRIDE_PROBE=1")
 
 
 def _print_budgets(rows: list[dict[str, Any]]) -> None:
@@ -381,6 +391,8 @@ def _print_selftest(t: dict[str, Any]) -> None:
         print(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['step']:<9} RSS {_size(s['rss']):>10}"
               f" ({('+' if s['rss'] >= base else '') + _size(s['rss'] - base):>11})  ledger resident "
               f"{_size(s['ledger_resident'])}  {s['detail']}")
+    if t.get("rss_note"):
+        print(f"  ({t['rss_note']})")
     print("self-test: " + ("passed" if t["ok"] else "FAILED"))
 
 

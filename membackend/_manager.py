@@ -55,11 +55,11 @@ import pluggy
 from . import hookspec
 from ._backends import host as host_backend
 from ._backends.host import HostBackend
-from ._drivers.open import machine_for, profile_names
+from ._drivers.open import check_sim_profile, machine_for
 from ._ledger import Ledger
 from ._session import Session
 from ._settings import NAME_PATTERN, load_settings
-from ._settings.rules import FIELD_NAMES, FILES_ACCEPTED, did_you_mean, out_of_files, quoted
+from ._settings.rules import FIELD_NAMES, FILES_ACCEPTED, out_of_files, quoted
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
 from .platform import Platform, PlatformSetting, takes_parameter
 from .types import (
@@ -111,7 +111,8 @@ class Selection:
     broken: dict[str, str] = field(default_factory=dict)
     blocked: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)  # names that shared the top score (the first won)
-    #: the names forcing (the ``backend`` setting) would select on this machine, and why each other is refused
+    #: the names forcing (the ``backend`` setting) would select on this machine, highest probe score first,
+    #: and why each other is refused
     forceable: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
 
@@ -200,10 +201,7 @@ def check_profile(settings: Any) -> None:
     name = getattr(settings, "sim_profile", None)
     if name is None:
         return
-    names = profile_names()
-    if name not in names:
-        raise ConfigError("sim_profile", _source(settings, "sim_profile"),
-                          f"unknown simulation profile {quoted(name)}{did_you_mean(name, names)}", ", ".join(names))
+    check_sim_profile(name, _source(settings, "sim_profile"))
 
 
 def check_host_capacity(settings: Any) -> None:
@@ -420,14 +418,17 @@ class BackendManager:
         sel = self._forced(s.backend, candidates, refused, broken, blocked) if s.backend else \
             self._by_score(candidates, broken, blocked)
         sel.refused = refused
-        sel.forceable = sorted(n for n in candidates if n not in refused)
+        # best first: the doctor's "to force another" names the first (never one whose probe turned it down)
+        sel.forceable = sorted((n for n in candidates if n not in refused), key=lambda n: (-candidates[n].score, n))
         return sel
 
     def _refusals(self, machine: Machine | None, candidates: dict[str, Candidate], broken: dict[str, str],
                   blocked: list[str]) -> dict[str, str]:
-        """Why forcing each known backend would be refused, in words: broken, blocked, or serving no device of
-        ``machine`` (with its probe's reason; ``machine`` None: not checked). A backend that serves a device
-        here but whose probe says it does not fit is not refused: forcing is how a user overrides a probe."""
+        """Why forcing each known backend would be refused, in words: broken, blocked, serving no device of
+        ``machine``, or a probe that says it does not fit (with the probe's reason). ``machine`` None (the
+        conformance kit) checks neither of the last two. A probe's "does not fit" is overridden only by the
+        ``override_probe`` setting: a forced backend the probe turned down fails later, and further from the
+        cause (a self-test's budget, a fault), so it is refused here with the reason and the way past it."""
         refused = {n: f"broken: {why}" for n, why in broken.items()}
         refused.update({n: "blocked by MEMBACKEND_BLOCK" for n in blocked if n in self.records})
         kinds = {"cpu", *(d.device.kind for d in machine.devices)} if machine is not None else None
@@ -436,6 +437,9 @@ class BackendManager:
             if kinds is not None and n not in refused and c.score == Score.NONE and not kinds & set(served):
                 refused[n] = (f"it serves {'/'.join(served) or 'no'} devices and this machine has none; "
                               f"its probe says: {c.reason}")
+            elif kinds is not None and n not in refused and c.score == Score.NONE and not self.settings.override_probe:
+                refused[n] = (f"its probe says it does not fit this machine: {c.reason}; to force it all the same, "
+                              f"set MEMBACKEND_OVERRIDE_PROBE=1 (or override_probe = true in membackend.toml)")
         return refused
 
     def _forced(self, name: str, candidates: dict[str, Candidate], refused: dict[str, str],
@@ -450,7 +454,7 @@ class BackendManager:
             err.args = (f"{err}; the name is from {_source(self.settings, 'backend')}",)
             raise err
         c = candidates[name]
-        note = "" if c.score > 0 else f"; its probe says it does not fit: {c.reason}"
+        note = "" if c.score > 0 else f"; its probe says it does not fit (overridden by override_probe): {c.reason}"
         return Selection(self.records[name], "forced", f"forced by backend={name!r}{note}", candidates, broken,
                          blocked)
 

@@ -177,6 +177,21 @@ class WrongDevice(ReservationError):
     """
 
 
+CLOSE_ENOUGH = 0.65
+"""How alike (difflib's ratio) a name must be to be offered as "did you mean": one wrong letter of three
+(vmn for vmm) is close, three of six (nope, noverb) is not."""
+
+
+def closest_name(name: str, choices: Sequence[str] | Mapping[str, Any]) -> str | None:
+    """The one of ``choices`` closest to ``name``, compared in any case and at least :data:`CLOSE_ENOUGH`
+    alike, else None: the one rule behind every "did you mean" of membackend (backends, profiles, scenarios)."""
+    import difflib  # only a refusal needs it
+
+    lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=CLOSE_ENOUGH)
+    return lower[close[0]] if close else None
+
+
 class BackendNotFound(MembackendError, LookupError):
     """A backend was asked for by name (forced) and cannot be used: said in one line.
 
@@ -188,8 +203,6 @@ class BackendNotFound(MembackendError, LookupError):
     """
 
     def __init__(self, name: str, available: list[str], unavailable: dict[str, str]):
-        import difflib
-
         self.name = name
         self.available = list(available)
         self.unavailable = dict(unavailable)
@@ -199,10 +212,8 @@ class BackendNotFound(MembackendError, LookupError):
                 line += f"; choices here: {', '.join(self.available)}"
         else:
             installed = sorted({*self.available, *self.unavailable})
-            # 0.65: one wrong letter of three (vmn) is close, three of six (nope, noverb) is not
-            lower = {n.lower(): n for n in installed}
-            close = [lower[c] for c in difflib.get_close_matches(name.lower(), lower, n=1, cutoff=0.65)]
-            line = f"backend {name!r} is not installed" + (f"; did you mean {close[0]}?" if close else "") + \
+            close = closest_name(name, installed)
+            line = f"backend {name!r} is not installed" + (f"; did you mean {close}?" if close else "") + \
                 f" (installed: {', '.join(installed) or 'none'})"
         super().__init__(line)
 

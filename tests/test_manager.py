@@ -63,9 +63,12 @@ def test_forcing_the_host_works():
     assert manager([GAMMA], backend="host").select().record.name == "host"
 
 
-def test_forcing_an_unfit_backend_is_honoured_with_its_reason():
-    sel = manager([UNFIT], backend="unfit").select()
-    assert sel.record.name == "unfit" and "needs a GB10" in sel.reason
+def test_forcing_an_unfit_backend_is_refused_with_its_reason_unless_the_probe_is_overridden():
+    with pytest.raises(BackendNotFound, match="backend 'unfit' cannot be used here: its probe says it does not fit "
+                                              "this machine: needs a GB10 .*MEMBACKEND_OVERRIDE_PROBE=1"):
+        manager([UNFIT], backend="unfit").select()
+    sel = manager([UNFIT], backend="unfit", override_probe=True).select()
+    assert sel.record.name == "unfit" and "(overridden by override_probe): needs a GB10" in sel.reason
 
 
 def test_forced_from_the_environment(monkeypatch):
@@ -108,10 +111,14 @@ def test_forcing_a_backend_that_serves_no_device_here_gives_its_probes_reason():
     assert _refused("fakeplugins.backends:GpuOnly", "gpuonly") == (
         "backend 'gpuonly' cannot be used here: it serves cuda devices and this machine has none; its probe says: "
         "no CUDA device; choices here: host; the name is from kwargs")
-    # with its device, forcing it overrides its probe, as for any backend that fits by device
-    sel = manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly",
-                  machine={"devices": [{"kind": "cuda", "total_memory": "8GiB"}]}).select()
-    assert sel.record.name == "gpuonly" and "its probe says it does not fit: no CUDA device" in sel.reason
+    # with its device, its probe's "no" is refused too, unless override_probe says the user knows better
+    gpu_machine = {"devices": [{"kind": "cuda", "total_memory": "8GiB"}]}
+    with pytest.raises(BackendNotFound, match="its probe says it does not fit this machine: no CUDA device"):
+        manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly", machine=gpu_machine).select()
+    sel = manager([ep("gpuonly", "fakeplugins.backends:GpuOnly")], backend="gpuonly", machine=gpu_machine,
+                  override_probe=True).select()
+    assert sel.record.name == "gpuonly" and \
+        "its probe says it does not fit (overridden by override_probe): no CUDA device" in sel.reason
 
 
 def test_a_tie_is_broken_by_blocking_one():

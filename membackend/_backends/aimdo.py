@@ -227,6 +227,10 @@ class AimdoBackend:
         if lacking:
             return Candidate(self.name, 0, f"{lacking[0].device} ({lacking[0].name or 'unnamed'}) does not support "
                                            "virtual memory management, which comfy-aimdo's VBARs need")
+        simulated = [d for d in gpus if d.source.startswith("sim:")]  # listed by a simulated driver (sim:<profile>)
+        if simulated:
+            return Candidate(self.name, 0, f"{simulated[0].device} is simulated ({simulated[0].source}), and comfy-aimdo "
+                                           "drives the real CUDA or HIP driver, which does not know it")
         state = "already loaded" if getattr(control, "lib", None) is not None else "initialised on first use"
         return Candidate(self.name, SCORE, f"comfy-aimdo on {gpus[0].device} ({state}; the stock engine)")
 

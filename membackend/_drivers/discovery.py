@@ -311,6 +311,9 @@ def _hip(openers: Sequence[Callable[[], Any]], os_name: str) -> tuple[list[Devic
         try:
             d = opener()
         except (ImportError, DriverError) as exc:
+            if isinstance(exc, DriverError) and exc.call == "dlopen":
+                # every binding asks the loader for the same runtime: say it once, with the last (fullest) answer
+                notes = [n for n in notes if not n.startswith("hip: dlopen failed")]
             notes.append(f"hip: {exc}")
             continue
         where = f"hip ({d.label})"

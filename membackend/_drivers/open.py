@@ -39,11 +39,13 @@ def profile_names(vmm_only: bool = False) -> tuple[str, ...]:
     return tuple(n for n, p in PROFILES.items() if not vmm_only or all(d.vmm for d in p.devices))
 
 
-def check_sim_profile(name: str | None) -> None:
-    """Raise ``ConfigError`` (key ``sim_profile``) when ``name`` is set and not a known profile."""
-    if name is not None and name not in profile_names():
-        raise ConfigError("sim_profile", "MEMBACKEND_SIM_PROFILE or settings",
-                          f"unknown simulation profile {name!r}", ", ".join(profile_names()))
+def check_sim_profile(name: str | None, source: str = "MEMBACKEND_SIM_PROFILE or settings") -> None:
+    """Raise ``ConfigError`` (key ``sim_profile``, from ``source``) when ``name`` is set and not a known
+    profile, with the closest name (``sim.profiles.get_profile``'s refusal)."""
+    if name is not None:
+        from .sim.profiles import get_profile
+
+        get_profile(name, source)
 
 
 # --------------------------------------------------------------------------- real openers

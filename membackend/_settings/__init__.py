@@ -99,6 +99,7 @@ if TYPE_CHECKING:  # built by model.models() on first use; the names resolve thr
         keep_dropped: str | int
         sim_profile: str | None
         probe_timeout: float
+        override_probe: bool
         sanitize: bool
         trace: Path | None
         machine: MachineOverrides

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..types import DEVICE_KINDS, RuleError
+from ..types import DEVICE_KINDS, RuleError, closest_name
 
 __all__ = ["Rule", "RuleError", "Field", "parse_bytes", "quoted", "shown", "did_you_mean", "os_reason", "SIZE_MAX",
            "QUOTE_LIMIT", "NAME_MAX", "format_bytes", "size", "flag", "name", "seconds",
@@ -94,22 +94,14 @@ def shown(text: Any, limit: int = QUOTE_LIMIT) -> str:
     return f"{text[:head]}...{text[len(text) - (limit - head - 3):]} ({len(text):,} characters in all)"
 
 
-#: how close a name must be to a choice to be suggested (difflib's ratio): one wrong letter of three (vmn:
-#: vmm) is close, three of six (nope, noverb) is not -- the cut-off of ``BackendNotFound``'s suggestion
-CLOSE_ENOUGH = 0.65
-
-
 def did_you_mean(name: Any, choices: Iterable[str]) -> str:
-    """``"; did you mean X?"`` naming the one of ``choices`` closest to ``name`` (compared in any case, at
-    least :data:`CLOSE_ENOUGH` alike), else ``""``: what a refusal of an unknown name appends (simulated
+    """``"; did you mean X?"`` naming the one of ``choices`` closest to ``name``
+    (:func:`membackend.types.closest_name`), else ``""``: what a refusal of an unknown name appends (simulated
     profiles, the replay's backends). A name that is no text or longer than :data:`NAME_MAX` is like none."""
-    import difflib  # only a refusal needs it
-
     if not isinstance(name, str) or len(name) > NAME_MAX:
         return ""
-    lower = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=CLOSE_ENOUGH)
-    return f"; did you mean {lower[close[0]]}?" if close else ""
+    close = closest_name(name, list(choices))
+    return f"; did you mean {close}?" if close else ""
 
 
 def os_reason(exc: OSError) -> str:
@@ -587,6 +579,9 @@ FIELDS: tuple[Field, ...] = (
           "backends are loaded", str | None),
     Field("probe_timeout", seconds, 10.0, "seconds each backend's probe may take before it is skipped as broken",
           float),
+    Field("override_probe", flag, False,
+          "accept a forced backend even where its own probe says it does not fit this machine (you know better "
+          "than the probe); without it such a forcing is refused with the probe's reason", bool),
     Field("sanitize", flag, False, "check every free/release for pending work and use after release", bool),
     Field("trace", Rule("path", _trace, TRACE_ACCEPTED, nullable=True), None,
           "append one JSON line per verb call and policy decision to this file", Path | None),

@@ -209,12 +209,13 @@ PROFILES: dict[str, Profile] = {
 }
 
 
-def get_profile(name: str) -> Profile:
-    """The profile called ``name``; ``ConfigError`` (key ``sim_profile``) for a name none has, quoting it
-    cut short, with the closest name and every profile's (from :data:`PROFILES` itself)."""
+def get_profile(name: str, source: str = "settings") -> Profile:
+    """The profile called ``name``; ``ConfigError`` (key ``sim_profile``, from ``source``) for a name none
+    has, quoting it cut short, with the closest name and every profile's (from :data:`PROFILES` itself):
+    the one refusal of an unknown profile, wherever the name is checked."""
     try:
         return PROFILES[name]
     except (KeyError, TypeError):  # TypeError: a name that is no key at all (a list)
-        raise ConfigError("sim_profile", "settings",
+        raise ConfigError("sim_profile", source,
                           f"unknown simulation profile {quoted(name)}{did_you_mean(name, PROFILES)}",
                           ", ".join(PROFILES)) from None

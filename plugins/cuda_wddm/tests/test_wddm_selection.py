@@ -12,6 +12,7 @@ import pytest
 from membackend import _cli as cli
 from membackend._manager import BackendManager
 from membackend._settings import load_settings
+from membackend.types import BackendNotFound
 
 OTHERS = ("rocm-win-2gpu", "gb10-128gb", "h200")
 
@@ -36,10 +37,13 @@ def test_not_selected_on_the_other_profiles(profile):
     assert sel.candidates["cuda_wddm"].score == 0 and sel.candidates["cuda_wddm"].reason
 
 
-def test_forced_by_name_even_where_it_does_not_fit():
-    sel = BackendManager(load_settings(sim_profile="h200", backend="cuda_wddm")).select()
+def test_forced_by_name_where_it_does_not_fit_only_with_the_probe_overridden():
+    with pytest.raises(BackendNotFound, match="its probe says it does not fit this machine: the OS is linux, not "
+                                              "Windows.*MEMBACKEND_OVERRIDE_PROBE=1"):
+        BackendManager(load_settings(sim_profile="h200", backend="cuda_wddm")).select()
+    sel = BackendManager(load_settings(sim_profile="h200", backend="cuda_wddm", override_probe=True)).select()
     assert sel.how == "forced" and sel.record.name == "cuda_wddm"
-    assert "does not fit" in sel.reason and "not Windows" in sel.reason
+    assert "does not fit (overridden by override_probe)" in sel.reason and "not Windows" in sel.reason
     wddm = BackendManager(load_settings(sim_profile="wddm-6gb", backend="cuda_wddm")).select()
     assert wddm.how == "forced" and wddm.record.name == "cuda_wddm"
 

@@ -17,7 +17,7 @@ from membackend._manager import BackendManager
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
 from membackend.lab._replay.stock import StockPolicy
-from membackend.types import ConfigError
+from membackend.types import BackendNotFound, ConfigError
 
 from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
 
@@ -220,12 +220,15 @@ def test_auto_selected_on_windows_rocm_only(profile):
         assert sel.record.name != "rocm_windows" and c.score == 0 and c.reason
 
 
-def test_forced_by_name_even_where_its_probe_says_no():
+def test_forced_by_name_and_where_its_probe_says_no_only_with_the_probe_overridden():
     sel = BackendManager(load_settings(backend="rocm_windows", sim_profile=PROFILE)).select()
     assert (sel.record.name, sel.how) == ("rocm_windows", "forced")
-    linux = BackendManager(load_settings(backend="rocm_windows", sim_profile=PROFILE, machine={"os": "linux"}))
+    with pytest.raises(BackendNotFound, match="its probe says it does not fit this machine: not Windows"):
+        BackendManager(load_settings(backend="rocm_windows", sim_profile=PROFILE, machine={"os": "linux"})).select()
+    linux = BackendManager(load_settings(backend="rocm_windows", sim_profile=PROFILE, machine={"os": "linux"},
+                                         override_probe=True))
     sel = linux.select()
-    assert sel.how == "forced" and "does not fit: not Windows" in sel.reason
+    assert sel.how == "forced" and "does not fit (overridden by override_probe): not Windows" in sel.reason
 
 
 def test_the_doctor_explains_auto_and_forced_selection(monkeypatch, capsys):
@@ -234,7 +237,8 @@ def test_the_doctor_explains_auto_and_forced_selection(monkeypatch, capsys):
     monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", PROFILE)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "selected: rocm_windows (auto): highest probe score (70): Windows ROCm on 2 device(s)" in out
+    assert "selected: rocm_windows (auto): highest probe score (70): its probe's reason, above" in out
+    assert " * rocm_windows     0.1.0      score 70   Windows ROCm on 2 device(s)" in out
     assert "address quota 240 GiB (256 GiB from the ROCm default" in out and "self-test: passed" in out
     for d in ("hip:0", "hip:1"):  # what stays reserved after release, and its bound (issues 17, 24)
         assert f"kept address windows: {d}: no address window kept; at most 1 stay once no large free is left " \
@@ -242,7 +246,9 @@ def test_the_doctor_explains_auto_and_forced_selection(monkeypatch, capsys):
                "rocm-systems #6191)" in out
     monkeypatch.setenv("MEMBACKEND_BACKEND", "rocm_windows")
     monkeypatch.setenv("MEMBACKEND_MACHINE__OS", "linux")
+    monkeypatch.setenv("MEMBACKEND_OVERRIDE_PROBE", "1")
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
-    assert "selected: rocm_windows (forced): forced by backend='rocm_windows'; its probe says it does not fit: " \
-           "not Windows (this machine runs linux)" in out
+    assert "selected: rocm_windows (forced): forced by backend='rocm_windows'; its probe says it does not fit " \
+           "(overridden by override_probe): its probe's reason, above" in out
+    assert "score 0    not Windows (this machine runs linux)" in out

@@ -59,13 +59,18 @@ def test_the_doctor_explains_the_automatic_choice(monkeypatch, capsys):
     assert "unified pool: MemAvailable" in capsys.readouterr().out
 
 
-def test_the_doctor_explains_a_forced_choice_where_it_does_not_fit(monkeypatch, capsys):
+def test_forcing_it_where_it_does_not_fit_is_refused_unless_the_probe_is_overridden(monkeypatch, capsys):
     monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", "h200")
     monkeypatch.setenv("MEMBACKEND_BACKEND", "unified_gb10")
+    assert main(["backends"]) == 2  # not a self-test failing later on raw byte counts (issue 42)
+    err = capsys.readouterr().err
+    assert "its probe says it does not fit this machine: cuda:0 NVIDIA H200 is not integrated" in err
+    monkeypatch.setenv("MEMBACKEND_OVERRIDE_PROBE", "1")
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
     assert "selected: unified_gb10 (forced): forced by backend='unified_gb10'" in out
-    assert "its probe says it does not fit: cuda:0 NVIDIA H200 is not integrated" in out
+    assert "its probe says it does not fit (overridden by override_probe): its probe's reason, above" in out
+    assert "score 0    cuda:0 NVIDIA H200 is not integrated" in out
 
 
 def test_the_doctor_shows_a_bad_headroom_variable_and_forcing_then_names_it(monkeypatch, capsys):
