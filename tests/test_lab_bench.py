@@ -148,7 +148,7 @@ def test_table_mentions_every_entry(quick):
     for name, sc in SCENARIOS.items():
         assert name in text and f"plugin holds {sc.guarantee}: yes" in text
     # each scenario's reported figures are among its headline rows
-    assert "~120 s stock, ~9 s warm" in text and "20.96 GiB still allocated" in text
+    assert "~120 s stock, ~9 s warm" in text and "(the report's 20.96 GiB) still allocated" in text
     assert f"{r['dispatch']:.2f}" in text
 
 

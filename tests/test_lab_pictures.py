@@ -409,8 +409,8 @@ def test_full_unload_rocm_summaries_show_what_each_side_kept(rocm):
     texts = [t.get_text() for t in _texts(figure)]
     stock_end = rocm.timelines()["stock"].samples[-2]  # hip:0's last sample (hip:1 comes after it)
     assert stock_end.device == "hip:0" and stock_end.committed > 0
-    assert any(f"committed {stock_end.committed / GiB:.3g} GiB" in t for t in texts)
-    assert any("reserved 0, resident 0, committed 0 GiB" in t for t in texts)  # the plugin gave it all back
+    assert any(f"committed {stock_end.committed / 10**9:.3g} GB" in t for t in texts)
+    assert any("reserved 0, resident 0, committed 0 GB" in t for t in texts)  # the plugin gave it all back
 
 
 def test_churn_picture_draws_and_counts_the_bugchecks(churn, tmp_path):

@@ -70,7 +70,7 @@ def test_mixed_warmup_gb10_figures(replays):
 
 def test_the_table_shows_each_figure_next_to_the_report(replays):
     table = replays["full-unload-rocm"].table()
-    assert "34.25 GB stock" in table and "stock (aimdo_stock)" in table and "plugin (rocm_windows)" in table
+    assert "34.25 GB stock" in table and "stock (comfy-aimdo)" in table and "plugin (rocm_windows)" in table
     assert "plugin holds G1: yes" in table
 
 
@@ -342,7 +342,7 @@ def test_a_trace_replayed_on_another_profile_keeps_that_profile(tmp_path, capsys
     assert cli.main(["replay", str(path), "--profile", "wddm-6gb", "--policy", "plugin"]) in (0, 1)
     out = capsys.readouterr().out
     assert opened and all(p.name == "wddm-6gb" and p.devices[0].vram == 6 * GiB for p in opened)
-    assert "recorded on h200 with device_memory=24 GiB: not applied on wddm-6gb (--keep-machine applies them)" in out
+    assert "recorded on h200 with device_memory=25.77 GB: not applied on wddm-6gb (--keep-machine applies them)" in out
     assert "profile wddm-6gb," in out and "(device_memory=" not in out
     opened.clear()
     c = replay(str(path), profile="wddm-6gb", policy="plugin", keep_machine=True)  # told otherwise

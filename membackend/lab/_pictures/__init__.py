@@ -14,7 +14,7 @@ Both draw the same :class:`~membackend.lab._pictures.layout.Layout`
 (:mod:`~membackend.lab._pictures.layout`, with the look both share in
 :mod:`~membackend.lab._pictures.style`). The picture has one column per device and one row per side
 (stock above plugin). Within a device both sides share the y scale. Each panel draws reserved
-(address space), resident and committed bytes in GiB as steps: committed wide and pale, resident
+(address space), resident and committed bytes in GB as steps: committed wide and pale, resident
 on it, reserved dashed on top, so every line shows where values are equal; a triangle marks each
 release (reserved or committed falling). Vertical lines mark a model's full unload,
 unload-everything, each workflow switch and each fault that ran out of memory, each labelled above

@@ -20,6 +20,7 @@ from .layout import Layout, Panel, Placed, assign_lanes, empty_note, panel_title
 from .style import (
     DRAW_ORDER,
     FALLBACK_MARKER_STYLE,
+    GB,
     MARKER_STYLE,
     RELEASE_GLYPH,
     RELEASE_LABEL,
@@ -29,7 +30,6 @@ from .style import (
     SERIES_LABEL,
     SERIES_STYLE,
     STEP_AXIS_LABEL,
-    GiB,
     marker_order,
 )
 
@@ -126,7 +126,7 @@ def _set_up_axes(ax: Any, layout: Layout, panel: Panel, ticks: list[tuple[float,
     ax.tick_params(labelsize=8)
     ax.grid(True, linewidth=0.4, alpha=0.5)
     if first_column:
-        ax.set_ylabel("GiB", fontsize=8)
+        ax.set_ylabel("GB", fontsize=8)
     if last_row:
         ax.set_xlabel(STEP_AXIS_LABEL, fontsize=8)
     for x in sorted(layout.widened):  # the widened steps, shaded: the axis is not uniform there
@@ -142,11 +142,11 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
     for name in DRAW_ORDER:
         style = SERIES_STYLE[name]
         for segment in panel.series.get(name, []):
-            ax.plot([x for x, _ in segment], [v / GiB for _, v in segment], color=style.colour,
+            ax.plot([x for x, _ in segment], [v / GB for _, v in segment], color=style.colour,
                     linestyle=style.dash, linewidth=style.width, alpha=style.alpha, zorder=style.z,
                     solid_capstyle="butt")
     for release in panel.releases:  # the triangle's tip on the value after the fall, so one at 0 still shows
-        ax.plot([release.x], [release.value / GiB], linestyle="none", marker=RELEASE_GLYPH, markersize=9,
+        ax.plot([release.x], [release.value / GB], linestyle="none", marker=RELEASE_GLYPH, markersize=9,
                 color=SERIES_STYLE[release.series].colour, markeredgecolor="#222222", markeredgewidth=0.5, zorder=4,
                 clip_on=False)
     for p in panel.labelled:

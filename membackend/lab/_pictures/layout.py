@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .._replay.timeline import TALLY_MARKERS, Marker, Sample, Timeline
-from .style import RUG_KINDS, SERIES, TALLY_TEXT, UNLOAD_KINDS, GiB
+from .style import GB, RUG_KINDS, SERIES, TALLY_TEXT, UNLOAD_KINDS
 
 __all__ = [
     "Segment",
@@ -131,8 +131,8 @@ class Layout:
         return [self.panel(side, device) for side in self.rows for device in self.columns]
 
     def y_top(self, device: str) -> float:
-        """The y scale's top for ``device``, in GiB."""
-        return max(self.y_max.get(device, 0), GiB) / GiB * (RUG_HEADROOM if self.has_rug else HEADROOM)
+        """The y scale's top for ``device``, in GB."""
+        return max(self.y_max.get(device, 0), GB) / GB * (RUG_HEADROOM if self.has_rug else HEADROOM)
 
     def x_ticks(self) -> list[tuple[float, str]]:
         """Round step numbers at their place on the axis, those too close to the previous one left out."""
@@ -318,8 +318,8 @@ def seconds_text(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
 
 
-def _gib_text(value: int) -> str:
-    return "0" if value == 0 else f"{value / GiB:.3g}"
+def _gb_text(value: int) -> str:
+    return "0" if value == 0 else f"{value / GB:.3g}"
 
 
 def _summary(panel: Panel, timeline: Timeline, tallies: Sequence[str]) -> list[str]:
@@ -327,10 +327,10 @@ def _summary(panel: Panel, timeline: Timeline, tallies: Sequence[str]) -> list[s
     out = []
     if panel.samples:
         last = panel.samples[-1]
-        held = [f"reserved {_gib_text(last.reserved)}", f"resident {_gib_text(last.resident)}"]
+        held = [f"reserved {_gb_text(last.reserved)}", f"resident {_gb_text(last.resident)}"]
         if last.committed is not None:
-            held.append(f"committed {_gib_text(last.committed)}")
-        out.append("at the end: " + ", ".join(held) + " GiB")
+            held.append(f"committed {_gb_text(last.committed)}")
+        out.append("at the end: " + ", ".join(held) + " GB")
     counts = []
     for name in tallies:
         if name in timeline.tallies:

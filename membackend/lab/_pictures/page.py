@@ -18,6 +18,7 @@ from .layout import Lane, Layout, Panel, assign_lanes, empty_note, nice_ticks, p
 from .style import (
     DRAW_ORDER,
     FALLBACK_MARKER_STYLE,
+    GB,
     MARKER_STYLE,
     RELEASE_LABEL,
     RUG_KINDS,
@@ -26,7 +27,6 @@ from .style import (
     SERIES_LABEL,
     SERIES_STYLE,
     STEP_AXIS_LABEL,
-    GiB,
 )
 
 __all__ = ["html_page"]
@@ -82,7 +82,7 @@ class _Cell:
 
     def y(self, value: float) -> float:
         """A value in bytes, in SVG units."""
-        return self.top + PLOT_H - value / GiB / self.y_top * PLOT_H
+        return self.top + PLOT_H - value / GB / self.y_top * PLOT_H
 
 
 def html_page(layout: Layout, *, title: str, reported: str | None) -> str:
@@ -100,7 +100,7 @@ def html_page(layout: Layout, *, title: str, reported: str | None) -> str:
             svg += _panel_svg(layout, grid, cell, panel, lanes[(side, device)], x_ticks, len(data_panels))
             data_panels.append(_panel_data(layout, panel, cell))
     width, height = CELL_WIDTH * len(layout.columns), grid.row_h * grid.rows
-    data = {"x1": layout.x_max, "gib": GiB, "panels": data_panels}
+    data = {"x1": layout.x_max, "gb": GB, "panels": data_panels}
     caption = f'<p class="caption">{esc(reported)}</p>' if reported else ""
     return _PAGE.format(
         title=esc(title),
@@ -180,7 +180,7 @@ def _axes_svg(layout: Layout, cell: _Cell, x_ticks: list[tuple[float, str]]) -> 
         x0, x1 = cell.x(layout.edges[k]), cell.x(layout.edges[k + 1])
         svg.append(f'<rect class="widened" x="{x0:.1f}" y="{top}" width="{x1 - x0:.1f}" height="{PLOT_H}"/>')
     for tick in cell.y_ticks:
-        y = cell.y(tick * GiB)
+        y = cell.y(tick * GB)
         svg.append(f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{left + PLOT_W}" y2="{y:.1f}"/>')
         svg.append(f'<text class="tick" x="{left - 5}" y="{y + 3:.1f}" text-anchor="end">{tick_text(tick)}</text>')
     for x, text in x_ticks:
@@ -190,7 +190,7 @@ def _axes_svg(layout: Layout, cell: _Cell, x_ticks: list[tuple[float, str]]) -> 
     if cell.first_column:
         middle = f"{top + PLOT_H / 2:.1f}"
         svg.append(f'<text class="tick" x="{left - 40}" y="{middle}"'
-                   f' transform="rotate(-90 {left - 40} {middle})" text-anchor="middle">GiB</text>')
+                   f' transform="rotate(-90 {left - 40} {middle})" text-anchor="middle">GB</text>')
     if cell.last_row:
         svg.append(f'<text class="tick" x="{left + PLOT_W / 2:.1f}" y="{top + PLOT_H + 28}"'
                    f' text-anchor="middle">{STEP_AXIS_LABEL}</text>')
@@ -369,7 +369,7 @@ _SCRIPT = """(function () {
       svg.classList.toggle("hide-" + box.dataset.hide, !box.checked);
     });
   });
-  const gib = function (bytes) { return bytes === null ? "-" : (bytes / data.gib).toFixed(3) + " GiB"; };
+  const gb = function (bytes) { return bytes === null ? "-" : (bytes / data.gb).toFixed(3) + " GB"; };
   const lastAtOrBefore = function (samples, x) {
     let lo = 0, hi = samples.length;  // first index whose place is after x
     while (lo < hi) { const mid = (lo + hi) >> 1; if (samples[mid][4] <= x) lo = mid + 1; else hi = mid; }
@@ -390,7 +390,7 @@ _SCRIPT = """(function () {
       } else {
         const s = panel.samples[i];
         lines.push("step " + s[5] + ", t = " + s[0].toFixed(3) + " s (modelled)",
-                   "reserved  " + gib(s[1]), "resident  " + gib(s[2]), "committed " + gib(s[3]));
+                   "reserved  " + gb(s[1]), "resident  " + gb(s[2]), "committed " + gb(s[3]));
         if (!svg.classList.contains("hide-markers")) {  // the events of this sample's steps
           const until = i + 1 < panel.samples.length ? panel.samples[i + 1][5] : Infinity;
           panel.markers.forEach(function (m) {

@@ -21,11 +21,11 @@ __all__ = [
     "RELEASE_LABEL",
     "RELEASE_GLYPH",
     "STEP_AXIS_LABEL",
-    "GiB",
+    "GB",
     "marker_order",
 ]
 
-GiB = 1 << 30
+GB = 10**9  # the lab writes sizes in GB, the unit of the reports it reproduces
 
 SERIES = ("reserved", "resident", "committed")
 SERIES_LABEL = {

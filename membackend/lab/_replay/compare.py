@@ -182,7 +182,9 @@ class Comparison:
         return lines
 
     def _table_rows(self) -> list[str]:
-        names = {side: (f"{side} ({runs[0].backend})" if runs else side) for side, runs in self.results.items()}
+        # the stock side is comfy-aimdo's own mechanism, modelled (lab._replay.stock), not a backend one could force
+        names = {side: ("stock (comfy-aimdo)" if side == "stock" else f"{side} ({runs[0].backend})") if runs else side
+                 for side, runs in self.results.items()}
         stock_h, plugin_h = names.get("stock", "stock"), names.get("plugin", "plugin")
         rows = self.rows()
         width = max(len(r[1]) for r in rows)
@@ -241,7 +243,7 @@ def _cell(value: Any, decimals: bool) -> str:
 
 def _describe_change(key: str, value: Any) -> str:
     if key == "device_memory" and isinstance(value, (int, float)):
-        return f"{value / (1 << 30):g} GiB"
+        return f"{value / GB:.4g} GB"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 

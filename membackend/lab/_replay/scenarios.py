@@ -148,8 +148,8 @@ def _vae_ooms(side) -> int:
 
 def _hook_key(side) -> list[tuple[str, str, Any]]:
     first = side.unloads[0] if side.unloads else {}
-    return [("held_after_owner_unload", "resident after the owner's unload (GiB)*",
-             None if "resident" not in first else first["resident"] / GiB),
+    return [("held_after_owner_unload", "resident after the owner's unload (GB)*",
+             None if "resident" not in first else first["resident"] / GB),
             ("vae_oom", "VAE faults out of memory", _vae_ooms(side))]
 
 
@@ -405,10 +405,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         key_figures=_rocm_key, plugin_holds=_rocm_holds, stock_reproduces=_rocm_reproduces),
     Scenario(
         name="hook-unload", report="ComfyUI PR #15533",
-        title="Hook LoRA on a 24 GiB card: the delegate survives its owner's unload",
+        title="Hook LoRA on a 24 GB card: the delegate survives its owner's unload",
         profile="h200", plugin=None, guarantee="G5", machine={"device_memory": HOOK_CARD},
         build=_hook_build,
-        reported={"held_after_owner_unload": "20.96 GiB still allocated on a 24 GiB card (*the delegate is "
+        reported={"held_after_owner_unload": "22.51 GB (the report's 20.96 GiB) still allocated on a 24 GB card (*the delegate is "
                                              "sized as this; what is measured is whether it stays)",
                   "vae_oom": "VAE decode out of memory (regular and tiled); '0 models unloaded'"},
         key_figures=_hook_key, plugin_holds=_hook_holds, stock_reproduces=_hook_reproduces),
