@@ -202,6 +202,61 @@ def test_one_pool_turns_comfyuis_pinned_host_copies_off_and_stop_gives_them_back
     assert mm.MAX_PINNED_MEMORY == 8 << 30
 
 
+def _pin_as_comfyui_does(rt, mm, hostbuf, size: int) -> bool:
+    """The part of ``comfy/pinned_memory.py``'s ``pin_memory`` that costs memory: the pin budget first
+    (``ensure_pin_registerable``, which frees nothing and refuses while ``MAX_PINNED_MEMORY <= 0``), then the
+    pin cut at the buffer's new extension page-locked by the driver (``cudaHostRegister``: the simulated
+    ``cuMemHostRegister`` / ``hipHostRegister``) and counted in ``TOTAL_PINNED_MEMORY``."""
+    if mm.MAX_PINNED_MEMORY <= 0 or mm.TOTAL_PINNED_MEMORY + size > mm.MAX_PINNED_MEMORY:
+        return False
+    start = hostbuf.extend(size, register=False)
+    driver = rt.session.backend.driver
+    lock = getattr(driver.m, "cuMemHostRegister", None) or driver.m.hipHostRegister
+    with driver.on_device(0):
+        assert lock(start, size, 1)[0] == driver.SUCCESS
+    mm.TOTAL_PINNED_MEMORY += size
+    return True
+
+
+@pytest.mark.parametrize("profile, one_pool", [("gb10-128gb", True), ("strix-halo-128gb", True), ("h200", False)])
+def test_host_buffers_of_8_gib_leave_a_one_pool_budget_as_it_was_and_the_status_shows_what_is_locked(
+        monkeypatch, comfy_args, originals, profile, one_pool):
+    """Issue 43, item 4: on one pool with the host, a page-locked byte is a byte the GPU's budget loses, so
+    ComfyUI's pinning is off there and 8 GiB of pins lock nothing; on a card of its own (H200) they lock 8 GiB
+    of host memory, shown per device in the status, and the card's budget does not move."""
+    from membackend._comfyui.buffers import HostBuffer
+
+    mm = types.ModuleType("comfy.model_management")
+    mm.MAX_PINNED_MEMORY, mm.TOTAL_PINNED_MEMORY = 64 << 30, 0  # a share of the RAM, as ComfyUI sets it
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setenv("MEMBACKEND_SIM_PROFILE", profile)
+    comfy_args.cpu = comfy_args.enable_dynamic_vram = True
+    rt = startup.prestartup()
+    assert rt.init_devices([(0, 0)]) is True
+    device = rt.devices[0]
+    before = rt.session.budget_query(device)
+    hostbuf = HostBuffer(0, 0, 8 << 30)
+    pinned = [_pin_as_comfyui_does(rt, mm, hostbuf, 256 << 20) for _ in range(32)]
+    after = rt.session.budget_query(device)
+    locked = status.runtime_status(rt)["host_locked"][str(device)]
+    assert (before.free, before.usable) == (after.free, after.usable), (profile, before, after)
+    assert locked["one_pool"] is one_pool and locked["bytes"] == (0 if one_pool else 8 << 30), locked
+    assert all(pinned) is not one_pool and any(pinned) is not one_pool
+    driver = rt.session.backend.driver
+    if one_pool:  # what the guard keeps away: the same pins with ComfyUI's pinning left on take their size from
+        # the one pool (on GB10 straight off the GPU's budget; Strix Halo's is bound by its 96 GiB GTT first)
+        available = driver.m.platform.meminfo()["MemAvailable"]
+        mm.MAX_PINNED_MEMORY = 64 << 30
+        assert all(_pin_as_comfyui_does(rt, mm, hostbuf, 256 << 20) for _ in range(32))
+        assert available - driver.m.platform.meminfo()["MemAvailable"] == 8 << 30
+        lowered = rt.session.budget_query(device)
+        assert before.free - lowered.free == (8 << 30 if profile == "gb10-128gb" else 0), (before, lowered)
+    for address in list(driver.m.platform.host_registered):
+        driver.m.platform.host_unregister(address)
+    hostbuf.close()
+    rt.stop()
+
+
 def test_comfyuis_headroom_flags_reach_the_budget(monkeypatch, comfy_args, originals, serve_cpu):
     monkeypatch.setitem(sys.modules, "comfy.model_management", types.ModuleType("comfy.model_management"))
     monkeypatch.setenv("MEMBACKEND_BACKEND", "host")

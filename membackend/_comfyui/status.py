@@ -152,9 +152,28 @@ def runtime_status(rt: "Runtime") -> dict[str, Any]:
     keep = getattr(rt.manager.settings, "keep_dropped", "auto")
     out["cache"] = {str(d): {"bytes": residency.cached(d), "keep_dropped": keep} for d in rt.devices}
     out["reads"] = {"from_file": rt.reuse.from_file, "from_vram": rt.reuse.from_vram}
+    out["host_locked"] = _host_locked(rt, budgets)
     #: per model id, what it lost since its last load (``ResidencyManager.losses``): recent evictions
     out["evictions"] = {k: dict(v) for k, v in list(residency.losses.items())}
     out["history"] = rt.history.as_lists()
+    return out
+
+
+def _host_locked(rt: "Runtime", budgets: dict[str, Any]) -> dict[str, Any]:
+    """Per device, the host memory page-locked for copies to it: ComfyUI's pins (``TOTAL_PINNED_MEMORY``, what
+    its ``cudaHostRegister`` calls locked, ``comfy/pinned_memory.py``) count for ComfyUI's device, none for the
+    others (membackend itself locks no host memory). ``one_pool``: the device shares its memory with the host
+    (GB10, an APU), where every locked byte is a byte its budget loses, so the adapter turns ComfyUI's pinning
+    off there (``MAX_PINNED_MEMORY`` 0, as ComfyUI 0.39 does on integrated GPUs) and the figure stays 0."""
+    mm = sys.modules.get("comfy.model_management")
+    pinned = getattr(mm, "TOTAL_PINNED_MEMORY", 0) if mm is not None else 0
+    comfy_device = str(rt.device_for(None))
+    out = {}
+    for name, budget in budgets.items():
+        locked = int(pinned or 0) if name == comfy_device else 0
+        out[name] = {"bytes": max(0, locked), "one_pool": bool(budget.get("unified")),
+                     "source": "ComfyUI's pinned host copies (TOTAL_PINNED_MEMORY)" if name == comfy_device
+                     else "none: ComfyUI pins for its own device only"}
     return out
 
 
@@ -163,7 +182,7 @@ def _budget(session: Any, device: Device) -> dict[str, Any]:
     process's other use, the weights' room and what is resident."""
     b = session.budget_query(device)
     out: dict[str, Any] = {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
-                           "source": b.source}
+                           "source": b.source, "unified": b.unified}
     try:
         split = session.room_split(device)
     except Exception as exc:  # noqa: BLE001 - the status never fails on it

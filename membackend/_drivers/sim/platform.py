@@ -548,21 +548,33 @@ class SimPlatform:
     def host_register(self, address: int, size: int) -> None:
         """``cuMemHostRegister`` / ``hipHostRegister``: page-locks ``size`` bytes of the process's memory at
         ``address`` (books only: the bytes stay where they are). A range overlapping one registered already is
-        refused (CUDA driver API reference, cuMemHostRegister: CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)."""
+        refused (CUDA driver API reference, cuMemHostRegister: CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED).
+
+        A locked range is resident host memory the kernel cannot reclaim while it stays locked (CUDA driver
+        API reference, cuMemHostRegister: "page-locks the memory range"; the pages are faulted in and pinned),
+        so it is counted as host memory in use until unregistered (:meth:`host_alloc`): on one pool with the
+        GPU (GB10, an APU) every locked byte is a byte the GPU's budget loses, which is why ComfyUI 0.39 turns
+        pinning off on integrated GPUs. A lock the host cannot give fails as the driver's does (out of memory)."""
         if address <= 0 or size <= 0:
             raise SimError("invalid", f"cannot register {size} bytes at {address:#x}")
         for base, length in self.host_registered.items():
             if base < address + size and address < base + length:
                 raise SimError("already_registered", f"[{address:#x}, +{size}) overlaps the range registered at "
                                                      f"{base:#x}")
+        self.host_alloc(size)
         self.host_registered[address] = size
 
     @_locked
     def host_unregister(self, address: int) -> None:
         """``cuMemHostUnregister`` / ``hipHostUnregister``: ``address`` must be the base a registration was made
         with (CUDA driver API reference, cuMemHostUnregister: else CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)."""
-        if self.host_registered.pop(address, None) is None:
+        size = self.host_registered.pop(address, None)
+        if size is None:
             raise SimError("not_registered", f"no registration starts at {address:#x}")
+        # the simulation cannot see the process's own mappings, so the lock stands for the resident pages it
+        # pinned; they leave the books with it (ComfyUI unregisters a pin as its buffer is cut or closed, which
+        # unmaps them)
+        self.host_free(size)
 
     # ------------------------------------------------------------------ address space
 
