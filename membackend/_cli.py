@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -36,7 +37,7 @@ from ._manager import BackendManager, Selection
 from ._session import Session
 from ._settings import load_settings
 from ._settings.rules import FIELDS as SETTING_FIELDS
-from ._settings.rules import format_bytes, os_reason, shown
+from ._settings.rules import format_bytes, os_reason, quoted, shown
 from ._settings.sources import ENV_PREFIX
 from .types import BackendDisabled, Budget, Machine, MembackendError, format_size
 
@@ -343,6 +344,30 @@ def _print_machine(m: Machine) -> None:
             print(f"    {line}")
     if m.overridden:
         print(f"  overridden by settings: {', '.join(m.overridden)}")
+    for line in hidden_gpus(m, os.environ):
+        print(f"  {line}")
+
+
+#: the variables that hide GPUs from a process: CUDA's, and HIP's (which honours CUDA's too) and ROCr's
+VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def hidden_gpus(machine: Machine, environ: Any) -> list[str]:
+    """What hides a GPU from ComfyUI, in words for the doctor: a visibility variable set in this environment
+    (the devices listed above are already what it lets through), and on Windows with two or more GPUs,
+    ComfyUI 0.38's own start-up, which sets ``CUDA_VISIBLE_DEVICES=0`` unless started with
+    ``--cuda-device all`` (HIP honours the variable too): the second GPU is then hidden from ComfyUI, and so
+    from membackend inside it."""
+    gpus = machine.gpus()
+    simulated = any(d.source.startswith("sim:") for d in gpus)
+    seen = "the simulated driver ignores it" if simulated else "the list above is what it lets through"
+    out = [f"{name}={quoted(environ[name])} is set: only the GPUs it names are visible to this process ({seen})"
+           for name in VISIBILITY_VARIABLES if environ.get(name) is not None]
+    if machine.os == "windows" and len(gpus) >= 2:
+        out.append(f"{len(gpus)} GPUs: ComfyUI 0.38 and later set CUDA_VISIBLE_DEVICES=0 on Windows unless started "
+                   f"with --cuda-device all, which hides {', '.join(str(d.device) for d in gpus[1:])} from ComfyUI "
+                   "(and from membackend inside it)")
+    return out
 
 
 def _print_backends(rows: list[dict[str, Any]], sel: Selection) -> None:

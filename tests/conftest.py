@@ -108,23 +108,37 @@ def host_adapter():
 
 
 @pytest.fixture
-def h200_adapter():
-    """A started ComfyUI adapter on the simulated H200 (its reaper thread running), no ComfyUI patches."""
+def sim_adapter():
+    """A factory: ``sim_adapter(profile, devices=1)`` starts a ComfyUI adapter on that simulated machine, serving
+    its first ``devices`` devices (its reaper thread running), no ComfyUI patches; each is stopped after the test."""
     from membackend._comfyui import runtime as adapter
     from membackend._comfyui.runtime import Runtime
     from membackend._drivers.open import machine_for
     from membackend._manager import BackendManager
     from membackend._settings import load_settings
 
-    settings = load_settings(sim_profile="h200", headroom=0)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    runtime.start([(0, 0)])
-    runtime.started = True
-    adapter.decided("armed", "test", "membackend test", runtime)
+    started = []
+
+    def start(profile: str, devices: int = 1):
+        settings = load_settings(sim_profile=profile, headroom=0)
+        mgr = BackendManager(settings)
+        machine = machine_for(settings)
+        runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+        runtime.start([(i, 0) for i in range(devices)])
+        runtime.started = True
+        adapter.decided("armed", "test", "membackend test", runtime)
+        started.append(runtime)
+        return runtime
+
     try:
-        yield runtime
+        yield start
     finally:
-        runtime.stop()
+        for runtime in started:
+            runtime.stop()
         adapter.decided("stock", "test over", "", None)
+
+
+@pytest.fixture
+def h200_adapter(sim_adapter):
+    """A started ComfyUI adapter on the simulated H200 (its reaper thread running), no ComfyUI patches."""
+    return sim_adapter("h200")

@@ -192,7 +192,7 @@ def test_an_unknown_profile_gets_the_closest_name_and_every_profile_from_the_tab
     err = info.value
     assert (err.key, err.source) == ("sim_profile", "env MEMBACKEND_SIM_PROFILE")
     assert "did you mean strix-halo-128gb?" in str(err) and err.accepted == ", ".join(PROFILES)
-    assert len(PROFILES) == 10 and "did you mean strix-halo-128gb?" in exits_2(capsys, "doctor")
+    assert len(PROFILES) == 11 and "did you mean strix-halo-128gb?" in exits_2(capsys, "doctor")
     with pytest.raises(ConfigError, match="did you mean h200\\?") as info:
         get_profile("h20")
     assert info.value.accepted == ", ".join(PROFILES)

@@ -152,6 +152,17 @@ PROFILES: dict[str, Profile] = {
             unmap_synchronizes=True,
         ),
         Profile(
+            name="rtx4090-2gpu", vendor="cuda", os="linux",
+            # two discrete cards in one box: nvidia-smi's 24564MiB per GeForce RTX 4090 (24 GB GDDR6X, AD102)
+            devices=(SimDeviceSpec("NVIDIA GeForce RTX 4090", 24_564 * MiB, "sm_89"),
+                     SimDeviceSpec("NVIDIA GeForce RTX 4090", 24_564 * MiB, "sm_89")),
+            host_ram=128 * GiB,
+            description="two discrete CUDA GPUs on Linux, 24 GB each: each thread has its own current device "
+                        "(a call on a range must book to the GPU that owns it, comfy-aimdo #99)",
+            torch="2.13.0+cu130", driver_version=13000,
+            unmap_synchronizes=True,
+        ),
+        Profile(
             name="strix-halo-128gb", vendor="hip", os="linux",
             devices=(SimDeviceSpec("AMD Radeon 8060S Graphics", 96 * GiB, "gfx1151", integrated=True),),
             host_ram=128 * GiB - 512 * MiB,  # MemTotal: the BIOS carve-out is not the kernel's
