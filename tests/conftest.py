@@ -81,9 +81,10 @@ def sanitized_session():
 
 
 @pytest.fixture
-def host_adapter():
-    """An armed ComfyUI adapter on the host backend (16 pages of 2 MiB, no headroom), no reaper, no ComfyUI
-    patches: the facade's calls land on real host memory."""
+def host_adapters():
+    """A factory: ``host_adapters(pages=16)`` arms a ComfyUI adapter on the host backend with room for ``pages``
+    pages of 2 MiB, no headroom, no reaper, no ComfyUI patches (the facade's calls land on real host memory);
+    each is stopped after the test."""
     from membackend._comfyui import runtime as adapter
     from membackend._comfyui.runtime import Runtime
     from membackend._drivers.open import machine_for
@@ -91,20 +92,33 @@ def host_adapter():
     from membackend._residency import ResidencyManager
     from membackend._settings import load_settings
 
-    page = 2 << 20
-    settings = load_settings(backend="host", headroom=0, host_capacity=16 * page, page_size=page)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    runtime.session = mgr.session(machine, selection=runtime.selection)
-    runtime.residency = ResidencyManager(runtime.session)
-    runtime.devices = [runtime.device_for(0)]
-    adapter.decided("armed", "test", "", runtime)
+    page, armed = 2 << 20, []
+
+    def arm(pages: int = 16):
+        settings = load_settings(backend="host", headroom=0, host_capacity=pages * page, page_size=page)
+        mgr = BackendManager(settings)
+        machine = machine_for(settings)
+        runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
+        runtime.session = mgr.session(machine, selection=runtime.selection)
+        runtime.residency = ResidencyManager(runtime.session)
+        runtime.devices = [runtime.device_for(0)]
+        adapter.decided("armed", "test", "", runtime)
+        armed.append(runtime)
+        return runtime
+
     try:
-        yield runtime
+        yield arm
     finally:
-        runtime.stop()
+        for runtime in armed:
+            runtime.stop()
         adapter.decided("stock", "test over", "", None)
+
+
+@pytest.fixture
+def host_adapter(host_adapters):
+    """An armed ComfyUI adapter on the host backend (16 pages of 2 MiB, no headroom), no reaper, no ComfyUI
+    patches: the facade's calls land on real host memory."""
+    return host_adapters(16)
 
 
 @pytest.fixture

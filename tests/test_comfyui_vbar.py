@@ -17,12 +17,7 @@ import comfy_aimdo.torch as aimdo_torch  # noqa: E402
 from membackend._comfyui import runtime as adapter  # noqa: E402
 from membackend._comfyui import status  # noqa: E402
 from membackend._comfyui import vbar as facade  # noqa: E402
-from membackend._comfyui.runtime import Runtime  # noqa: E402
 from membackend._comfyui.wiring import FACADE_NAMES  # noqa: E402
-from membackend._drivers.open import machine_for  # noqa: E402
-from membackend._manager import BackendManager  # noqa: E402
-from membackend._residency import ResidencyManager  # noqa: E402
-from membackend._settings import load_settings  # noqa: E402
 
 PS = 2 << 20
 METHODS = ["prioritize", "deprioritize", "alloc", "fault", "unpin", "loaded_size", "set_watermark_limit",
@@ -51,24 +46,9 @@ def test_no_public_name_of_aimdos_modelvbar_is_missing():
     assert _params(facade.aimdo_to_tensor) == _params(aimdo_torch.aimdo_to_tensor)
 
 
-def _host_runtime(pages: int) -> Runtime:
-    """A started adapter on the host backend with room for ``pages`` pages, no ComfyUI patches."""
-    settings = load_settings(backend="host", headroom=0, host_capacity=pages * PS, page_size=PS)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    runtime.session = mgr.session(machine, selection=runtime.selection)
-    runtime.residency = ResidencyManager(runtime.session)
-    runtime.devices = [runtime.device_for(0)]
-    adapter.decided("armed", "test", "", runtime)
-    return runtime
-
-
 @pytest.fixture
-def rt():
-    runtime = _host_runtime(16)
-    yield runtime
-    runtime.stop()
+def rt(host_adapter):
+    return host_adapter
 
 
 def test_without_a_runtime_construction_fails_like_an_uninitialised_aimdo():
@@ -468,7 +448,7 @@ def test_closing_a_vbar_ends_its_tensors_holds(rt):
 
 
 @pytest.mark.parametrize("failure", ["an OSError", "a DriverError of its own", "KeyboardInterrupt"])
-def test_another_models_failed_copy_never_switches_the_adapter_off(failure):
+def test_another_models_failed_copy_never_switches_the_adapter_off(host_adapters, failure):
     """A fault that must evict another model fences that model's copies; one of them failed. The fault is told
     once and tries again (the failed copy then counts as finished), as free_memory does: never an abort."""
     from concurrent.futures import Future
@@ -476,7 +456,7 @@ def test_another_models_failed_copy_never_switches_the_adapter_off(failure):
     from membackend._fences import FutureToken
     from membackend.types import DriverError
 
-    runtime = _host_runtime(4)
+    runtime = host_adapters(4)
     try:
         victims = [facade.ModelVBAR(PS, 0) for _ in range(4)]
         user = facade.ModelVBAR(4 * PS, 0)
