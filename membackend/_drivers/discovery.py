@@ -436,13 +436,23 @@ def _guarded(fn: Callable[[], tuple[list, list]], vendor: str) -> tuple[list, li
 def assemble(found: Discovered, memory: HostMemory) -> Machine:
     """The :class:`Machine` of ``found`` with the RAM figures of ``memory``."""
     ram_source = f"hostmem: {memory.source}"
-    cgroup_source = "hostmem: memory cgroup limit" if memory.cgroup_limit is not None else "hostmem: no cgroup limit"
     sources = found.sources + (("ram_total", ram_source), ("ram_available", ram_source),
-                               ("cgroup_limit", cgroup_source))
+                               ("cgroup_limit", _cgroup_source(memory)))
     return Machine(os=found.os, cpus=found.cpus, ram_total=memory.ram_total, ram_available=memory.ram_available,
                    cgroup_limit=memory.cgroup_limit, torch_version=found.torch_version,
                    torch_vendor=found.torch_vendor, devices=found.devices, sources=sources,
                    discovery=found.discovery)
+
+
+def _cgroup_source(memory: HostMemory) -> str:
+    """Where the cgroup limit, and what the cgroup can still give, come from: the files read and what was
+    subtracted from the limit (the usage less its reclaimable file cache, or the whole usage and why)."""
+    if memory.cgroup_limit is None:
+        return "hostmem: no cgroup limit"
+    if memory.cgroup is None:  # figures not read from this machine's cgroup files
+        return "hostmem: memory cgroup limit"
+    caps = "" if memory.cgroup_limit < memory.ram_total else " (at or above the RAM: it caps nothing)"
+    return f"hostmem: {memory.cgroup.describe()}{caps}"
 
 
 def _override_source(name: str) -> str:

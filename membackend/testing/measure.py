@@ -6,8 +6,10 @@ backend's bookkeeping:
 
 * a ``cpu`` device: ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``: what
   can be allocated without swapping, proc(5)) and, inside a container, the
-  memory cgroup's limit minus its usage (cgroup v2 ``memory.max`` /
-  ``memory.current``, v1 ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``);
+  memory cgroup's limit minus its non-reclaimable use (cgroup v2 ``memory.max``
+  less ``memory.current`` less ``memory.stat``'s ``inactive_file``; v1
+  ``memory.limit_in_bytes`` less ``memory.usage_in_bytes`` less
+  ``total_inactive_file``), as ComfyUI budgets it;
 * a simulated GPU (a backend over membackend's simulated driver, as every
   platform record is with a profile): the simulation's own figures. On a
   device that shares one pool with the host (``unified``: GB10, Jetson) that
@@ -26,10 +28,9 @@ caution; on one pool under-reporting is the GB10 bug itself).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .._hostmem import CGROUP_ROOT, cgroup_memory
+from .._hostmem import read_cgroup
 from ..types import Budget, Device, format_size
 
 __all__ = ["Truth", "host_truth", "simulated_truth", "budget_problems", "tolerance_for", "sized", "MEMINFO"]
@@ -67,28 +68,13 @@ def host_truth() -> Truth | None:
     except OSError:
         return None
     total, free, source = info["MemTotal"], info["MemAvailable"], f"{MEMINFO} MemTotal, MemAvailable"
-    limit, usage = cgroup_memory()
-    if limit is not None and limit < total:  # a limit at or above the RAM limits nothing
-        # what the cgroup could reclaim (its inactive file cache) is free to it, as MemAvailable counts it
-        room = limit - (usage or 0) + _cgroup_reclaimable()
-        total, free = limit, min(free, max(0, room))
-        source += ", the memory cgroup's limit and usage"
-    return Truth(total, 0, free, source)
-
-
-def _cgroup_reclaimable(root: Path = CGROUP_ROOT) -> int:
-    """The memory cgroup's inactive file cache (``inactive_file`` of v2 ``memory.stat``, ``total_inactive_file``
-    of v1's), which it gives back before it runs out; 0 where it cannot be read."""
-    for path, key in ((root / "memory.stat", "inactive_file"), (root / "memory" / "memory.stat",
-                                                                  "total_inactive_file")):
-        try:
-            for line in path.read_text().splitlines():
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-        except (OSError, ValueError):
-            continue
-    return 0
+    cgroup = read_cgroup()
+    if cgroup is not None and cgroup.limit is not None and cgroup.limit < total:  # one at or above RAM limits nothing
+        # what the cgroup can reclaim (its inactive file cache) is free to it, as MemAvailable counts it, and as
+        # ComfyUI budgets it: the limit less the non-reclaimable use
+        total, free = cgroup.limit, min(free, cgroup.limit - cgroup.non_reclaimable)
+        source += f", {cgroup.describe()}"
+    return Truth(total, 0, max(0, free), source)
 
 
 def simulated_truth(session: Any, device: Device) -> Truth | None:

@@ -152,8 +152,8 @@ def real_source(monkeypatch, tmp_path):
     """A session on the plugin whose budget comes from the real ``unified`` source (psutil and the memory
     cgroup under a fake root) instead of the simulation's /proc/meminfo model; the machine is a GB10."""
     monkeypatch.setattr(hostmem.psutil, "virtual_memory", lambda: VM(128 * GB, 100 * GB, 60 * GB))
-    real_cgroup = hostmem.cgroup_memory
-    monkeypatch.setattr(hostmem, "cgroup_memory", lambda root=None: real_cgroup(tmp_path))
+    real_cgroup = hostmem.read_cgroup
+    monkeypatch.setattr(hostmem, "read_cgroup", lambda root=None: real_cgroup(tmp_path))
     driver = open_gpu_driver("cuda", "gb10-128gb")
     driver.budget = functools.partial(GpuDriver.budget, driver)  # the real source, not the twin's
     s = Session(VmmBackend(PLATFORM, driver), machine=machine_for(load_settings(sim_profile="gb10-128gb")),
