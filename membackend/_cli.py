@@ -90,13 +90,20 @@ def backends_report(mgr: BackendManager, sel: Selection) -> list[dict[str, Any]]
 
 
 def budgets_report(session: Session) -> list[dict[str, Any]]:
-    """Each device's budget, with where its headroom comes from (``Session.headroom_in_force``)."""
+    """Each device's budget, with where its headroom comes from (``Session.headroom_in_force``) and, where each
+    handle holds a file descriptor (``VmmBackend.descriptor_room``), what the start did to the descriptor limit
+    and what the device can map under it when that is below the budget (total less headroom)."""
     rows = []
+    room = getattr(session.backend, "descriptor_room", None)
     for dev in session.devices():
         try:
             b = session.budget_query(dev)
             rows.append({"device": str(dev), **dataclasses.asdict(b),
                          "headroom_source": session.headroom_in_force(dev)[1]})
+            d = room(dev) if room is not None else None
+            if d is not None:
+                rows[-1]["descriptors"] = {**dataclasses.asdict(d), "free": d.free, "mappable": d.mappable,
+                                           "line": d.describe(max(0, b.total - b.headroom))}
         except MembackendError as exc:
             rows.append({"device": str(dev), "error": str(exc)})
     return rows
@@ -407,6 +414,10 @@ def _print_budgets(rows: list[dict[str, Any]]) -> None:
             why = f" ({b['headroom_source']})" if b.get("headroom_source") else ""
             print(f"  {b['device']}: total {_size(b['total'])}, free {_size(b['free'])}, headroom {_size(b['headroom'])}"
                   f"{why}, usable {_size(b['usable'])}{' (unified pool)' if b['unified'] else ''} from {b['source']}")
+            if "descriptors" in b:  # handles that hold file descriptors (ROCm 7.14)
+                print(f"    descriptor limit: {b['descriptors']['started']}")
+                if b["descriptors"]["line"]:
+                    print(f"    {b['descriptors']['line']}")
 
 
 def _print_selftest(t: dict[str, Any]) -> None:

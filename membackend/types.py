@@ -11,8 +11,10 @@ backend is called and raises the :class:`ReservationError` family itself
 ``ReservationReleased``, ``ForeignReservation``, ``TensorAlive``) and
 ``InvalidToken``, with the ledger unchanged. From its verbs a backend raises
 only :class:`DriverError` when a driver call fails (after rolling back, see
-``membackend.hookspec``) and :class:`WrongDevice` from ``membackend_reserve``
-or ``membackend_budget_query`` for a device the machine facts do not list and
+``membackend.hookspec``; :class:`DescriptorLimit`, a ``DriverError``, where a
+create ran out of file descriptors rather than memory) and
+:class:`WrongDevice` from ``membackend_reserve`` or
+``membackend_budget_query`` for a device the machine facts do not list and
 the backend cannot serve; from ``from_settings`` or its probe,
 :class:`ConfigError` for a setting of its own it cannot use (the plugin is then
 listed as broken with that message). Out of memory in a fault is a result,
@@ -24,6 +26,7 @@ given and what is accepted.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -59,6 +62,7 @@ __all__ = [
     "ConfigError",
     "ConfigChanged",
     "DriverError",
+    "DescriptorLimit",
     "SanitizerError",
     "RuleError",
     "AddressSpaceExhausted",
@@ -278,6 +282,26 @@ class DriverError(MembackendError, OSError):
 
     def __str__(self) -> str:  # OSError's __str__ would print errno/strerror
         return self.args[0]
+
+
+class DescriptorLimit(DriverError):
+    """A physical handle could not be created because the process has no file descriptor left, although the
+    driver answered out of memory: where each live handle holds one of the process's descriptors (ROCm 7.14 on
+    Linux holds one dmabuf descriptor per ``hipMemCreate``, ROCm/rocm-systems #10604), the descriptor limit
+    (``RLIMIT_NOFILE``, ``ulimit -n``) runs out long before the memory does. Never an out-of-memory answer:
+    evicting models frees no descriptor.
+
+    ``DescriptorLimit(code, call, detail, limit=..., reached=..., handles=..., wanted=...)``: ``code`` and
+    ``call`` are the driver's (``hipErrorOutOfMemory``, ``hipMemCreate``); ``limit`` the soft limit in force,
+    ``reached`` the descriptors open when the call failed, ``handles`` the live handles this backend held,
+    ``wanted`` the soft limit that would serve every page of the devices (the fix: ``ulimit -n <wanted>``);
+    ``errno`` is ``EMFILE``. The message names all of them."""
+
+    def __init__(self, code: Any, call: str, detail: str = "", *, limit: int = 0, reached: int = 0,
+                 handles: int = 0, wanted: int = 0):
+        super().__init__(code, call, detail)
+        self.errno = errno.EMFILE
+        self.limit, self.reached, self.handles, self.wanted = limit, reached, handles, wanted
 
 
 class PartialFailure(MembackendError):
@@ -680,7 +704,8 @@ class Capabilities:
     mechanism (``membackend._backends.vmm.parts`` has the table): ``handles``
     the handle keeper and recycler, ``address_windows`` the window source
     (the quota, the churn-window keeper), ``one_pool`` the one-pool guard,
-    ``self_test`` the VMM self-test, ``fencing`` and ``pages`` the core's
+    ``self_test`` the VMM self-test, ``descriptors`` the descriptor budget
+    of handles that hold file descriptors, ``fencing`` and ``pages`` the core's
     frees and page size. A new platform quirk is one part and one flag in its
     group (``docs/backends.md``).
 
@@ -737,6 +762,15 @@ class Capabilities:
       refuses the device (a ``DriverError`` naming the failed step) when any
       step fails: for drivers whose virtual-memory attribute alone was seen to
       be wrong (VMM on Strix Halo under WSL failed until a ROCm fix).
+    * ``handle_descriptors``: each live physical handle holds one of the
+      process's file descriptors (ROCm 7.14 on Linux: a dmabuf descriptor per
+      ``hipMemCreate``, ROCm/rocm-systems #10604), so the descriptor limit
+      bounds what can be mapped. On its first use of a device the mechanism
+      raises the soft ``RLIMIT_NOFILE`` toward the hard limit as far as one
+      descriptor per page of every device's memory needs (never lowering it),
+      and a create the driver answers with out of memory while no descriptor
+      is left raises :class:`DescriptorLimit` instead of answering out of
+      memory.
     """
 
     #: the fields by the part of the mechanism they choose or tune (see above); every field is in one group
@@ -748,6 +782,7 @@ class Capabilities:
         "self_test": ("vmm_self_test",),
         "fencing": ("fence_granularity", "page_in_sync"),
         "pages": ("map_granularity",),
+        "descriptors": ("handle_descriptors",),
     }
 
     release_on_full_unload: bool = True
@@ -763,6 +798,7 @@ class Capabilities:
     memory_returns_on_unmap: bool = True
     map_granularity: int | None = None
     vmm_self_test: bool = False
+    handle_descriptors: bool = False
 
     def __post_init__(self) -> None:
         if self.fence_granularity not in ("reservation", "device"):

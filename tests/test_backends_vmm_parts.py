@@ -14,6 +14,7 @@ import pytest
 from membackend._backends import vmm
 from membackend._backends.vmm import VmmBackend, parts
 from membackend._backends.vmm.churn import ChurnWindowKeeper
+from membackend._backends.vmm.descriptors import HandleDescriptors
 from membackend._backends.vmm.handles import HandleKeeper, RangeHeldHandles
 from membackend._backends.vmm.selftest import VmmSelfTest
 from membackend._backends.vmm.windows import FreshWindows
@@ -55,6 +56,12 @@ def test_each_flag_chooses_its_part(caps, budget_source, chosen):
     assert type(p.handles) is handles and type(p.windows) is windows
     assert (p.one_pool.every_device if p.one_pool is not None else None) == every_device, "auto: per device"
     assert (type(p.self_test) if p.self_test is not None else None) is self_test
+
+
+def test_handle_descriptors_chooses_the_descriptor_budget():
+    assert backend()._parts.descriptors is None
+    p = backend(handle_descriptors=True)._parts
+    assert type(p.descriptors) is HandleDescriptors and p.pages.descriptors is p.descriptors
 
 
 def test_assigning_capabilities_chooses_the_parts_again_and_keeps_the_kept_windows():

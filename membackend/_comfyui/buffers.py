@@ -19,6 +19,8 @@ parameters and methods:
   do nothing: page-locking needs aimdo's device; copies from it are then
   ordinary, synchronous host copies. ``read_file_slice`` reads the file into
   the buffer and, with a ``device_ptr``, copies the bytes to the device.
+  ``truncate`` gives the whole pages past the cut back to the system, as
+  aimdo's decommits them.
 * :class:`ModelMMAP` -- a private, copy-on-write memory map of the file
   (Python's ``mmap``); ``get()`` its address, ``bounce()`` drops its pages.
 * :func:`read_file_to_device` -- comfy-aimdo's staged file reader (``comfy.memory_management``
@@ -125,6 +127,12 @@ class HostBuffer:
     registration must never outlive its mapping: the driver would keep copying a later mapping at those
     addresses from the old, locked pages (stale bytes), or refuse a copy that crosses its edge
     ("invalid argument"). Where no session can be asked (membackend stopped), the memory is kept instead.
+
+    A truncate also gives the whole pages past the cut back to the system, as aimdo's decommits them
+    (``hostbuf_truncate_impl``): ComfyUI destroys pins to relieve RAM (``partially_unload_ram``, the ``-fast``
+    subsets first from 0.39 on) and counts their size as freed, so pages kept would leave the pressure as it was.
+    Read again, they are zero. Not where a registration may outlive the cut (the memory stays as it is), and not
+    on a platform without ``MADV_REMOVE`` (Windows, macOS: the pages stay until the buffer's end).
     """
 
     #: mappings whose registrations could not be ended (no session to ask): kept mapped for the process's life
@@ -138,6 +146,7 @@ class HostBuffer:
         #: the byte offset of each extension, ascending: where ComfyUI may have registered a pin
         self._starts: list[int] = []
         self._keep_mapped = False  # set when a registration could not be ended: the memory then stays mapped
+        self._touched = 0  # the end of what was ever extended or read into: pages up to it may be resident
         #: copies reading the buffer now (read_file_slice): close() waits for them, never unmaps under one
         self._copies = 0
         self._idle = threading.Condition()
@@ -160,6 +169,7 @@ class HostBuffer:
         if size:
             self._starts.append(self.size)
         self.size += size
+        self._touched = max(self._touched, self.size)
         return start if size else 0
 
     def read_file_slice(self, file_obj, file_offset, size, offset=0, stream=0, device_ptr=0, device=-1):
@@ -175,6 +185,7 @@ class HostBuffer:
                     _to_device(self._base + offset, size, device_ptr, device)
                     _read_to_device(file_obj, file_offset, size, device_ptr)
             self.size = max(self.size, offset + size)
+            self._touched = max(self._touched, self.size)
 
     @contextlib.contextmanager
     def _copying(self, what: str) -> Iterator[Any]:
@@ -207,6 +218,22 @@ class HostBuffer:
         if do_unregister and gone and not _unregister(self._base + start for start in gone):
             self._keep_mapped = True  # a registration may outlive this buffer: never unmapped (see the class)
         self.size = size
+        self._decommit(size)
+
+    def _decommit(self, size: int) -> None:
+        """The whole pages from ``size`` to the end of what was touched go back to the system (see the class)."""
+        advice = getattr(mmap, "MADV_REMOVE", None)  # frees a shared anonymous mapping's pages, not only unmaps
+        start = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = min(self._touched, self._capacity)
+        mapped = self._map
+        if advice is None or self._keep_mapped or mapped is None or end <= start:
+            return
+        try:
+            mapped.madvise(advice, start, end - start)
+        except (OSError, ValueError) as exc:  # closed under us, or refused: the pages stay until the end
+            log.debug("membackend: giving back a HostBuffer's cut pages failed: %s", exc)
+            return
+        self._touched = start
 
     def close(self):
         """Ends what ComfyUI registered in this buffer, then unmaps it (aimdo's ``hostbuf_free``), once every copy

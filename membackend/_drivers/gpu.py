@@ -23,13 +23,15 @@ the wrapper retained (the CUDA primary contexts).
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..types import DriverError
 
-__all__ = ["GpuDriver", "EventToken", "BUDGET_SOURCES", "host_address"]
+__all__ = ["GpuDriver", "EventToken", "BUDGET_SOURCES", "host_address", "nofile_limits", "process_descriptors"]
 
 #: where a platform's budget can come from (see :meth:`GpuDriver.budget`)
 BUDGET_SOURCES = ("device", "wddm", "unified", "apu")
@@ -60,6 +62,33 @@ def host_address(x: Any) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def nofile_limits() -> tuple[int | None, int | None] | None:
+    """This process's descriptor limits, ``(soft, hard)`` of ``RLIMIT_NOFILE`` (None for either: no limit);
+    None where the OS has no such limit to read (Windows: no ``resource`` module)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    infinite = resource.RLIM_INFINITY
+    return (None if soft == infinite else soft), (None if hard == infinite else hard)
+
+
+def process_descriptors() -> int | None:
+    """The file descriptors this process has open now: the entries of ``/proc/self/fd`` (``/dev/fd`` where
+    there is no ``/proc``) less the one the listing itself opened; a listing refused with ``EMFILE`` means every
+    descriptor the soft limit allows is open. None where none can be listed (Windows)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return max(0, len(os.listdir(folder)) - 1)
+        except OSError as exc:
+            if exc.errno == errno.EMFILE:
+                limits = nofile_limits()
+                return limits[0] if limits is not None else None
+    return None
+
+
 class GpuDriver:
     """Base of :class:`~membackend._drivers.cuda.CudaDriver` and :class:`~membackend._drivers.hip.HipDriver`.
 
@@ -85,6 +114,11 @@ class GpuDriver:
         """Where this driver's device memory lives, when that is worth a line in the doctor (a simulated
         driver's bytes: memory of this process, or books only and why); None for a real driver."""
         return None
+
+    def open_descriptors(self) -> int | None:
+        """The file descriptors the process holds now, the driver's own among them (ROCm 7.14 holds one per
+        live handle): :func:`process_descriptors`. None where they cannot be counted."""
+        return process_descriptors()
     SUCCESS: Any = 0
     OOM: Any = 2
     NOT_READY: Any = 600

@@ -57,7 +57,11 @@ groups and parts is:
   APUs), where a fault that would cross it is out of memory before the driver
   is asked;
 * the VMM self-test (:mod:`.selftest`): one page through every VMM call on a
-  device's first use, where the driver's attribute alone was seen to be wrong.
+  device's first use, where the driver's attribute alone was seen to be wrong;
+* the descriptor budget (:mod:`.descriptors`): where each handle holds one of
+  the process's file descriptors (ROCm 7.14 on Linux), the soft
+  ``RLIMIT_NOFILE`` raised at start-up and a create refused for want of one
+  raised as ``DescriptorLimit``, never answered as out of memory.
 
 **The headroom has one owner, the session.** The backend never reads the
 ``headroom`` setting: its own rule (:meth:`VmmBackend.own_headroom`: the
@@ -77,8 +81,9 @@ from __future__ import annotations
 from ...platform import CHURN_MARGIN, KEPT_WINDOWS_PER_DEVICE
 from ...types import AddressSpaceExhausted, AddressWindowsExhausted
 from .backend import VmmBackend
+from .descriptors import DescriptorRoom
 from .pool import RoomSplit
 from .windows import KeptWindows
 
 __all__ = ["VmmBackend", "AddressSpaceExhausted", "AddressWindowsExhausted", "KeptWindows", "RoomSplit",
-           "KEPT_WINDOWS_PER_DEVICE", "CHURN_MARGIN"]
+           "DescriptorRoom", "KEPT_WINDOWS_PER_DEVICE", "CHURN_MARGIN"]

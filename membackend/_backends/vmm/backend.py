@@ -24,7 +24,7 @@ from ...types import (
     Reservation,
     format_size,
 )
-from .devices import Devices
+from .devices import DescriptorRoom, Devices
 from .ledger import HandleLedger
 from .parts import Parts, choose_parts
 from .pool import PoolBudget, RoomSplit
@@ -76,7 +76,7 @@ class VmmBackend:
     def capabilities(self, capabilities: Capabilities) -> None:
         self._capabilities = capabilities
         self._parts = self._choose_parts(capabilities)
-        self._devs.configure(capabilities, self._parts.self_test)
+        self._devs.configure(capabilities, self._parts.self_test, self._parts.descriptors)
 
     def _choose_parts(self, capabilities: Capabilities) -> Parts:
         """The parts for ``capabilities`` (:func:`.parts.choose_parts`); a model of another mechanism (the
@@ -264,6 +264,10 @@ class VmmBackend:
     def trim(self, device: Device) -> int:
         """Same as :meth:`membackend_trim` (kept for callers that hold the backend)."""
         return self.membackend_trim(device)
+
+    def descriptor_room(self, device: Device) -> DescriptorRoom | None:
+        """What ``device`` can map under the descriptor limit (:meth:`.devices.Devices.descriptor_room`)."""
+        return self._devs.descriptor_room(device)
 
     def kept_windows(self, device: Device) -> KeptWindows | None:
         """What stays reserved on ``device`` after its reservations were released (None: the platform has

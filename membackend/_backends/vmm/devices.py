@@ -2,8 +2,9 @@
 
 The driver is opened (a factory's, where the backend was built without one) and initialised on first use.
 Each device is set up on its first use: its page size (a multiple of the driver's allocation granularity,
-never below the platform's ``map_granularity``: RDNA4 reports 4 KiB, its kernels need 2 MiB), the VMM
-self-test where the platform asks for one (:mod:`.selftest`), and its facts (:mod:`.facts`). Every later use
+never below the platform's ``map_granularity``: RDNA4 reports 4 KiB, its kernels need 2 MiB), the descriptor
+limit raised where handles hold descriptors (:mod:`.descriptors`), the VMM self-test where the platform asks
+for one (:mod:`.selftest`), and its facts (:mod:`.facts`). Every later use
 makes the device current. Besides, what a device answers without the parts: its fences and what it holds.
 """
 
@@ -15,6 +16,7 @@ from typing import Callable
 from ..._drivers.gpu import EventToken, GpuDriver
 from ..._drivers.open import LazyDriver
 from ...types import Candidate, Capabilities, Device, DriverState, Machine, Score, WrongDevice
+from .descriptors import DescriptorRoom, HandleDescriptors
 from .facts import DeviceFacts
 from .ledger import HandleLedger, driver_tables
 from .selftest import VmmSelfTest
@@ -40,11 +42,15 @@ class Devices:
         self.facts = DeviceFacts(name, kind, lambda: self.driver, machine)
         self._capabilities = Capabilities()
         self._self_test: VmmSelfTest | None = None
+        self._descriptors: HandleDescriptors | None = None
 
-    def configure(self, capabilities: Capabilities, self_test: VmmSelfTest | None) -> None:
-        """What a device's first use follows from now on (devices already set up keep theirs)."""
+    def configure(self, capabilities: Capabilities, self_test: VmmSelfTest | None,
+                  descriptors: HandleDescriptors | None = None) -> None:
+        """What a device's first use follows from now on (devices already set up keep theirs): the self-test,
+        and the descriptor budget's start, which runs first (the self-test's handle needs a descriptor)."""
         self._capabilities = capabilities
         self._self_test = self_test
+        self._descriptors = descriptors
 
     @property
     def driver(self) -> GpuDriver:
@@ -96,6 +102,8 @@ class Devices:
             d.set_device(index)
             g = max(d.granularity(index), self._capabilities.map_granularity or 1)  # RDNA4: 4 KiB told, 2 MiB
             page = max(g, -(-self.page_size // g) * g)
+            if self._descriptors is not None:
+                self._descriptors.start(page)
             if self._self_test is not None:
                 self._self_test.check(index, page)
             state = self.states[index] = DeviceState(
@@ -103,6 +111,15 @@ class Devices:
         else:
             d.set_device(index)
         return state
+
+    def descriptor_room(self, device: Device) -> DescriptorRoom | None:
+        """What ``device`` can map under the process's descriptor limit now (:mod:`.descriptors`); None where
+        handles hold no descriptor or the device was not used yet. Counts the process's descriptors, makes no
+        driver call."""
+        index = self.index_of(device)
+        with self._lock:
+            state, part = self.states.get(index), self._descriptors
+            return None if part is None or state is None else part.room(str(device), state)
 
     def integrated(self, index: int) -> bool:
         """Whether device ``index`` shares one pool with the host: as found on its first use, else asked now."""

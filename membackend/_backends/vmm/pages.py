@@ -2,7 +2,8 @@
 
 * fault: for each missing page, a kept handle or a new one (:mod:`.handles`), mapped and given access; a "not
   ready" answer (the driver still evicting, as WDDM can after an eviction) is retried after a device fence a
-  bounded number of times; if a step fails, the pages this call mapped are rolled back; each page gets a new
+  bounded number of times; if a step fails, the pages this call mapped are rolled back (a create refused for
+  want of a file descriptor raises ``DescriptorLimit``, :mod:`.descriptors`); each page gets a new
   generation whenever it gets new physical memory; on one pool shared with the host the one-pool guard
   (:mod:`.pool`) answers out of memory before the driver is asked;
 * free: the session has already waited for the fence tokens recorded on the range; the device is
@@ -21,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 from ..._drivers.gpu import GpuDriver
 from ...types import Capabilities, DriverError, Fault, Reservation
+from .descriptors import HandleDescriptors
 from .handles import HandleKeeper
 from .pool import OnePoolGuard
 from .state import DeviceState, PageTable
@@ -37,13 +39,14 @@ class PageMapper:
 
     def __init__(self, capabilities: Capabilities, driver: Callable[[], GpuDriver],
                  use: Callable[[int], DeviceState], generations: Iterator[int], handles: HandleKeeper,
-                 one_pool: OnePoolGuard | None):
+                 one_pool: OnePoolGuard | None, descriptors: HandleDescriptors | None = None):
         self.fence_every_unmap = capabilities.fence_granularity == "device"
         self._driver = driver
         self._use = use
         self._generation = generations
         self.handles = handles
         self.one_pool = one_pool
+        self.descriptors = descriptors
 
     def fault(self, reservation: Reservation, rng: PageTable, first: int, last: int) -> Fault:
         """Back pages ``[first, last)`` of ``reservation`` (see the module docstring)."""
@@ -71,9 +74,16 @@ class PageMapper:
                 self._not_ready_retried(state, d.set_access, va, ps, rng.index)
             except DriverError as exc:
                 state.dirty = True
+                # a create refused for want of a descriptor (counted before the rollback releases any)
+                creating = not is_mapped and h is None and d.is_oom(exc)
+                refused = (self.descriptors.refusal(exc, ps, len(mapped))
+                           if self.descriptors is not None and creating else None)
                 if not is_mapped and h is not None:
                     self.handles.not_mapped(state, rng, h)  # not mapped now: reuse it later
                 kept = self._unwind(state, reservation, mapped)
+                if refused is not None:
+                    refused.mapped = kept
+                    raise refused from exc
                 if d.is_oom(exc) and not kept:
                     return Fault(False, (), first, 0)
                 exc.mapped = kept  # pages the rollback could not unmap stay resident and accounted

@@ -16,6 +16,9 @@ group               fields                                           what it cho
                                                                      pool (GB10, AMD APUs); none elsewhere
 ``self_test``       ``vmm_self_test``                                :class:`~.selftest.VmmSelfTest` (Strix Halo
                                                                      under WSL); none elsewhere
+``descriptors``     ``handle_descriptors``                           :class:`~.descriptors.HandleDescriptors` where
+                                                                     each handle holds a file descriptor (ROCm
+                                                                     7.14 on Linux); none elsewhere
 ``fencing``         ``fence_granularity``, ``page_in_sync``          the core: :class:`~.pages.PageMapper`'s
                                                                      frees, :class:`~.facts.DeviceFacts`
 ``pages``           ``map_granularity``                              the core: the page size on first use
@@ -35,6 +38,7 @@ from typing import Callable, Iterator
 from ..._drivers.gpu import GpuDriver
 from ...types import Capabilities
 from .churn import ChurnWindowKeeper
+from .descriptors import HandleDescriptors
 from .devices import Devices
 from .handles import HandleKeeper, RangeHeldHandles
 from .pages import PageMapper
@@ -52,6 +56,7 @@ class Parts:
     windows: FreshWindows
     one_pool: OnePoolGuard | None
     self_test: VmmSelfTest | None
+    descriptors: HandleDescriptors | None
     pages: PageMapper
 
 
@@ -71,5 +76,7 @@ def choose_parts(capabilities: Capabilities, devices: Devices, budget: PoolBudge
     every_device = caps.unified_pool or budget.source in ONE_POOL_SOURCES
     one_pool = OnePoolGuard(every_device, budget, room) if every_device or budget.source == "auto" else None
     self_test = VmmSelfTest(devices.name, devices.kind, driver) if caps.vmm_self_test else None
-    pages = PageMapper(caps, driver, devices.use, generations, handles, one_pool)
-    return Parts(handles, windows, one_pool, self_test, pages)
+    descriptors = (HandleDescriptors(devices.name, driver, lambda: devices.states) if caps.handle_descriptors
+                   else None)
+    pages = PageMapper(caps, driver, devices.use, generations, handles, one_pool, descriptors)
+    return Parts(handles, windows, one_pool, self_test, descriptors, pages)

@@ -77,6 +77,12 @@ class _Simulated(GpuDriver):
     def memory_note(self) -> str | None:
         return f"device memory: {self.sim.memory.reason}"
 
+    def open_descriptors(self) -> int | None:
+        """The process's descriptors, with those the simulated runtime holds without taking real ones (ROCm
+        7.14: one per live handle, ``SimPlatform.descriptors_held``)."""
+        real = super().open_descriptors()
+        return None if real is None else real + self.sim.descriptors_held()
+
     def budget(self, source: str, index: int) -> tuple[int, int, str]:
         sim = self.sim
         if source == "wddm":  # DXGI's budget and this process's usage of the device

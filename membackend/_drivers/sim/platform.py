@@ -54,6 +54,16 @@ Where a behaviour comes from:
   4 KiB VMM granularity but kernels fault on mappings aligned to less than
   2 MiB (``map_fault_below``): such a mapping succeeds, and work that touches
   it is a GPU memory access fault, counted as an illegal address.
+* ROCm 7.14 on Linux holds one dmabuf file descriptor of the process per live
+  ``hipMemCreate`` handle, where ROCm 7.1.1 kept 3 in all (ROCm/rocm-systems
+  #10604; ROCm/legacy-rocm-build #6661): gfx1030, gfx1100, gfx1151 and gfx1201
+  stop at 1,015 handles under ``ulimit -n 1024``, and the call answers
+  hipErrorOutOfMemory although what ran out is the descriptors
+  (``Profile.descriptor_per_handle``). The simulation takes no real descriptor:
+  it counts its live handles on top of the descriptors the process has open
+  (``process_descriptors``) against the process's soft ``RLIMIT_NOFILE``, read
+  at each create (so a raised limit counts at once), and counts each refusal
+  (``descriptor_refusals``).
 * The current device is per host thread: CUDA driver API reference,
   ``cuCtxSetCurrent`` ("binds the specified CUDA context to the calling CPU
   thread") and ``cuCtxGetCurrent`` (NULL and CUDA_SUCCESS when none is bound);
@@ -86,6 +96,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 from ..discovery import visible_ordinals
+from ..gpu import nofile_limits, process_descriptors
 from .memory import MemoryCallFailed, open_memory
 from .profiles import Profile, get_profile
 
@@ -269,6 +280,7 @@ class SimPlatform:
         self.crashes = 0
         self.use_after_free = 0
         self.illegal_addresses = 0  # copies whose destination was unmapped before they ran: landed nowhere
+        self.descriptor_refusals = 0  # ROCm 7.14: creates refused (as out of memory) for want of a descriptor
         self.held_released: dict[int, _Handle] = {}  # ROCm 7.2: released, memory held until its ranges are freed
         #: the process's own device allocations beside the VMM handles (its context, its runtime allocator's
         #: blocks): id -> (device, bytes); see process_alloc
@@ -641,6 +653,7 @@ class SimPlatform:
         if not d.vmm:
             raise SimError("not_supported", f"device {device} does not support virtual memory management")
         self._check_current(device, "the allocation")
+        self._take_descriptor()
         self._charge(d, size)
         offset = -1
         if self.memory.backed:
@@ -654,6 +667,25 @@ class SimPlatform:
         h = _Handle(next(self._ids), device, size, offset=offset)
         self.handles[h.id] = h
         return h.id
+
+    def descriptors_held(self) -> int:
+        """The process's file descriptors the simulated runtime holds now: one per live handle where the
+        profile's runtime holds one (ROCm 7.14 on Linux, see the module docstring), else none."""
+        return len(self.handles) if self.profile.descriptor_per_handle else 0
+
+    def _take_descriptor(self) -> None:
+        """ROCm 7.14: a new handle needs a descriptor under the process's soft ``RLIMIT_NOFILE``; without one
+        the call answers out of memory, as the runtime does (``SimError("oom")``, counted)."""
+        if not self.profile.descriptor_per_handle:
+            return
+        limits, open_now = nofile_limits(), process_descriptors()
+        soft = limits[0] if limits is not None else None
+        if soft is None or open_now is None:
+            return  # no limit, or nothing to count against it
+        if open_now + self.descriptors_held() >= soft:
+            self.descriptor_refusals += 1
+            raise SimError("oom", f"EMFILE behind out of memory: {open_now + self.descriptors_held()} of "
+                                  f"{soft} file descriptors open, one per live handle")
 
     def _charge(self, d: _Device, size: int) -> None:
         """Whether ``size`` more bytes fit on ``d`` (its VRAM; one pool: the host's available memory and the

@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 from ..._settings.rules import did_you_mean, quoted
 from ...types import Capabilities, ConfigError
 
-__all__ = ["SimDeviceSpec", "Profile", "PROFILES", "get_profile"]
+__all__ = ["SimDeviceSpec", "Profile", "PROFILES", "get_profile", "ROCM_7_14"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+#: HIP_VERSION of ROCm 7.14.0 (major x 10,000,000 + minor x 100,000 + patch): from this runtime on, Linux holds
+#: one dmabuf file descriptor per live hipMemCreate handle (ROCm/rocm-systems #10604; ROCm 7.1.1 held 3 in all,
+#: ROCm/legacy-rocm-build #6661)
+ROCM_7_14 = 71_400_000
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,13 @@ class Profile:
     map_fault_below: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def descriptor_per_handle(self) -> bool:
+        """Whether each live physical handle holds one of the process's file descriptors: HIP on Linux from
+        ROCm 7.14 on (:data:`ROCM_7_14`; ``simulated_driver(profile, driver_version=ROCM_7_14)`` selects it on
+        a ROCm 7.2 profile). The simulation counts them against the process's ``RLIMIT_NOFILE``."""
+        return self.vendor == "hip" and self.os == "linux" and self.driver_version >= ROCM_7_14
+
     def capabilities(self) -> Capabilities:
         """What this profile's platform would tell the policy, for tests and benchmarks that run the
         generic backend with a platform's knobs on a simulated machine (the platform plugins carry
@@ -93,6 +104,7 @@ class Profile:
             page_in_sync="always" if self.os == "windows" else "never",
             memory_returns_on_unmap=not self.memory_held_until_address_free,
             map_granularity=self.map_fault_below or None,
+            handle_descriptors=self.descriptor_per_handle,
         )
 
 

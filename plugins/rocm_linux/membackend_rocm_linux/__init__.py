@@ -50,6 +50,21 @@ platform. Each rule comes from a public report (membackend issue 27):
   :data:`DISCRETE_HEADROOM` on a discrete card).
 * **Linux**: no video memory manager pages mappings in, so frees wait for the
   recorded fence tokens only (``page_in_sync="never"``).
+* **A descriptor per handle** (``handle_descriptors``): ROCm 7.14 holds one
+  dmabuf file descriptor of the process per live ``hipMemCreate`` handle
+  (ROCm/rocm-systems #10604; ROCm 7.1.1 kept 3 in all, ROCm/legacy-rocm-build
+  #6661), so under ``ulimit -n 1024`` a process stops at about 1,015 handles,
+  31.7 GiB of 32 MiB pages, with ``hipErrorOutOfMemory``. On its first use of
+  a device the mechanism raises the soft ``RLIMIT_NOFILE`` toward the hard
+  limit, as far as one descriptor per page of every device's memory needs
+  (3,072 on a 96 GiB device, plus a margin; never lowered), and ``membackend
+  doctor`` says what it did and, when the limit still bounds a device below
+  its budget, what it can map. The handles stay bounded: 32 MiB pages, each
+  handle reused by its own range (above) or released. A create refused for
+  want of a descriptor raises ``DescriptorLimit`` (a ``DriverError``) naming
+  the limit, the figure reached and ``ulimit -n``: never out of memory, which
+  would send the residency manager to evict models for nothing. Every ROCm
+  version gets it: on one that keeps a few descriptors the raise costs nothing.
 
 **Settings.** ``PLATFORM`` declares one setting, ``headroom`` (a size:
 ``MEMBACKEND_ROCM_LINUX_HEADROOM``, or ``headroom`` in a ``[rocm_linux]``
@@ -93,6 +108,7 @@ CAPABILITIES = Capabilities(
     memory_returns_on_unmap=False,  # ROCm 7.2: only freeing the range returns its memory
     map_granularity=MIN_MAP,
     vmm_self_test=True,
+    handle_descriptors=True,  # ROCm 7.14: one dmabuf descriptor per live handle (ROCm/rocm-systems #10604)
 )
 
 
