@@ -96,7 +96,7 @@ OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_fa
 #: uses it (:class:`OptionalMembers` declares each)
 OPTIONAL_MEMBERS = ("version", "capabilities", "settings", "from_settings", "platform", "platform_values",
                     "page_size", "own_headroom", "follow_headroom", "tensor_device", "room_split", "kept_windows",
-                    "fence_token", "host_unregister", "driver", "page_size_on")
+                    "fence_token", "host_unregister", "driver", "page_size_on", "descriptor_room")
 
 __all__ = ["PROJECT", "hookspec", "hookimpl", "VERBS", "HOOKS", "OPTIONAL_HOOKS", "OPTIONAL_MEMBERS", "Backend",
            "OptionalHooks", "OptionalMembers", *HOOKS, *OPTIONAL_HOOKS]
@@ -476,6 +476,13 @@ class OptionalMembers(Protocol):
         """What stays reserved on ``device`` after its reservations were released under a reserve-churn limit
         (the VMM backend's ``KeptWindows``: a dataclass with ``describe()``), or None where nothing is kept;
         the doctor and the ComfyUI status show it. Missing: nothing is kept."""
+        ...
+
+    def descriptor_room(self, device: Device) -> Any:
+        """What ``device`` can map under the process's file-descriptor limit where each live handle holds a
+        descriptor (the VMM backend's ``DescriptorRoom``: ``limit``, ``hard``, ``open``, ``handles``,
+        ``page_size``, ``started``, with ``free``, ``mappable`` and ``describe(budget)``), or None where handles
+        hold none or the device was not used yet; the doctor shows it. Missing: no descriptor line."""
         ...
 
     def fence_token(self, reservation: Reservation, stream: Any) -> FenceToken:
