@@ -112,7 +112,7 @@ def _written(annotation: object) -> str:
 
 
 def test_the_settings_types_a_type_checker_sees_are_the_tables_own():
-    tree = ast.parse((PACKAGE / "_settings" / "__init__.py").read_text())
+    tree = ast.parse((PACKAGE / "_settings" / "typed.py").read_text())
     declared = {node.name: {s.target.id: ast.unparse(s.annotation) for s in node.body
                             if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
                 for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}

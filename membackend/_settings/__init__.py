@@ -11,7 +11,9 @@ One set of rules for every path:
 * :mod:`.model` -- the pydantic :class:`Settings` (and the machine override
   models), built on first use from the same table, and :func:`load_settings`;
 * :mod:`.quick` -- :func:`quick_settings`, the same resolution without
-  pydantic, for the ComfyUI adapter's prestartup script.
+  pydantic, for the ComfyUI adapter's prestartup script;
+* :mod:`.typed` -- the models' fields as a type checker sees them (imported
+  for type checking only).
 
 Every bad value becomes a :class:`~membackend.types.ConfigError` that names
 the key, where the value came from and what is accepted. Importing this
@@ -60,53 +62,7 @@ from .sources import (
 )
 
 if TYPE_CHECKING:  # built by model.models() on first use; the names resolve through __getattr__ below
-    from pathlib import Path
-
-    from pydantic import BaseModel as _BaseModel
-
-    # What a type checker sees of the models: one annotation per field of the tables of .rules (FIELDS,
-    # MACHINE_FIELDS, DEVICE_FIELDS), held to them by tests/test_front_door.py.
-
-    class DeviceOverride(_BaseModel):
-        kind: str
-        index: int
-        name: str
-        total_memory: int
-        integrated: bool
-        unified: bool
-        driver_model: str | None
-        arch: str | None
-        vmm_supported: bool
-        luid: str | None
-
-    class MachineOverrides(_BaseModel):
-        os: str | None
-        cpus: int | None
-        ram_total: int | None
-        ram_available: int | None
-        cgroup_limit: int | None
-        torch_version: str | None
-        torch_vendor: str | None
-        devices: list[DeviceOverride] | None
-
-    class Settings(_BaseModel):
-        backend: str | None
-        disable: bool
-        block: list[str]
-        headroom: int | None
-        page_size: int
-        host_capacity: int | None
-        keep_dropped: str | int
-        sim_profile: str | None
-        probe_timeout: float
-        override_probe: bool
-        sanitize: bool
-        trace: Path | None
-        machine: MachineOverrides
-
-        def source_of(self, key: str) -> str: ...
-
-        def snapshot(self) -> Sources | None: ...
+    from .typed import DeviceOverride, MachineOverrides, Settings
 
 __all__ = ["Settings", "MachineOverrides", "DeviceOverride", "load_settings", "parse_bytes", "format_bytes",
            "config_file", "save_setting", "quick_settings", "QuickSettings", "SIZE_ACCEPTED", "SIZE_MAX",

@@ -24,7 +24,7 @@ from .sources import Resolved, Sources, resolve
 if TYPE_CHECKING:
     from pydantic.json_schema import JsonDict
 
-    from . import Settings
+    from .typed import Settings
 
 __all__ = ["models", "construct", "load_settings"]
 
