@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from .lines import say
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from .links import RuntimeLinks
 
 log = logging.getLogger("membackend")
 
@@ -64,8 +64,9 @@ def _plain(t: Any) -> bool:
 class Promotion:
     """One VBAR's model on the classic path: what each module had, to put it back exactly (:meth:`end`)."""
 
-    def __init__(self, runtime: "Runtime", vbar: Any):
-        self._rt = runtime
+    def __init__(self, links: "RuntimeLinks", vbar: Any, on_end: Any):
+        self._links = links
+        self._on_end = on_end  # the path's count of demotions
         self.vbar = vbar
         self.hold: Any = None
         #: (module, {attribute: what it was}) for each module changed; parameters are restored by setattr
@@ -116,11 +117,11 @@ class Promotion:
             except Exception as exc:  # noqa: BLE001 - one module that cannot be restored must not keep the rest
                 failed += 1
                 log.debug("membackend: restoring a module of %s: %s", self.vbar._model.id, exc)
-        rt = self._rt
-        if rt.fences is not None:  # kernels already queued over the pages: a free waits for them (G2)
-            rt.fences.after_unpin(self.vbar._model, self.vbar._dev, self.vbar._where)
+        fences = self._links.fences()
+        if fences is not None:  # kernels already queued over the pages: a free waits for them (G2)
+            fences.after_unpin(self.vbar._model, self.vbar._dev, self.vbar._where)
         self.vbar._promotion = None
-        rt.classic.demoted += 1
+        self._on_end()
         if failed:
             say(f"back to the dynamic path: {failed} module(s) of {self.vbar._model.id} could not be restored "
                 f"({reason})", logging.WARNING)
@@ -128,10 +129,11 @@ class Promotion:
 
 
 class ClassicPath:
-    """The promotions of one runtime's models (see the module docstring)."""
+    """The promotions of one runtime's models (see the module docstring); ``links``: what it reads of the
+    runtime now."""
 
-    def __init__(self, runtime: "Runtime"):
-        self._rt = runtime
+    def __init__(self, links: "RuntimeLinks"):
+        self._links = links
         self.enabled = True
         self.promoted = 0  # promotions since start-up
         self.demoted = 0
@@ -144,21 +146,22 @@ class ClassicPath:
         """Put ``vbar``'s model on the classic path when it is wholly resident and nothing patches its weights
         (see the module docstring); True when it is (or was already). Raises nothing it can avoid: anything
         unexpected is the caller's to report, with every module put back."""
-        rt = self._rt
+        links = self._links
         if vbar._promotion is not None:
             return True
-        if not self.enabled or rt.aborted is not None or vbar._closed or rt.residency is None:
+        residency = links.residency()
+        if not self.enabled or links.aborted() is not None or vbar._closed or residency is None:
             return False
         module = getattr(patcher, "model", None)
         modules = list(module.modules()) if module is not None else []
         slotted = [m for m in modules if "_v" in m.__dict__ and isinstance(m._v, tuple) and m._v[0] is vbar]
-        why = self._ineligible(patcher, modules, slotted) or self._not_resident(vbar, slotted)
+        why = self._ineligible(patcher, modules, slotted) or self._not_resident(residency, vbar, slotted)
         if why is not None:
             self.why_not[vbar._model.id] = why
             return False
         ids = {id(m) for m in slotted}
         pinned: list[tuple[int, int]] = []
-        promotion = Promotion(rt, vbar)
+        promotion = Promotion(links, vbar, self._demoted)
         try:
             for m in slotted:  # faulted as the cast path would: resident, with the bytes last copied in
                 _, alloc, size = m._v
@@ -187,7 +190,7 @@ class ClassicPath:
             base = vbar.base_addr
             lo = min(alloc for alloc, _ in pinned) - base
             hi = max(alloc + size for alloc, size in pinned) - base
-            hold = rt.residency.hold(vbar._model, lo, hi - lo, vbar._dev, promotion.end)
+            hold = residency.hold(vbar._model, lo, hi - lo, vbar._dev, promotion.end)
             if hold is None:
                 self.why_not[vbar._model.id] = "a page went while it was being promoted"
                 promotion.end("not held")
@@ -206,14 +209,18 @@ class ClassicPath:
             for alloc, size in pinned:
                 vbar.unpin(alloc, size)
 
-    def _not_resident(self, vbar: Any, slotted: list[Any]) -> str | None:
+    def _demoted(self) -> None:
+        self.demoted += 1
+
+    @staticmethod
+    def _not_resident(residency: Any, vbar: Any, slotted: list[Any]) -> str | None:
         """Why the pages of ``slotted``'s ranges are not all resident now (None: they are), read from the page
         map, so that checking a model faults in nothing ComfyUI did not ask for."""
         r = vbar._model.reservation(vbar._dev)
         if r is None:
             return "its range was given back"
         page = r.page_size
-        bits = self._rt.policy().residency(vbar._model, vbar._dev)
+        bits = residency.residency(vbar._model, vbar._dev)
         base = vbar.base_addr
         for m in slotted:
             _, alloc, size = m._v
@@ -263,14 +270,14 @@ class ClassicPath:
     def demote_all(self, reason: str) -> int:
         """Every promoted model back on the dynamic path (the adapter switched off, or stops)."""
         done = 0
-        for vbar in list(self._rt.vbars):
+        for vbar in list(self._links.vbars):
             if getattr(vbar, "_promotion", None) is not None:
                 done += self.demote(vbar, reason)
         return done
 
     def held(self) -> list[str]:
         """The ids of the models on the classic path now."""
-        return [v._model.id for v in list(self._rt.vbars) if getattr(v, "_promotion", None) is not None]
+        return [v._model.id for v in list(self._links.vbars) if getattr(v, "_promotion", None) is not None]
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .lines import say
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from .links import RuntimeLinks
 
 log = logging.getLogger("membackend")
 
@@ -51,10 +51,11 @@ def file_key(file_obj: Any, file_offset: int, size: int) -> tuple[int, int, int,
 
 
 class Reuse:
-    """The reads of one runtime that may come from VRAM instead of the file (see the module docstring)."""
+    """The reads of one runtime that may come from VRAM instead of the file (see the module docstring);
+    ``links``: what it reads of the runtime now."""
 
-    def __init__(self, runtime: "Runtime", enabled: bool = True):
-        self._rt = runtime
+    def __init__(self, links: "RuntimeLinks", enabled: bool = True):
+        self._links = links
         self.enabled = enabled
         #: bytes read from files into a served device, and bytes copied on the device instead
         self.from_file = 0
@@ -82,7 +83,7 @@ class Reuse:
     def _locate(self, device_ptr: int, size: int) -> tuple[Any, int, str] | None:
         """``(vbar, offset in its model, dtype)`` of a plain module's range holding ``[device_ptr,
         device_ptr+size)``; None for anything else (a cast buffer, a patched or cast module)."""
-        for vbar in list(self._rt.vbars):
+        for vbar in list(self._links.vbars):
             plain = getattr(vbar, "_plain", None)
             if not plain or vbar._closed:
                 continue
@@ -101,15 +102,15 @@ class Reuse:
         """Serve a read of ``size`` bytes of ``file_obj`` at ``file_offset`` into ``device_ptr`` (and into host
         memory at ``host_address``, where not 0) from VRAM; True when it did (nothing to read), False when the
         caller reads the file (then :meth:`wrote`)."""
-        rt = self._rt
-        if not self.enabled or rt.residency is None or rt.aborted is not None or size <= 0:
+        residency = self._links.residency()
+        if not self.enabled or residency is None or self._links.aborted() is not None or size <= 0:
             return False
         target = self._locate(device_ptr, size)
         key = file_key(file_obj, file_offset, size) if target is not None else None
         if target is None or key is None:
             return False
         vbar, offset, dtype = target
-        residency, dev = rt.residency, vbar._dev
+        dev = vbar._dev
         lent = residency.borrow(dev, (*key, dtype), avoid=(vbar._model, offset, size))
         if lent is None:
             return False
@@ -123,8 +124,9 @@ class Reuse:
                 tensor_at(host_address, size, "cpu:0").copy_(source)
             moved = True
         finally:
-            if rt.fences is not None:  # the copy may still be queued: a free of the source waits for it (G2)
-                rt.fences.fence_range(lent.reservation, vbar._where)
+            fences = self._links.fences()
+            if fences is not None:  # the copy may still be queued: a free of the source waits for it (G2)
+                fences.fence_range(lent.reservation, vbar._where)
             residency.returned(lent, moved=moved)
         residency.tag(vbar._model, offset, size, dev, (*key, dtype))
         self.from_vram += size
@@ -137,8 +139,8 @@ class Reuse:
         """``size`` bytes of ``file_obj`` at ``file_offset`` were just read into ``device_ptr``: counted, and
         tagged where the range is a plain module's."""
         self.from_file += size
-        rt = self._rt
-        if not self.enabled or rt.residency is None or size <= 0:
+        residency = self._links.residency()
+        if not self.enabled or residency is None or size <= 0:
             return
         target = self._locate(device_ptr, size)
         if target is None:
@@ -146,7 +148,7 @@ class Reuse:
         key = file_key(file_obj, file_offset, size)
         vbar, offset, dtype = target
         if key is not None:
-            rt.residency.tag(vbar._model, offset, size, vbar._dev, (*key, dtype))
+            residency.tag(vbar._model, offset, size, vbar._dev, (*key, dtype))
 
 
 def _plain_dtype(m: Any) -> str | None:

@@ -49,6 +49,7 @@ from .history import History
 from .journal import Journal, describe_load
 from .keepwarm import KeepWarm
 from .lines import gb, log, say
+from .links import RuntimeLinks
 from .patches import Patches
 from .reuse import Reuse
 from .unloads import Unloader
@@ -153,8 +154,11 @@ class Runtime:
         self.headroom = Headroom(self)
         self.unloader = Unloader(self)
         self.delegates = HookDelegates()
-        self.classic = ClassicPath(self)  # wholly resident models on ComfyUI's classic path (issue 41)
-        self.reuse = Reuse(self)  # weights already in VRAM copied on the device, not read again (issue 41)
+        #: what the parts read of this runtime as it is now (they never hold the runtime)
+        self.links = RuntimeLinks(residency=lambda: self.residency, fences=lambda: self.fences,
+                                  aborted=lambda: self.aborted, vbars=self.vbars)
+        self.classic = ClassicPath(self.links)  # wholly resident models on ComfyUI's classic path (issue 41)
+        self.reuse = Reuse(self.links)  # weights already in VRAM copied on the device, not read again (issue 41)
         # the journal's records and the put-off unloads, under the names the wiring and the facade read and fill
         self.names, self.weights, self.last_used = self.journal.names, self.journal.weights, self.journal.last_used
         self.pending = self.unloader.pending
