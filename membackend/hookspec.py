@@ -53,7 +53,7 @@ behaviour.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import pluggy
 
@@ -69,9 +69,6 @@ from .types import (
     Machine,
     Reservation,
 )
-
-if TYPE_CHECKING:  # the records of the layer above that optional members use (a contract imports none at run time)
-    from .platform import Platform, PlatformSetting
 
 PROJECT = "membackend"
 
@@ -425,12 +422,15 @@ class OptionalMembers(Protocol):
     #: what the mechanism does and needs (missing: ``Capabilities()``); the kit and the session read it
     capabilities: Capabilities
     #: the settings the backend declares, read under its ``name`` from the same sources as membackend's own
-    #: (``MEMBACKEND_<NAME>_<SETTING>``, ``[<name>]`` in ``membackend.toml``); missing: none
-    settings: tuple[PlatformSetting, ...]
+    #: (``MEMBACKEND_<NAME>_<SETTING>``, ``[<name>]`` in ``membackend.toml``): ``membackend.platform.PlatformSetting``
+    #: records (typed ``Any`` here: the contract sits below the platform layer and names no record above it);
+    #: missing: none
+    settings: tuple[Any, ...]
     #: the values of those settings (a ``PlatformValues``); missing: read from ``settings`` by the manager
     platform_values: Any
-    #: the platform record the backend was built from (the VMM backend's); the kit's platform rules use it
-    platform: Platform
+    #: the ``membackend.platform.Platform`` record the backend was built from (the VMM backend's); the kit's
+    #: platform rules use it
+    platform: Any
     #: the page size the backend maps, in bytes, where it is one for every device (missing: 2 MiB); read by
     #: ``Session.page_size`` where the backend has no :meth:`page_size_on`
     page_size: int
