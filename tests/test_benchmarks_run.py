@@ -68,3 +68,24 @@ def test_bench_file_read_prints_both_ways_and_their_ratio(capsys):
     bench.main(["--mib", "24"])
     out = capsys.readouterr().out
     assert "one thread" in out and "reader threads" in out and "ratio" in out
+
+
+def test_bench_descriptors_maps_past_the_limit_under_a_real_ulimit():
+    """Issue 43, item 1, under this machine's real RLIMIT_NOFILE (a soft limit of 1,024 set in a shell of its
+    own): the generic mechanism stops near 1,015 handles with out of memory, the rocm_linux plugin raises the soft
+    limit and maps past 40 GiB."""
+    import re
+    import resource
+    import subprocess
+    import sys
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard descriptor limit here ({hard}) is below what the plugin raises the soft one to")
+    script = BENCH.parent / "bench_descriptors.py"
+    out = subprocess.run(["bash", "-c", f'ulimit -Sn 1024 && exec "{sys.executable}" "{script}"'],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    before = re.search(r"before \(no descriptor part\): ([\d.]+) GiB mapped .*, then out of memory", out)
+    after = re.search(r"after \(rocm_linux, soft limit now (\d+)\): ([\d.]+) GiB mapped", out)
+    assert before and after, out
+    assert 28 < float(before.group(1)) < 32 and float(after.group(2)) > 40 and int(after.group(1)) > 3072, out
