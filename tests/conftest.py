@@ -85,33 +85,20 @@ def host_adapters():
     """A factory: ``host_adapters(pages=16)`` arms a ComfyUI adapter on the host backend with room for ``pages``
     pages of 2 MiB, no headroom, no reaper, no ComfyUI patches (the facade's calls land on real host memory);
     each is stopped after the test."""
-    from membackend._comfyui import runtime as adapter
-    from membackend._comfyui.runtime import Runtime
-    from membackend._drivers.open import machine_for
-    from membackend._manager import BackendManager
-    from membackend._residency import ResidencyManager
-    from membackend._settings import load_settings
+    import host_arming
 
-    page, armed = 2 << 20, []
+    armed = []
 
     def arm(pages: int = 16):
-        settings = load_settings(backend="host", headroom=0, host_capacity=pages * page, page_size=page)
-        mgr = BackendManager(settings)
-        machine = machine_for(settings)
-        runtime = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-        runtime.session = mgr.session(machine, selection=runtime.selection)
-        runtime.residency = ResidencyManager(runtime.session)
-        runtime.devices = [runtime.device_for(0)]
-        adapter.decided("armed", "test", "", runtime)
-        armed.append(runtime)
-        return runtime
+        armed.append(host_arming.arm(pages))
+        return armed[-1]
 
     try:
         yield arm
     finally:
         for runtime in armed:
             runtime.stop()
-        adapter.decided("stock", "test over", "", None)
+        host_arming.disarm()
 
 
 @pytest.fixture

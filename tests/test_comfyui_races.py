@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -26,27 +27,15 @@ RACE = textwrap.dedent('''
     import json, random, sys, threading, time
     from concurrent.futures import Future
     import torch
-    from membackend._comfyui import runtime as adapter, vbar as facade
-    from membackend._comfyui.runtime import Runtime
+    from membackend._comfyui import vbar as facade
     from membackend._drivers.host import resident_bytes
-    from membackend._drivers.open import machine_for
     from membackend._fences import FutureToken
-    from membackend._manager import BackendManager
-    from membackend._residency import ResidencyManager
-    from membackend._settings import load_settings
     from membackend.types import MembackendError, Device
+    import host_arming  # the tests folder is on PYTHONPATH
 
     SECONDS = float(sys.argv[1])
-    PS = 2 << 20
-    settings = load_settings(backend="host", headroom=0, host_capacity=32 * PS, page_size=PS)
-    mgr = BackendManager(settings)
-    machine = machine_for(settings)
-    rt = Runtime(mgr, machine, mgr.select(machine), wire=lambda rt: None)
-    rt.session = mgr.session(machine, selection=rt.selection)
-    rt.residency = ResidencyManager(rt.session)
-    rt.devices = [rt.device_for(0)]
-    rt.started = True
-    adapter.decided("armed", "race", "", rt)
+    PS = host_arming.PAGE
+    rt = host_arming.arm(32, "race", started=True)
 
     stop = threading.Event()
     errors, counts = [], {"faults": 0, "oom": 0, "unloads": 0, "tokens": 0, "failed_tokens": 0, "shed": 0}
@@ -145,6 +134,7 @@ RACE = textwrap.dedent('''
 
 def test_eight_faulting_threads_an_unloader_and_a_token_recorder_never_break_a_pin_or_the_adapter(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBACKEND_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     p = subprocess.run([sys.executable, "-c", RACE, "120"], capture_output=True, text=True, timeout=400, env=env,
                        cwd=tmp_path)
     assert p.returncode == 0, f"the race run died (rc {p.returncode}): {p.stderr[-3000:]}"
