@@ -27,11 +27,11 @@ from membackend._drivers.host import resident_bytes
 from membackend._drivers.sim import get_profile
 from membackend._ledger import Ledger
 from membackend._machine import gather_machine
-from membackend._residency import ModelKind, ResidencyManager
+from membackend._residency import ModelKind, ResidencyManager, ResidencyPolicy
 from membackend._session import Session
 from membackend._trace import TraceObserver
 from membackend.lab import simulated_session
-from membackend.lab._replay.stock import StockPolicy
+from membackend.lab._replay.stock import StockManager
 from membackend.types import (
     Device,
     DriverError,
@@ -133,7 +133,7 @@ def test_keep_warm_keeps_the_image_model_through_video_and_audio(env):
 
 def test_stock_loses_residency_on_every_workflow_change(env):
     s = env.session()
-    stock = StockPolicy(s)
+    stock = StockManager(s)
     image, video, audio = (stock.register(n, env.size(0.28), env.device) for n in ("image", "video", "audio"))
     stock.use([image])
     first = load(stock, image)
@@ -248,37 +248,40 @@ def test_unload_all_leaves_no_reservation(env):
     assert (acct.reservations_alive, acct.reserved, acct.resident) == (0, 0, 0)
 
 
-def test_every_unload_goes_through_the_managers_full_unload():
-    """unload_all, unregister and the unloads that make address space run the manager's own full_unload, so what
-    replaces it (ComfyUI's adapter guarding its patches, a subclass) is what they run; a stand-in run caught a
-    split that bypassed it."""
+def test_every_unload_goes_through_the_policys_full_unload_hook():
+    """The caller's full_unload, unload_all, unregister and full_unload_unless_pinned each run the policy's
+    full_unload_of, told why (``via``), so what a policy puts there (a count, an injected failure: the stand-in's
+    scenario) is what every unload runs; a stand-in run caught a split that bypassed the seam (e5379ae)."""
     env = Env("h200")
     unloaded = []
+    failing = []
 
-    class Counting(ResidencyManager):
-        def full_unload(self, model):
-            unloaded.append(model.id)
-            return super().full_unload(model)
+    class Counting(ResidencyPolicy):
+        def full_unload_of(self, model, via, unload):
+            unloaded.append((model.id, via))
+            if failing:
+                raise RuntimeError("injected")
+            return super().full_unload_of(model, via, unload)
 
-    policy = Counting(env.session())
+    policy = ResidencyManager(env.session(), policy=Counting())
     a, b = (policy.register(n, env.size(0.1), env.device) for n in "ab")
     load(policy, a)
     policy.unload_all()
-    assert sorted(unloaded) == ["a", "b"]
+    assert sorted(unloaded) == [("a", "unload_all"), ("b", "unload_all")]
     unloaded.clear()
+    policy.full_unload(a)
+    assert policy.full_unload_unless_pinned(a) is not None
     policy.unregister(b)
-    assert unloaded == ["b"]
+    assert unloaded == [("a", None), ("a", None), ("b", "unregister")]
 
-    def boom(model):
-        raise RuntimeError("injected")
-    policy.full_unload = boom  # as the stand-in's scenario replaces it on the instance
+    failing.append(True)  # as the stand-in's scenario injects a failure into every unload
     with pytest.raises(PartialFailure, match="injected"):
         policy.unload_all()
 
 
 def test_stock_full_unload_keeps_the_reservation_until_the_model_is_collected(env):
     s = env.session()
-    stock = StockPolicy(s)
+    stock = StockManager(s)
     baseline, raw = (s.ledger.account(env.device), env.live_state(s)), env.driver_state(s)
     unet = stock.register("unet", env.size(0.3), env.device)
     hook = stock.register("unet/hook", env.size(0.1), env.device, ModelKind.HOOK_DELEGATE, owner=unet)
@@ -300,7 +303,7 @@ def test_stock_full_unload_keeps_the_reservation_until_the_model_is_collected(en
 def test_both_policies_on_the_same_run(env):
     """image → video → image, then unload: what each policy costs, side by side."""
     figures = {}
-    for cls in (StockPolicy, ResidencyManager):
+    for cls in (StockManager, ResidencyManager):
         s = env.session()
         policy = cls(s)
         image, video = policy.register("image", env.size(0.35), env.device), policy.register("video", env.size(0.35),
@@ -310,7 +313,7 @@ def test_both_policies_on_the_same_run(env):
             policy.use([m])
             copied += load(policy, m).mapped
         policy.unload_all()
-        figures[cls.policy] = (copied, s.ledger.account(env.device).reservations_alive)
+        figures[policy.policy_name] = (copied, s.ledger.account(env.device).reservations_alive)
     assert figures["membackend"] == (image.size + video.size, 0)
     assert figures["stock"] == (2 * image.size + video.size, 2)
 
@@ -417,7 +420,8 @@ def test_the_policy_traces_to_the_sessions_tracer():
             self.events.append(event)
 
     named, observer = Recorder(), Recorder()
-    stand_in = types.SimpleNamespace(tracer=named, observers=[observer])  # only what the policy reads
+    # only what the policy reads when it is made: the session's tracer and its count of frees
+    stand_in = types.SimpleNamespace(tracer=named, observers=[observer], frees_by_id={})
     policy = ResidencyManager(stand_in)  # type: ignore[arg-type]
     assert policy.tracer is named
     explicit = Recorder()
@@ -586,7 +590,7 @@ def test_unload_all_gives_recycled_handles_back():
 
 def test_stock_unload_all_gives_recycled_handles_back_too():
     s, device = recycling_session("wddm-6gb")
-    stock = StockPolicy(s)
+    stock = StockManager(s)
     sim = sim_of(s)
     m = stock.register("m", 512 * MiB, device)
     load(stock, m)
@@ -991,7 +995,7 @@ def test_the_stock_model_is_a_policy_object_and_overrides_no_private_name_of_the
     from membackend.lab._replay import stock
 
     assert issubclass(stock.AimdoStock, ResidencyPolicy) and issubclass(stock.AimdoLoad, stock.AimdoStock)
-    for cls in (stock.StockPolicy, stock.AimdoLoadPolicy):
+    for cls in (stock.StockManager, stock.AimdoLoadManager):
         own = {n for n in vars(cls) if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))}
         assert own == set(), f"{cls.__name__} overrides private names of the manager: {sorted(own)}"
     private = {n for n in vars(ResidencyPolicy) if n.startswith("_") and not n.startswith("__")}
@@ -1016,8 +1020,9 @@ def test_a_policy_of_ones_own_changes_the_managers_decisions_through_the_seam(en
                     switched.append((m.id, manager.drop_pages(m)))
 
     s = env.session()
-    policy = ResidencyManager(s, policy=DropOthers())
-    assert policy.policy == "drop-others" and policy.rules.name == "drop-others"
+    rules = DropOthers()
+    policy = ResidencyManager(s, policy=rules)
+    assert policy.policy is rules and policy.policy_name == "drop-others"
     a, b = (policy.register(n, env.size(0.3), env.device) for n in ("a", "b"))
     policy.use([a])
     assert load(policy, a).ok

@@ -14,6 +14,8 @@ Every module of the adapter, in the order ComfyUI meets them:
   * :mod:`.journal` — model names, the per-load lines, the unloads and idle give-backs;
   * :mod:`.history` — each device's reserved, resident and committed bytes over the last minutes;
   * :mod:`.lines` — one membackend log line, and sizes as a person reads them;
+  * :mod:`.links` — what a part reads of the runtime as it is now, handed to it when the runtime builds it
+    (no part holds the runtime);
 * :mod:`.patches` — reversible attribute patches, each remembering the original;
 * :mod:`.wiring` — the table of patch points on ``comfy.model_management``, ``ModelPatcherDynamic`` and the
   prompt queue's idle point, and the facade's installation over comfy-aimdo's names;

@@ -17,13 +17,15 @@ import threading
 import time
 import weakref
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..types import Device, PartialFailure
 from .lines import gb, log, say
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from .._residency import ResidencyManager
+    from .journal import Journal
+    from .links import RuntimeLinks
 
 __all__ = ["Unloader"]
 
@@ -50,10 +52,19 @@ def _in_finalizer(obj: Any, depth: int = 8) -> bool:
 
 
 class Unloader:
-    """The full unloads of ``runtime``'s VBARs, put off or now, and the retirement of the closed ones."""
+    """The full unloads of a runtime's VBARs, put off or now, and the retirement of the closed ones.
 
-    def __init__(self, runtime: "Runtime"):
-        self._rt = runtime
+    What it reads of the runtime, handed to it when the runtime builds it (it never holds the runtime):
+    ``links`` (the residency manager and the copy fences as they are now, the live VBARs), ``journal`` (the
+    model names and the unload records), ``policy()`` (the residency manager, or a ``RuntimeError`` before the
+    start made one: ``Runtime.policy``) and ``session()`` (the session now, None before the start)."""
+
+    def __init__(self, links: "RuntimeLinks", journal: "Journal", *, policy: "Callable[[], ResidencyManager]",
+                 session: Callable[[], Any]):
+        self._links = links
+        self._journal = journal
+        self._policy = policy
+        self._session = session
         #: VBARs whose full unload is put off until no page is pinned; changed through put_off/cancel_put_off
         #: (a WeakSet must not change while another thread copies it)
         self.pending: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -79,7 +90,7 @@ class Unloader:
         one line and retried at the next quiescent point. ``earlier``: bytes ComfyUI's own detach already
         freed from it (for the log line)."""
         model = vbar._model
-        policy = self._rt.policy()
+        policy = self._policy()
         try:
             dropped = policy.full_unload_unless_pinned(model)
         except PartialFailure as exc:
@@ -100,11 +111,11 @@ class Unloader:
         entry = {"model": model.id, "device": str(vbar._dev), "bytes": dropped.bytes + earlier,
                  "reservations": dropped.released, "reserved_bytes": dropped.reserved_bytes, "reason": reason}
         entry["time"] = time.time()
-        entry["name"] = self._rt.journal.display_name(model.id)
+        entry["name"] = self._journal.display_name(model.id)
         lost = policy.losses.get(model.id)
         if lost is not None:  # the policy says "full unload"; the adapter knows who asked
             lost["reason"] = reason
-        self._rt.journal.unloaded(entry)
+        self._journal.unloaded(entry)
         say(f"full unload of {model.id} on {vbar._dev}: {entry['bytes']} bytes freed, {entry['reservations']} "
             f"reservation(s) of {entry['reserved_bytes']} bytes returned ({reason})")
 
@@ -144,18 +155,18 @@ class Unloader:
             self._closing.put((model, vbar._dev))
             return
         self.cancel_put_off(vbar)
-        self._rt.vbars.discard(vbar)
+        self._links.vbars.discard(vbar)
         self._retire(model, vbar._dev)
 
     def forget_cached(self) -> None:
         """The names of dropped models kept as cache that have gone since (the cache was taken or freed)."""
-        rt = self._rt
-        if rt.residency is None:
+        residency = self._links.residency()
+        if residency is None:
             return
-        names = rt.journal.names
+        names = self._journal.names
         dropped = [mid for mid, name in list(names.items()) if name.endswith(DROPPED)]
         if dropped:
-            registered = {m.id for m in rt.residency.models()}
+            registered = {m.id for m in residency.models()}
             for mid in dropped:
                 if mid not in registered:
                     names.pop(mid, None)
@@ -208,24 +219,25 @@ class Unloader:
         """Full unload and unregister a closed VBAR's model (1), or nothing to do (0). A failure (a fence whose
         copy failed, a driver error) is told and retried at the next quiescent point; a model the adapter no
         longer serves (stopped, or another retirement came first) is only forgotten."""
-        rt = self._rt
+        journal = self._journal
         # the name goes with the model, not before: a status taken meanwhile names it, and a retry too
-        name = rt.journal.display_name(model.id)
-        residency = rt.residency
-        if residency is None or rt.session is None:
-            rt.journal.forget(model.id)
+        name = journal.display_name(model.id)
+        residency = self._links.residency()
+        if residency is None or self._session() is None:
+            journal.forget(model.id)
             return 0
-        if rt.fences is not None:
-            rt.fences.forget(model)
+        fences = self._links.fences()
+        if fences is not None:
+            fences.forget(model)
         try:
             if model not in residency.models():
-                rt.journal.forget(model.id)
+                journal.forget(model.id)
                 return 0
             kept = residency.cache(model)  # its weights' pages kept as reclaimable cache (issue 41, item 2)
             if kept:
-                rt.journal.forget(model.id)
-                rt.journal.names[model.id] = f"{name}{DROPPED}"  # still listed, as cache, until it goes
-                rt.journal.unloaded({"model": model.id, "device": str(dev), "bytes": 0, "reservations": 0,
+                journal.forget(model.id)
+                journal.names[model.id] = f"{name}{DROPPED}"  # still listed, as cache, until it goes
+                journal.unloaded({"model": model.id, "device": str(dev), "bytes": 0, "reservations": 0,
                                      "reserved_bytes": 0, "reason": "dropped by ComfyUI; its weights kept as cache",
                                      "time": time.time(), "name": name}, dropped=True)
                 say(f"{name} dropped by ComfyUI: {gb(kept)} of its weights kept on {dev} as cache (reclaimable: "
@@ -233,7 +245,7 @@ class Unloader:
                 return 1
             unloaded = residency.full_unload_unless_pinned(model)
             residency.unregister(model)  # what was pinned goes too: the VBAR is closed, no unpin will come
-            rt.journal.forget(model.id)
+            journal.forget(model.id)
         except Exception as exc:  # noqa: BLE001 - told, retried between nodes; ComfyUI is never stopped by it
             with self._retry_lock:
                 self._retry.append((model, dev))
@@ -245,7 +257,7 @@ class Unloader:
         entry = {"model": model.id, "device": str(dev), "bytes": unloaded.bytes, "reservations": unloaded.released,
                  "reserved_bytes": unloaded.reserved_bytes, "reason": "dropped by ComfyUI", "time": time.time(),
                  "name": name}
-        rt.journal.unloaded(entry, dropped=True)
+        journal.unloaded(entry, dropped=True)
         say(f"{name} dropped by ComfyUI: {gb(unloaded.bytes)} freed, {unloaded.released} reservation(s) of "
             f"{gb(unloaded.reserved_bytes)} returned on {dev}")
         return 1

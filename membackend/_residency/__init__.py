@@ -37,15 +37,20 @@ The decisions a variant of the policy may change are one small public object,
 :class:`ResidencyPolicy`, that the manager takes (``ResidencyManager(session,
 policy=...)``): how the registry holds models, what a workflow switch does, the
 fence before a free, whether whole models are evicted, whether only a release
-gives memory back (ROCm 7.2), whether a fault may shed the model's own pages, and
-whether a full unload keeps the reservation. Today's ComfyUI + comfy-aimdo
+gives memory back (ROCm 7.2), whether a fault may shed the model's own pages,
+whether a full unload keeps the reservation, and what runs each full unload (its hook
+``full_unload_of``, told why the unload happens). Today's ComfyUI + comfy-aimdo
 behaviour, reproduced for side-by-side comparison, is such a policy in the lab
 (``membackend.lab._replay.stock``): policy code here stays free of comparison models.
 
 The parts, each under the manager's lock: ``slots`` (a reservation's page map, :class:`Slot`), ``model``
-(:class:`Model`, the checks of a registration), ``policy`` (:class:`ResidencyPolicy`), ``warm``
-(:class:`WarmRange`), ``loads`` (the load records), ``faulting``, ``eviction`` and ``unloading`` (the
-manager's verbs past their checks), and ``manager`` (:class:`ResidencyManager`, the front).
+(:class:`Model`, the checks of a registration), ``policy`` (:class:`ResidencyPolicy`), ``registry`` (what the
+parts share: the models, the run, the clock, the lock, the session, the policy, the tracer), ``warm``
+(:class:`WarmRange`), ``holds`` (:class:`~.holds.Hold`), ``loads`` (the load records), ``content`` (content
+tags and the cache of dropped models), ``faulting``, ``eviction`` and ``unloading`` (the manager's verbs past
+their checks), and ``manager`` (:class:`ResidencyManager`, the front), which composes the others over one
+registry. No other module of the package imports the manager: a part gets the registry and the callables of
+the other parts it uses.
 """
 
 from ..types import ModelError

@@ -35,8 +35,10 @@ from ..types import Device, Reservation
 from .slots import RESIDENT, Slot
 
 if TYPE_CHECKING:
-    from .manager import ResidencyManager
+    from .eviction import Eviction
+    from .loads import LoadBook
     from .model import Model
+    from .registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +116,18 @@ class Borrowed:
 
 
 class Contents:
-    """The manager's content tags and its cache of dropped models; every method runs under the manager's lock
-    (its callers hold it)."""
+    """The manager's content tags and its cache of dropped models, on its registry; every method runs under the
+    registry's lock (its callers hold it).
 
-    def __init__(self, manager: "ResidencyManager"):
-        self.manager = manager
+    ``eviction`` frees and orders the slots; ``loads`` is the manager's load book; ``unregister(model, via)``
+    forgets a model (``Unloading.unregister``)."""
+
+    def __init__(self, registry: Registry, loads: LoadBook, eviction: Eviction, *,
+                 unregister: Callable[[Model, str | None], None]):
+        self.registry = registry
+        self.loads = loads
+        self.eviction = eviction
+        self.unregister = unregister
 
     # ------------------------------------------------------------------ tags
 
@@ -127,7 +136,7 @@ class Contents:
         is resident now."""
         if not slot.alive:
             return False
-        self.manager._sync(slot)  # pages freed past the manager hold nothing known
+        self.registry.sync(slot)  # pages freed past the manager hold nothing known
         ps = slot.bound.page_size
         first, last = offset // ps, (offset + size - 1) // ps + 1
         if not slot.all_resident(first, last):
@@ -145,9 +154,9 @@ class Contents:
         """A resident range tagged ``key`` on ``device`` (cached models first, then live ones), pinned and
         viewed for one copy; None when there is none. ``avoid``: a range the copy writes into (never its own
         source)."""
-        m = self.manager
-        for slot in m._eviction.by_priority(device):
-            m._sync(slot)  # a free made past the manager drops the tags over what it took
+        reg = self.registry
+        for slot in self.eviction.by_priority(device):
+            reg.sync(slot)  # a free made past the manager drops the tags over what it took
             tags = slot.tags
             found = tags.by_key.get(key) if tags is not None else None
             if found is None:
@@ -161,7 +170,7 @@ class Contents:
             if not slot.all_resident(first, last):
                 continue
             try:
-                drop = m.session.add_view(r, start, end - start)
+                drop = reg.session.add_view(r, start, end - start)
             except Exception as exc:  # noqa: BLE001 - released meanwhile: not a source
                 log.debug("membackend: a cached range could not be viewed: %s", exc)
                 continue
@@ -186,11 +195,11 @@ class Contents:
         freed = 0
         for p in range(first, last):
             if not slot.pins[p] and slot.resident[p] == RESIDENT and not slot.tags.covered(p * ps, (p + 1) * ps):
-                freed += self.manager._eviction.free_pages(slot, p, p + 1)
+                freed += self.eviction.free_pages(slot, p, p + 1)
         if not slot.tags and not slot.resident_bytes():  # every byte of it moved: the cached model goes
-            model = self.manager._models.get(slot.model.id)
+            model = self.registry.models.get(slot.model.id)
             if model is not None:
-                self.manager._unloading.unregister(model, "cache")
+                self.unregister(model, "cache")
         return freed
 
     # ------------------------------------------------------------------ the cache
@@ -200,17 +209,17 @@ class Contents:
         of it no tag covers is freed now, the tagged ones stay, reclaimable; then the cache is fitted to
         ``limit`` bytes per device and to the budget. Returns the bytes kept; 0 (nothing kept, the model left
         as it was) where ``limit`` is 0 or nothing of it is tagged."""
-        m = self.manager
+        reg = self.registry
         if limit == 0 or not any(s.alive and s.tags for s in model.slots.values()):
             return 0
         model.cached = True
-        m._running.discard(model.id)  # no run uses what its owner dropped
-        model.last_used = next(m._clock)  # least recently dropped first, after every live model
+        reg.running.discard(model.id)  # no run uses what its owner dropped
+        model.last_used = next(reg.clock)  # least recently dropped first, after every live model
         kept = 0
         for slot in model.slots.values():
             if not slot.alive:
                 continue
-            m._eviction.let_go(slot, "dropped by its owner", for_others=False)
+            self.eviction.let_go(slot, "dropped by its owner", for_others=False)
             slot.clear_pins()
             tagged = slot.tags.pages(slot.bound.page_size, slot.bound.pages) if slot.tags else bytearray(
                 slot.bound.pages)
@@ -222,48 +231,49 @@ class Contents:
                 q = p
                 while q < pages and not tagged[q] and slot.resident[q]:
                     q += 1
-                m._eviction.free_pages(slot, p, q)
+                self.eviction.free_pages(slot, p, q)
                 p = q
             kept += slot.resident_bytes()
-        m._loads.forget(model.id)
-        m.trace("cache", model, bytes=kept)
+        self.loads.forget(model.id)
+        reg.trace("cache", model, bytes=kept)
         for device in model.devices:
             if limit is not None:
                 over = self.cached(device) - limit
                 if over > 0:
                     self.drop(device, over, "cache over its limit")
-            m.keep_warm(device, reason="the cache within the budget")
+            if self.eviction.keep_warm(device, "the cache within the budget") is not None:  # as keep_warm does
+                self.sweep()
         return sum(s.resident_bytes() for s in model.slots.values())
 
     def cached(self, device: Device | None = None) -> int:
         """Bytes of cached models resident on ``device`` (every device: None)."""
-        return sum(s.resident_bytes() for mod in self.manager._models.values() if mod.cached
+        return sum(s.resident_bytes() for mod in self.registry.models.values() if mod.cached
                    for d, s in mod.slots.items() if device is None or d == device)
 
     def drop(self, device: Device | None, amount: float = math.inf, reason: str = "cache dropped") -> int:
         """Release cached models on ``device`` (every device: None), least recently dropped first, until
         ``amount`` bytes went; returns the bytes freed."""
-        m = self.manager
+        reg = self.registry
         freed = 0
-        devices = [device] if device is not None else sorted({d for x in m._models.values() for d in x.devices},
+        devices = [device] if device is not None else sorted({d for x in reg.models.values() for d in x.devices},
                                                               key=str)
         for dev in devices:
-            for slot in m._eviction.by_priority(dev):
+            for slot in self.eviction.by_priority(dev):
                 if freed >= amount:
                     break
                 if slot.model.cached:
-                    dropped = m._eviction.empty(slot, release=True)
+                    dropped = self.eviction.empty(slot, release=True)
                     freed += dropped
-                    m.trace("evict_model", slot.model, device=str(dev), bytes=dropped, reason=reason)
+                    reg.trace("evict_model", slot.model, device=str(dev), bytes=dropped, reason=reason)
         self.sweep()
         return freed
 
     def sweep(self) -> int:
         """Unregister every cached model with nothing left reserved; returns how many went."""
-        m = self.manager
-        gone = [mod for mod in m._models.values() if mod.cached and not any(s.alive for s in mod.slots.values())]
+        gone = [mod for mod in self.registry.models.values()
+                if mod.cached and not any(s.alive for s in mod.slots.values())]
         if not gone:
             return 0
         for mod in gone:
-            m._unloading.unregister(mod, "cache")
+            self.unregister(mod, "cache")
         return len(gone)

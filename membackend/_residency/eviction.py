@@ -10,68 +10,81 @@ from ..types import Device, TensorAlive
 from .slots import GONE, Slot
 
 if TYPE_CHECKING:
-    from .manager import ResidencyManager
+    from .loads import LoadBook
+    from .registry import Registry
 
 #: a fault's own slot and its page range ``[first, last)``, which eviction for that fault never frees
 Protect = tuple[Slot, int, int]
 
 
 class Eviction:
-    """The manager's eviction: what to free, in which order, and freeing it through the session.
+    """The manager's eviction, on its registry: what to free, in which order, and freeing it through the session.
 
-    Every method runs under the manager's lock (its callers hold it) and keeps the slots' page maps agreeing
-    with the session's ledger. Losses are noted in the manager's load book and decisions go to its trace.
+    Every method runs under the registry's lock (its callers hold it) and keeps the slots' page maps agreeing
+    with the session's ledger. Losses are noted in ``loads`` (the manager's load book) and decisions go to the
+    registry's trace.
     """
 
-    def __init__(self, manager: "ResidencyManager"):
-        self.manager = manager
+    def __init__(self, registry: Registry, loads: LoadBook):
+        self.registry = registry
+        self.loads = loads
 
     def by_priority(self, device: Device) -> list[Slot]:
         """Live slots on ``device``, lowest priority first: the cache (dropped models, least recently dropped
         first), then the live models, least recently used first."""
-        slots = [s for m in self.manager._models.values() for d, s in m.slots.items() if d == device and s.alive]
+        slots = [s for m in self.registry.models.values() for d, s in m.slots.items() if d == device and s.alive]
         return sorted(slots, key=lambda s: (not s.model.cached, s.model.last_used))
 
     def whole_models(self, device: Device, amount: int, protect: Slot | None, reason: str) -> int:
         """Where the policy evicts whole models: free models outside the current run (never ``protect``'s),
         least recently used first, until ``amount`` bytes went; each gets a watermark at 0."""
-        m = self.manager
+        reg = self.registry
         freed = 0
-        if not m.rules.evicts_whole_models:
+        if not reg.policy.evicts_whole_models:
             return 0
         for slot in self.by_priority(device):
             if freed >= amount:
                 break
-            if slot.model.id in m._running or slot is protect:
+            if slot.model.id in reg.running or slot is protect:
                 continue
             dropped = self.for_others(slot, reason=reason)
             if dropped:
                 freed += dropped
                 slot.watermark = 0
-                m.trace("evict_model", slot.model, device=str(device), bytes=dropped, reason=reason)
-                m._loads.lost(slot.model, dropped, reason, [protect.model] if protect is not None else m._running)
+                reg.trace("evict_model", slot.model, device=str(device), bytes=dropped, reason=reason)
+                self.loads.lost(slot.model, dropped, reason, [protect.model] if protect is not None else reg.running)
         return freed
+
+    def keep_warm(self, device: Device, reason: str) -> int | None:
+        """The eviction of :meth:`~membackend.ResidencyManager.keep_warm`: whole models, least recently used
+        first (never one the current run uses), until the budget's headroom on ``device`` is free again; returns
+        bytes freed, None where the headroom was free (nothing was tried)."""
+        b = self.registry.session.budget_query(device)
+        deficit = b.headroom - b.free
+        if deficit <= 0:
+            return None
+        return self.whole_models(device, deficit, None, reason)
 
     def for_fault(self, device: Device, amount: int, protect: Protect, reason: str) -> int:
         """Free at least ``amount`` bytes for a fault of ``protect``: whole models outside the current run
         first (least recently used first), then unpinned pages of the run's own models, lowest priority first,
         top down; the faulting model's own pages only where the policy sheds them for its faults."""
-        m = self.manager
+        reg = self.registry
         freed = self.whole_models(device, amount, protect[0], reason)
         for slot in self.by_priority(device):
             if freed >= amount:
                 break
             own = slot is protect[0]
-            if own and not m.rules.sheds_own_pages_for_a_fault:
+            if own and not reg.policy.sheds_own_pages_for_a_fault:
                 continue
             dropped = self.shed(slot, amount - freed, protect) if own else \
                 self.for_others(slot, amount - freed, protect, reason)
             if dropped:
                 freed += dropped
-                m.trace("evict", slot.model, device=str(device), bytes=dropped, reason=reason,
-                        watermark=slot.watermark)
+                reg.trace("evict", slot.model, device=str(device), bytes=dropped, reason=reason,
+                          watermark=slot.watermark)
                 if not own:
-                    m._loads.lost(slot.model, dropped, reason, [protect[0].model])
+                    self.loads.lost(slot.model, dropped, reason, [protect[0].model])
         return freed
 
     def by_amount(self, amount: int, device: Device, reason: str) -> int:
@@ -82,12 +95,25 @@ class Eviction:
                 break
             dropped = self.for_others(slot, amount - freed, reason=reason)
             freed += dropped
-            self.manager._loads.lost(slot.model, dropped, reason)
+            self.loads.lost(slot.model, dropped, reason)
         return freed
 
+    def drop_pages(self, slot: Slot, *, unpin: bool) -> int | None:
+        """The body of :meth:`~membackend.ResidencyManager.drop_pages` for a checked ``slot``: its hold ends,
+        (``unpin``) its pins go, and every unpinned resident page is freed; the reservation stays. None when it is
+        not alive or nothing of it is resident."""
+        if not slot.alive:
+            return None
+        self.let_go(slot, "its pages dropped", for_others=False)
+        if unpin:
+            slot.clear_pins()
+        if not any(slot.resident):
+            return None
+        return self.shed(slot, math.inf, None)
+
     def frees_by_release(self) -> bool:
-        """The policy's :meth:`~membackend.ResidencyPolicy.frees_by_release` for the manager's session."""
-        return self.manager.rules.frees_by_release(self.manager.session)
+        """The policy's :meth:`~membackend.ResidencyPolicy.frees_by_release` for the registry's session."""
+        return self.registry.policy.frees_by_release(self.registry.session)
 
     def let_go(self, slot: Slot, reason: str, *, for_others: bool) -> bool:
         """Whether ``slot``'s pages may be freed now: True when nothing holds them, or once their
@@ -96,7 +122,7 @@ class Eviction:
         hold = slot.hold
         if hold is None:
             return True
-        if for_others and slot.model.id in self.manager._running:
+        if for_others and slot.model.id in self.registry.running:
             return False
         hold.ended_by_manager(reason)
         return True
@@ -127,20 +153,21 @@ class Eviction:
         changes nothing."""
         self.let_go(slot, "full unload", for_others=False)
         r = slot.bound
-        self.manager.session.fence(reservation=r)
+        session = self.registry.session
+        session.fence(reservation=r)
         pins = slot.pins
         slot.clear_pins()  # its pins go with it
         if not release:
             return self.shed(slot, math.inf, None)
         before = slot.frees
         try:
-            dropped = self.manager.session.release_reservation(r)
+            dropped = session.release_reservation(r)
         except TensorAlive:  # refused, nothing changed: the model keeps its pages and pins
             slot.pins = pins
             raise
         except Exception as exc:
             slot.free_failed(0, r.pages, exc)
-            self.manager._own_free(slot, r, before)  # it stays alive: the session counted the failed release
+            self.registry.own_free(slot, r, before)  # it stays alive: the session counted the failed release
             raise
         slot.released()
         return dropped
@@ -182,8 +209,7 @@ class Eviction:
 
     def viewed(self, slot: Slot) -> frozenset[int] | set[int]:
         """Pages of ``slot`` that a live tensor from ``membackend._tensors`` views (never evicted)."""
-        views = getattr(self.manager.session, "views", None)
-        spans = views(slot.reservation) if views is not None else ()
+        spans = self.registry.session.views(slot.bound)
         if not spans:
             return frozenset()
         ps = slot.bound.page_size
@@ -192,21 +218,21 @@ class Eviction:
     def free_pages(self, slot: Slot, start: int, end: int) -> int:
         """Free pages ``[start, end)`` of ``slot``, after the policy's fence before a free; returns bytes
         dropped (0 where a tensor made over them since they were chosen refused it)."""
-        m = self.manager
+        reg = self.registry
         r = slot.bound
-        m.rules.fence_before_free(m.session, slot.device, m._in_fault)
-        m._sync(slot)  # the session's count of frees, as the map has followed it: this free adds one
+        reg.policy.fence_before_free(reg.session, slot.device, reg.in_fault)
+        reg.sync(slot)  # the session's count of frees, as the map has followed it: this free adds one
         before = slot.frees
         try:
-            dropped = m.session.free(r, start * r.page_size, (end - start) * r.page_size)
+            dropped = reg.session.free(r, start * r.page_size, (end - start) * r.page_size)
         except TensorAlive:  # skipped, nothing changed
             return 0
         except Exception as exc:
             slot.free_failed(start, end, exc)
-            m._own_free(slot, r, before)
+            reg.own_free(slot, r, before)
             raise
         slot.freed(start, end, dropped)
-        m._own_free(slot, r, before)
+        reg.own_free(slot, r, before)
         if self.frees_by_release():
             slot.kept += dropped  # the range keeps their memory for its own next faults
         return dropped

@@ -26,7 +26,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from .manager import ResidencyManager
+    from .registry import Registry
     from .slots import Slot
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,10 @@ class Hold:
     holder going is itself the end of its use); it runs once, under the manager's lock, before the hold is
     gone, and must not raise (what it raises is logged and the hold ends anyway)."""
 
-    __slots__ = ("_manager", "_slot", "offset", "size", "_on_end", "ended", "reason")
+    __slots__ = ("_registry", "_slot", "offset", "size", "_on_end", "ended", "reason")
 
-    def __init__(self, manager: "ResidencyManager", slot: "Slot", offset: int, size: int,
-                 on_end: Callable[[str], Any]):
-        self._manager, self._slot = manager, slot
+    def __init__(self, registry: "Registry", slot: "Slot", offset: int, size: int, on_end: Callable[[str], Any]):
+        self._registry, self._slot = registry, slot
         self.offset, self.size = offset, size
         self._on_end: Callable[[], Callable[[str], Any] | None]
         if hasattr(on_end, "__self__") and hasattr(on_end, "__func__"):
@@ -64,7 +63,7 @@ class Hold:
     def end(self, reason: str) -> bool:
         """Let go of the pages: ``on_end(reason)`` runs, then the slot's pages may be freed again. False when
         it had ended already. Safe from any thread."""
-        with self._manager._lock:
+        with self._registry.lock:
             return self.ended_by_manager(reason)
 
     def ended_by_manager(self, reason: str) -> bool:
@@ -81,7 +80,7 @@ class Hold:
         self.ended, self.reason = True, reason
         if self._slot.hold is self:
             self._slot.hold = None
-        self._manager.trace("hold_end", self._slot.model, device=str(self._slot.device), reason=reason)
+        self._registry.trace("hold_end", self._slot.model, device=str(self._slot.device), reason=reason)
         return True
 
     def __repr__(self) -> str:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
-import threading
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, MutableMapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, TypeVar
 
-from ..types import Device, Fault, FenceToken, InvalidSize, ModelError, Reservation, ReservationReleased, WrongDevice
+from ..types import Device, Fault, FenceToken, InvalidSize, ModelError, Reservation, ReservationReleased
 from .content import Borrowed, Contents
 from .eviction import Eviction
 from .faulting import Faulting
@@ -17,6 +15,7 @@ from .holds import Hold
 from .loads import LoadBook
 from .model import Model, ModelKind, Unloaded, new_model
 from .policy import ResidencyPolicy
+from .registry import Registry
 from .slots import Slot, as_int
 from .unloading import Unloading
 from .warm import WarmRange
@@ -74,35 +73,61 @@ class ResidencyManager:
     **Parts.** A fault past its warm path (reserving again, keeping the headroom, evicting) is
     :class:`~.faulting.Faulting`; what to free and in which order is :class:`~.eviction.Eviction`; whole
     models leaving (unloads, and unloading idle models for address space) is :class:`~.unloading.Unloading`;
-    the load records are a :class:`~.loads.LoadBook`. Each works under this manager's lock, on its registry.
+    content tags and the cache of dropped models are :class:`~.content.Contents`; the load records are a
+    :class:`~.loads.LoadBook`. What they share -- the models, the run, the clock, the lock, the session, the
+    policy, the tracer -- is one :class:`~.registry.Registry`; the manager composes them over it in its
+    constructor, handing each the callables of the other parts it uses. No part holds the manager: what
+    replaces one of its methods (on a subclass, on the instance) changes that public call only, never what
+    the parts do. Every full unload runs the policy's hook (:meth:`ResidencyPolicy.full_unload_of`).
     """
 
-    #: the policy's name (``rules.name``), in every trace event and load record
-    policy = "membackend"
+    #: the decisions this manager leaves to its policy: the constructor's ``policy``, else a
+    #: :class:`ResidencyPolicy` (membackend's own); its name is :attr:`policy_name`
+    policy: ResidencyPolicy
 
     def __init__(self, session: Session, *, policy: ResidencyPolicy | None = None,
                  tracer: TraceObserver | None = None):
         self.session = session
-        #: the decisions this manager leaves to its policy (:class:`ResidencyPolicy`)
-        self.rules = policy if policy is not None else ResidencyPolicy()
-        self.policy = self.rules.name
-        self.tracer = tracer if tracer is not None else getattr(session, "tracer", None)
-        self._models: MutableMapping[str, Model] = self.rules.registry()
-        self._in_fault = False  # a fault is making room: what the policy's fence before a free is told
-        self._clock = itertools.count(1)
-        self._running: set[str] = set()  # ids of the models the current run uses
-        self._lock = threading.RLock()  # re-entrant: full_unload recurses, fault evicts through shed
-        frees = getattr(session, "frees_by_id", None)  # a stand-in session may have none: no free is unseen
-        #: the session's count of frees per reservation id (``Session.backing_changes``), read on the warm paths
-        self._frees: Mapping[int, int] = frees if frees is not None else {}
-        self._loads = LoadBook()
-        self._eviction = Eviction(self)
-        self._unloading = Unloading(self)
-        self._faulting = Faulting(self)
-        self._contents = Contents(self)
+        self.policy = policy if policy is not None else ResidencyPolicy()
+        # the parts, composed here and only here: each gets the registry and the parts' callables it uses
+        self._registry = reg = Registry(session, self.policy, tracer if tracer is not None else session.tracer)
+        self._lock = reg.lock  # the registry's lock, one look-up nearer for every verb (and _tensors takes it)
+        self._loads = loads = LoadBook()
+        self._eviction = eviction = Eviction(reg, loads)
+        self._unloading = unloading = Unloading(reg, loads, eviction)
+        self._contents = contents = Contents(reg, loads, eviction, unregister=unloading.unregister)
+        unloading.sweep = contents.sweep  # each of the two calls the other: bound once both exist
+        self._faulting = Faulting(reg, loads, evict=eviction.for_fault, reserve=unloading.reserve_making_room)
         #: bytes of dropped models kept as cache per device (:meth:`cache`): None, only as the budget allows;
         #: 0, none
         self.cache_limit: int | None = None
+
+    @property
+    def policy_name(self) -> str:
+        """The name of :attr:`policy` (``policy.name``: ``membackend``, the lab's ``stock``), in every trace
+        event and load record."""
+        return self.policy.name
+
+    @property
+    def rules(self) -> ResidencyPolicy:
+        """Deprecated: :attr:`policy`, the same object (``rules`` was its name while ``policy`` was its name's
+        string); a ``DeprecationWarning`` at the caller's line, and ``rules`` goes in the next release."""
+        import warnings
+
+        warnings.warn("ResidencyManager.rules is deprecated: it is ResidencyManager.policy (the same "
+                      "ResidencyPolicy; its name is policy_name); rules goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.policy
+
+    @property
+    def tracer(self) -> TraceObserver | None:
+        """What every decision is traced to (the constructor's ``tracer``, else the session's; None: nothing
+        watches, and the warm paths run)."""
+        return self._registry.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: TraceObserver | None) -> None:
+        self._registry.tracer = tracer
 
     @property
     def losses(self) -> dict[str, dict[str, Any]]:
@@ -127,11 +152,11 @@ class ResidencyManager:
         ones already made are released, nothing is registered, and the error is
         raised as it came.
         """
-        if isinstance(model_id, str) and model_id in self._models:
+        if isinstance(model_id, str) and model_id in self._registry.models:
             raise ModelError(f"model {model_id!r} is already registered; unregister it or pick another id")
         model = new_model(model_id, size, devices, kind, owner)
         if owner is not None:
-            self._check_registered(owner, "owner")
+            self._registry.registered(owner, "owner")
         try:
             for slot in model.slots.values():
                 self._unloading.reserve_making_room(slot)
@@ -140,31 +165,15 @@ class ResidencyManager:
             raise
         if owner is not None:
             owner.owned.append(model)
-        self._models[model.id] = model
-        self.rules.keep(self, model)
+        self._registry.models[model.id] = model
+        self.policy.keep(self, model)
         self.trace("register", model, bytes=model.size, kind=model.kind.value,
                    devices=[str(d) for d in model.devices], owner=owner.id if owner is not None else None)
         return model
 
-    def _check_registered(self, model: Any, what: str = "model") -> Model:
-        if not isinstance(model, Model):
-            raise ModelError(f"{what} must be a Model from register(), got {type(model).__name__}")
-        if self._models.get(model.id) is not model:
-            raise ModelError(f"{what} {model.id!r} is not registered with this manager")
-        return model
-
     @_locked
     def models(self) -> list[Model]:
-        return list(self._models.values())
-
-    def _slot(self, model: Model, device: Any) -> Slot:
-        self._check_registered(model)
-        dev = Device.parse(device) if device is not None else model.devices[0]
-        slot = model.slots.get(dev)
-        if slot is None:
-            raise WrongDevice(f"model {model.id!r} is not registered on {dev}; "
-                              f"its devices: {', '.join(map(str, model.devices))}")
-        return slot
+        return list(self._registry.models.values())
 
     # ------------------------------------------------------------------ use
 
@@ -174,14 +183,14 @@ class ResidencyManager:
         not be evicted whole; what else stays resident is decided by the budget (G4).
         ``workflow`` names the run in the trace (a replay's timeline marks the switch).
         Each model's load is recorded until the next ``use``, :meth:`on_idle` or :meth:`loads_done`."""
-        models = [self._check_registered(m) for m in models]
+        models = [self._registry.registered(m) for m in models]
         self._contents.sweep()
         self.loads_done()
-        self._running = {m.id for m in models}
+        self._registry.running = {m.id for m in models}
         for m in models:
             self._prioritize(m)
         self.trace("use", None, models=[m.id for m in models], workflow=workflow)
-        self.rules.on_workflow_switch(self, models)
+        self.policy.on_workflow_switch(self, models)
         for m in models:
             self._loads.begin(m, workflow, sum(s.resident_bytes() for s in m.slots.values()))
 
@@ -198,7 +207,7 @@ class ResidencyManager:
         previous load) or ``cold`` (it loaded bytes with no loss recorded: a first load, or pages its own
         faults evicted to fit themselves). Listeners run under the policy's lock: they must not wait for
         another thread that may want it."""
-        return self._loads.close(self.tracer, self.policy)
+        return self._loads.close(self.tracer, self.policy_name)
 
     @_locked
     def prioritize(self, model: Model) -> None:
@@ -207,8 +216,8 @@ class ResidencyManager:
         self.trace("prioritize", model)
 
     def _prioritize(self, model: Model) -> None:
-        self._check_registered(model)
-        model.last_used = next(self._clock)
+        self._registry.registered(model)
+        model.last_used = next(self._registry.clock)
         for slot in model.slots.values():
             slot.watermark = None
 
@@ -216,12 +225,9 @@ class ResidencyManager:
     def keep_warm(self, device: Any, reason: str = "budget") -> int:
         """Evict whole models, least recently used first (never one the current run uses), until the
         budget's headroom is free again; returns bytes freed. ``reason`` is traced with each eviction."""
-        device = Device.parse(device)
-        b = self.session.budget_query(device)
-        deficit = b.headroom - b.free
-        if deficit <= 0:
+        freed = self._eviction.keep_warm(Device.parse(device), reason)
+        if freed is None:  # the headroom is free
             return 0
-        freed = self._eviction.whole_models(device, deficit, None, reason)
         self._contents.sweep()
         return freed
 
@@ -230,44 +236,16 @@ class ResidencyManager:
     def _warm_range(self, model: Model, offset: Any, size: Any, device: Any) -> "tuple[Slot, Reservation] | None":
         """The slot and live reservation for the warm paths of :meth:`fault` and :meth:`unpin` (per weight per
         step): only an int range inside a registered model on a ``Device`` it has; None sends the caller down the
-        checked path. The slot's page map has taken in every free made past the manager (:meth:`_sync`)."""
+        checked path. The slot's page map has taken in every free made past the manager (``Registry.sync``)."""
+        reg = self._registry
         slot = model.slots.get(device) if device.__class__ is Device else None
         if slot is None or (r := slot.reservation) is None or r.released or offset.__class__ is not int \
                 or size.__class__ is not int or not 0 <= offset < offset + size <= model.size \
-                or self._models.get(model.id) is not model:
+                or reg.models.get(model.id) is not model:
             return None
-        if self._frees.get(r.id, 0) != slot.frees:
-            self._unseen(slot, r)
+        if reg.frees.get(r.id, 0) != slot.frees:
+            reg.unseen(slot, r)
         return slot, r
-
-    def _sync(self, slot: Slot) -> None:
-        """Bring ``slot``'s page map in line with frees of its reservation the manager did not make (a caller
-        that holds the session freed through it): see :meth:`Slot.unseen_frees`. One dict look-up when there
-        was none. Under the manager's lock, before the map is trusted."""
-        r = slot.reservation
-        if r is not None and self._frees.get(r.id, 0) != slot.frees and not r.released:
-            self._unseen(slot, r)
-
-    def _unseen(self, slot: Slot, r: Reservation) -> None:
-        """Frees of ``r`` made past the manager: the map stops trusting its pages, and a hold on them ends (its
-        holder must stop reading pages that may be gone)."""
-        frees = self._frees.get(r.id, 0)
-        log.info("membackend: model %s on %s: %d free(s) of its reservation were made past the residency "
-                 "manager; its resident pages are faulted again before use", slot.model.id, slot.device,
-                 frees - slot.frees)
-        slot.unseen_frees(self.session.ledger.resident(r), frees)
-        if slot.hold is not None:
-            slot.hold.ended_by_manager("pages freed past the residency manager")
-
-    def _own_free(self, slot: Slot, r: Reservation, before: int) -> None:
-        """The manager's own free (or release) of ``r`` ran, its page map followed it, and the session's count
-        was ``before`` ahead of it: the count moved by one (it reached the backend) or not at all; more is a
-        free made past the manager at the same time (:meth:`_sync`)."""
-        now = self._frees.get(r.id, 0)
-        if now <= before + 1:
-            slot.frees = now
-        else:
-            self._unseen(slot, r)
 
     @_locked
     def fault(self, model: Model, offset: int, size: int, device: Any = None) -> Fault:
@@ -285,7 +263,7 @@ class ResidencyManager:
             ps = r.page_size
             first, last = offset // ps, (offset + size - 1) // ps + 1
             if slot.all_resident(first, last) and (slot.watermark is None or offset + size <= slot.watermark):
-                model.last_used = next(self._clock)
+                model.last_used = next(self._registry.clock)
                 f = self._faulting.session_fault(slot, r, offset, size, first, last)
                 if f.ok:
                     return self._faulting.faulted(slot, offset, size, first, last, f)
@@ -305,7 +283,7 @@ class ResidencyManager:
         ps = r.page_size
         if not slot.all_resident(offset // ps, (offset + size - 1) // ps + 1):
             return None
-        return WarmRange(self, model, slot, r, offset, size, fault)
+        return WarmRange(self._registry, model, slot, r, offset, size, fault)
 
     @_locked
     def hold(self, model: Model, offset: int, size: int, device: Any, on_end: Callable[[str], Any]) -> Hold | None:
@@ -314,14 +292,14 @@ class ResidencyManager:
         the hold ends, before any of its pages can go (see :mod:`.holds` for when that is). None, and nothing
         held, when a page of the range is not resident now, the reservation is not alive, or the slot is held
         already. The range is checked as :meth:`fault` checks it."""
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         if not slot.alive or slot.hold is not None:
             return None
         offset, size, first, last = slot.pages(offset, size)
-        self._sync(slot)
+        self._registry.sync(slot)
         if not slot.all_resident(first, last):
             return None
-        held = slot.hold = Hold(self, slot, offset, size, on_end)
+        held = slot.hold = Hold(self._registry, slot, offset, size, on_end)
         self.trace("hold", model, device=str(slot.device), offset=offset, bytes=size)
         return held
 
@@ -334,7 +312,7 @@ class ResidencyManager:
             ps = r.page_size
             slot.unpin(offset // ps, (offset + size - 1) // ps + 1)
             return
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         _, _, first, last = slot.pages(offset, size)
         if not slot.alive:
             return
@@ -350,7 +328,7 @@ class ResidencyManager:
                 or seconds < 0:
             raise ModelError(f"copy seconds must be a finite number >= 0, got {seconds!r}")
         if self.tracer is not None:
-            slot = self._slot(model, device)
+            slot = self._registry.slot(model, device)
             self.trace("copy", model, device=str(slot.device), offset=as_int(offset, "offset"),
                        bytes=as_int(size, "copy size"), seconds=float(seconds))
 
@@ -361,7 +339,7 @@ class ResidencyManager:
         wait for a thread that is fencing its copy. A full unload racing it either
         fences the token or makes this raise ``ReservationReleased``.
         """
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         r = slot.reservation  # read once: a racing full unload may release it under us
         if r is None or r.released:
             raise ReservationReleased(f"model {model.id!r} has no reservation on {slot.device} (fully unloaded); "
@@ -400,23 +378,20 @@ class ResidencyManager:
 
         Where the policy keeps reservations (``ResidencyPolicy.unload_keeps_reservation``), its pins and
         pages go (:meth:`drop_pages`) and the reservation and what the model owns stay.
+
+        Runs the policy's hook (:meth:`ResidencyPolicy.full_unload_of`, ``via`` None), as every full unload
+        does -- those :meth:`unload_all`, :meth:`unregister`, :meth:`full_unload_unless_pinned` and a reservation
+        short of address space make too -- so wrapping or replacing the unloads is the policy's, never done by
+        replacing this method: its callers alone would see that.
         """
-        return self._unloading.unload_one(self._check_registered(model))
+        return self._unloading.full_unload(model, None)
 
     @_locked
     def drop_pages(self, model: Model, device: Any = None, *, unpin: bool = False) -> int | None:
         """Free every unpinned resident page of ``model`` on ``device`` (``unpin``: its pins go first, so every
         page) and keep its reservation; faults reaching the freed pages fail fast until the model is prioritized
         again. Returns the bytes freed; None when the reservation is not alive or nothing of it is resident."""
-        slot = self._slot(model, device)
-        if not slot.alive:
-            return None
-        self._eviction.let_go(slot, "its pages dropped", for_others=False)
-        if unpin:
-            slot.clear_pins()
-        if not any(slot.resident):
-            return None
-        return self._eviction.shed(slot, math.inf, None)
+        return self._eviction.drop_pages(self._registry.slot(model, device), unpin=unpin)
 
     @_locked
     def full_unload_unless_pinned(self, model: Model) -> "Unloaded | None":
@@ -427,7 +402,7 @@ class ResidencyManager:
         fault on another thread either pins first (None here) or comes after the
         unload (and reserves anew, as any fresh fault). Raises what ``full_unload``
         raises (``PartialFailure``)."""
-        return self._unloading.unless_pinned(self._check_registered(model))
+        return self._unloading.unless_pinned(self._registry.registered(model))
 
     @_locked
     def unload_all(self) -> int:
@@ -446,7 +421,7 @@ class ResidencyManager:
         reserve-churn limit — so held memory never outlives the work that needed it. Resident models
         stay resident (G4). Returns the bytes given back."""
         self.loads_done()
-        self._running = set()
+        self._registry.running = set()
         self._contents.sweep()
         given = self._unloading.trim()
         self.trace("idle", None, bytes=given)
@@ -468,14 +443,14 @@ class ResidencyManager:
         """``[offset, offset+size)`` of ``model`` on ``device`` holds the bytes ``key`` names (the caller just
         wrote them); False, nothing tagged, unless every page of it is resident. The tag lasts as long as those
         pages keep their backing, or until :meth:`untag` (see :mod:`.content`)."""
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         offset, size, _, _ = slot.pages(offset, size)
         return self._contents.tag(slot, offset, size, key)
 
     @_locked
     def untag(self, model: Model, offset: int, size: int, device: Any = None) -> None:
         """Something else is about to be written into ``[offset, offset+size)``: what was known of it goes."""
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         offset, size, _, _ = slot.pages(offset, size)
         self._contents.untag(slot, offset, size)
 
@@ -487,7 +462,7 @@ class ResidencyManager:
         device = Device.parse(device)
         guard = None
         if avoid is not None:
-            guard = (self._slot(avoid[0], device), avoid[1], avoid[1] + avoid[2])
+            guard = (self._registry.slot(avoid[0], device), avoid[1], avoid[1] + avoid[2])
         return self._contents.borrow(device, key, guard)
 
     @_locked
@@ -501,7 +476,7 @@ class ResidencyManager:
         """``model``'s owner dropped it: keep its tagged pages as reclaimable cache, within :attr:`cache_limit`
         and the budget (the cache goes before any live model's page). Returns the bytes kept; 0 when nothing
         was (the model is left as it was: unregister it)."""
-        return self._contents.cache(self._check_registered(model), self.cache_limit)
+        return self._contents.cache(self._registry.registered(model), self.cache_limit)
 
     @_locked
     def cached(self, device: Any = None) -> int:
@@ -520,7 +495,7 @@ class ResidencyManager:
     @_locked
     def deprioritize(self, model: Model) -> None:
         """Least recently used from now on: the model's pages are the first evicted."""
-        self._check_registered(model)
+        self._registry.registered(model)
         model.last_used = 0
         self.trace("deprioritize", model)
 
@@ -528,7 +503,7 @@ class ResidencyManager:
     def shed(self, model: Model, amount: int, device: Any = None, floor: int = 0) -> int:
         """Free up to ``amount`` bytes of ``model``'s unpinned resident pages from the top down,
         never below byte ``floor``; returns bytes freed. The reservation stays (no watermark is set)."""
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         amount, floor = as_int(amount, "amount"), as_int(floor, "floor")
         if amount < 0 or floor < 0:
             raise InvalidSize(f"amount and floor must be >= 0 bytes, got {amount} and {floor}")
@@ -544,22 +519,22 @@ class ResidencyManager:
     @_locked
     def set_watermark(self, model: Model, limit: int | None, device: Any = None) -> None:
         """Faults reaching above byte ``limit`` fail fast until the model is prioritized (None: no limit)."""
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         slot.watermark = None if limit is None else as_int(limit, "watermark")
         self.trace("set_watermark", model, device=str(slot.device), limit=slot.watermark)
 
     @_locked
     def watermark(self, model: Model, device: Any = None) -> int | None:
-        return self._slot(model, device).watermark
+        return self._registry.slot(model, device).watermark
 
     @_locked
     def residency(self, model: Model, device: Any = None) -> list[int]:
         """One entry per page of the model's reservation: bit 0 resident (or possibly resident),
         bit 1 pinned; empty when the reservation is not alive."""
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         if not slot.alive:
             return []
-        self._sync(slot)
+        self._registry.sync(slot)
         return [(1 if r else 0) | (2 if p else 0) for r, p in zip(slot.resident, slot.pins)]
 
     @_locked
@@ -567,7 +542,7 @@ class ResidencyManager:
         """Bytes of the model's pages on ``device`` that are pinned (a layer in use now) and that are resident
         (or possibly resident) and not pinned; ``(0, 0)`` when the reservation is not alive. The status's
         figures per model: the page map, as :meth:`residency` gives it, summed."""
-        slot = self._slot(model, device)
+        slot = self._registry.slot(model, device)
         if not slot.alive:
             return 0, 0
         pins, ps = slot.pins, slot.bound.page_size
@@ -590,9 +565,9 @@ class ResidencyManager:
         verbs included (pages they may have changed are counted as the ledger counts them).
         """
         dev = Device.parse(device) if device is not None else None
-        for m in self._models.values():
+        for m in self._registry.models.values():
             for s in m.slots.values():
-                self._sync(s)
+                self._registry.sync(s)
         return {
             m.id: {
                 "resident": sum(s.resident_bytes() for d, s in m.slots.items() if dev is None or d == dev),
@@ -600,11 +575,10 @@ class ResidencyManager:
                 "held": any(s.hold is not None for d, s in m.slots.items() if dev is None or d == dev),
                 "cached": m.cached,
             }
-            for m in self._models.values()
+            for m in self._registry.models.values()
         }
 
     def trace(self, event: str, model: Model | None, **fields: Any) -> None:
         """Hand the tracer (where one watches) a decision: ``event`` with the policy's name, the model's id and
         ``fields`` (a policy's own decisions are traced through this too)."""
-        if self.tracer is not None:
-            self.tracer.event(event, policy=self.policy, model=model.id if model else None, **fields)
+        self._registry.trace(event, model, **fields)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, MutableMapping
 
 from ..types import Device
 
 if TYPE_CHECKING:
     from .._session import Session
-    from .manager import ResidencyManager
     from .model import Model
 
 
@@ -17,7 +16,9 @@ class ResidencyPolicy:
 
     Subclass it and override what differs (the stock comfy-aimdo model in ``membackend.lab`` is one); the
     manager calls each member under its lock, so a member may call the manager's public methods, never wait
-    for another thread. The flags:
+    for another thread. The members that take a ``manager`` are handed the :class:`ResidencyManager` calling
+    them (typed ``Any`` here: the policy is a part of the residency package, which never imports the
+    manager). The flags:
 
     * ``name``: what the trace and the load records call the policy;
     * ``sheds_own_pages_for_a_fault``: a fault out of room may take the faulting model's own unpinned pages
@@ -40,14 +41,23 @@ class ResidencyPolicy:
         """The mapping the manager registers models in (a plain dict holds them as long as they are registered)."""
         return {}
 
-    def keep(self, manager: "ResidencyManager", model: "Model") -> None:
+    def keep(self, manager: Any, model: "Model") -> None:
         """``model`` was just registered (and is in the registry)."""
 
-    def on_workflow_switch(self, manager: "ResidencyManager", models: list["Model"]) -> None:
+    def on_workflow_switch(self, manager: Any, models: list["Model"]) -> None:
         """A run that uses ``models`` starts (:meth:`ResidencyManager.use`): membackend keeps the others
         resident while the budget allows (G4), evicting whole models, least recently used first, past it."""
         for device in {d for m in manager.models() for d in m.devices}:
             manager.keep_warm(device)
+
+    def full_unload_of(self, model: "Model", via: str | None, unload: Callable[["Model", str | None], int]) -> int:
+        """Every full unload of ``model`` runs here: the caller's own (:meth:`ResidencyManager.full_unload`,
+        ``via`` None) and each one another request makes, ``via`` naming it (``"unload_all"``, ``"unregister"``;
+        None for :meth:`ResidencyManager.full_unload_unless_pinned` and the unloads that make address space for a
+        reservation). ``unload(model, via)`` is the manager's full unload, which this default runs; the answer is
+        the bytes that were resident, and what ``unload`` raises (``PartialFailure``) reaches the caller. A policy
+        overrides it to wrap every unload (count them, inject a failure) or to replace it."""
+        return unload(model, via)
 
     def fence_before_free(self, session: "Session", device: Device, during_fault: bool) -> None:
         """Before the manager frees pages on ``device`` (``during_fault``: to make room for a fault). The

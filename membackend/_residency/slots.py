@@ -10,12 +10,9 @@ import logging
 import operator
 import weakref
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..types import Device, DriverError, InvalidSize, ModelError, OutOfRange, Reservation
-
-if TYPE_CHECKING:
-    from .model import Model
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +75,10 @@ class Slot:
     __slots__ = ("model", "device", "reservation", "resident", "maybe", "pins", "watermark", "kept", "epoch", "hold",
                  "tags", "frees")
 
-    def __init__(self, model: "Model", device: Device):
-        self.model = weakref.proxy(model)  # a stock finalizer holds slots; they must not keep the model alive
+    def __init__(self, model: Any, device: Device):
+        # ``model``: the :class:`~.model.Model` the slot belongs to (typed Any, as its weak proxy is: this module
+        # never imports the models, which import it); a stock finalizer holds slots, they must not keep it alive
+        self.model: Any = weakref.proxy(model)
         self.device = device
         self.reservation: Reservation | None = None
         self.resident = bytearray()

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from ..types import Fault, Reservation
 
 if TYPE_CHECKING:
-    from .manager import ResidencyManager
     from .model import Model
+    from .registry import Registry
     from .slots import Slot
 
 
@@ -20,37 +20,37 @@ class WarmRange:
     :meth:`unpin` unpins it. Made by :meth:`ResidencyManager.warm_range`; the per-weight, per-step path of a
     caller that faults the same ranges over and over (ComfyUI's sampler)."""
 
-    __slots__ = ("_manager", "_model", "_slot", "_reservation", "_first", "_last", "_end", "_epoch", "fault")
+    __slots__ = ("_registry", "_model", "_slot", "_reservation", "_first", "_last", "_end", "_epoch", "fault")
 
-    def __init__(self, manager: "ResidencyManager", model: "Model", slot: "Slot", r: Reservation, offset: int,
+    def __init__(self, registry: "Registry", model: "Model", slot: "Slot", r: Reservation, offset: int,
                  size: int, fault: Fault):
         ps = r.page_size
-        self._manager, self._model, self._slot, self._reservation = manager, model, slot, r
+        self._registry, self._model, self._slot, self._reservation = registry, model, slot, r
         self._first, self._last, self._end = offset // ps, (offset + size - 1) // ps + 1, offset + size
         self._epoch = slot.epoch
         self.fault = fault
 
     def pin(self) -> Fault | None:
         """Pin the range again and answer its fault; None when it may have changed (the caller faults it)."""
-        m = self._manager
-        with m._lock:
+        reg = self._registry
+        with reg.lock:
             slot, r = self._slot, self._reservation
-            if m._frees.get(r.id, 0) != slot.frees and not r.released:  # freed past the manager: the map goes
-                m._unseen(slot, r)  # (and the epoch with it)
-            if slot.epoch != self._epoch or slot.reservation is not r or r.released or m.tracer is not None \
+            if reg.frees.get(r.id, 0) != slot.frees and not r.released:  # freed past the manager: the map goes
+                reg.unseen(slot, r)  # (and the epoch with it)
+            if slot.epoch != self._epoch or slot.reservation is not r or r.released or reg.tracer is not None \
                     or (slot.watermark is not None and self._end > slot.watermark) \
-                    or m._models.get(self._model.id) is not self._model:
+                    or reg.models.get(self._model.id) is not self._model:
                 return None
             slot.pin(self._first, self._last)
-            self._model.last_used = next(m._clock)
+            self._model.last_used = next(reg.clock)
             return self.fault
 
     def unpin(self) -> bool:
         """Unpin the range; False when its reservation is not the one it was made on (the caller unpins)."""
-        m = self._manager
-        with m._lock:
+        reg = self._registry
+        with reg.lock:
             slot = self._slot
-            if slot.reservation is not self._reservation or m.tracer is not None:
+            if slot.reservation is not self._reservation or reg.tracer is not None:
                 return False
             slot.unpin(self._first, self._last)
             return True
