@@ -94,7 +94,7 @@ def budgets_report(session: Session) -> list[dict[str, Any]]:
     handle holds a file descriptor (``VmmBackend.descriptor_room``), what the start did to the descriptor limit
     and what the device can map under it when that is below the budget (total less headroom)."""
     rows = []
-    room = getattr(session.backend, "descriptor_room", None)
+    room = session.members.descriptor_room  # read once with the session (hookspec.OptionalMembers)
     for dev in session.devices():
         try:
             b = session.budget_query(dev)
@@ -295,7 +295,7 @@ def _check_fault(f: Any, checker: Any, dev: Any) -> None:
 def kept_windows_report(session: Session) -> list[dict[str, Any]]:
     """Per device, the address windows a backend under a reserve-churn limit keeps reserved after release,
     the large frees it spent and the bound on what stays (``VmmBackend.kept_windows``); empty elsewhere."""
-    kept = getattr(session.backend, "kept_windows", None)
+    kept = session.members.kept_windows
     rows: list[dict[str, Any]] = []
     if kept is None:
         return rows

@@ -45,7 +45,7 @@ with a type checker, ``backend: Backend = MyBackend()``, or at run time with
 ``membackend_trim``, ``membackend_inspect``, ``membackend_inject_failures``,
 ``membackend_close``) and :class:`OptionalMembers` (every other attribute or
 method membackend reads when a backend has it: ``version``, ``capabilities``,
-``own_headroom``, ``follow_headroom``, ``tensor_device``, ``kept_windows``, ...,
+``own_headroom``, ``use_headroom``, ``tensor_device``, ``kept_windows``, ...,
 each with its type, its meaning and what is used when it is missing). The
 conformance kit (:mod:`membackend.testing`) checks what the types cannot: the
 behaviour.
@@ -89,10 +89,11 @@ HOOKS = ("membackend_probe",) + VERBS
 #: hooks a backend may implement; the session and the conformance kit use them when present
 OPTIONAL_HOOKS = ("membackend_trim", "membackend_inspect", "membackend_inject_failures", "membackend_close")
 
-#: the attributes and methods a backend may have besides the hooks, each read with ``getattr`` where membackend
-#: uses it (:class:`OptionalMembers` declares each)
+#: the attributes and methods a backend may have besides the hooks (:class:`OptionalMembers` declares each); the
+#: session reads those it uses once, when it is built (``session.members``: ``membackend._session.members``)
 OPTIONAL_MEMBERS = ("version", "capabilities", "settings", "from_settings", "platform", "platform_values",
-                    "page_size", "own_headroom", "follow_headroom", "tensor_device", "room_split", "kept_windows",
+                    "page_size", "own_headroom", "use_headroom", "follow_headroom", "tensor_device", "room_split",
+                    "kept_windows",
                     "fence_token", "host_unregister", "driver", "page_size_on", "descriptor_room")
 
 __all__ = ["PROJECT", "hookspec", "hookimpl", "VERBS", "HOOKS", "OPTIONAL_HOOKS", "OPTIONAL_MEMBERS", "Backend",
@@ -451,13 +452,23 @@ class OptionalMembers(Protocol):
         missing: the ``headroom`` of the backend's ``Budget``."""
         ...
 
+    def use_headroom(self, headrooms: Any, instead_of: Any = None) -> None:
+        """From now on read the headroom in force on a device from ``headrooms[device]`` (a mapping of
+        :class:`membackend.platform.Headroom`, one per device: ``headrooms[device].in_force(total)[0]`` is the
+        bytes), for the budget and any decision the mechanism takes on the headroom (a unified pool refusing a
+        fault up front); None: back to :meth:`own_headroom`. With ``instead_of``, only while that mapping is
+        the one used. The session calls it when it is built and when it closes (the latest session built is
+        followed), so the budget the backend reports keeps the headroom the session decided, and a budget
+        query computes it once, downward; read only together with :meth:`own_headroom`. Missing: the session
+        applies its headroom to the backend's budget itself."""
+        ...
+
     def follow_headroom(self, decide: Callable[[Device, int], int] | None,
                         instead_of: Callable[[Device, int], int] | None = None) -> None:
-        """From now on take the headroom in force from ``decide(device, total)`` (None: back to
-        :meth:`own_headroom`); with ``instead_of``, only while that is the one followed. The session calls it
-        when it is built and when it closes, so the budget the backend reports keeps the headroom the session
-        decided; read only together with :meth:`own_headroom`. Missing: the session applies its headroom to
-        the backend's budget itself."""
+        """Deprecated, accepted for one release more: the older form of :meth:`use_headroom`, handed
+        ``decide(device, total) -> bytes`` (a function reading the session's ``Headroom``) instead of the
+        mapping; None, with ``instead_of``, when the session closes. A backend with both is handed the mapping
+        only. Read only together with :meth:`own_headroom`."""
         ...
 
     def tensor_device(self, device: Device) -> str:

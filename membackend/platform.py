@@ -46,18 +46,19 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
 from ._drivers.gpu import BUDGET_SOURCES as DRIVER_BUDGET_SOURCES
 from ._settings.rules import FIELD_NAMES, SIZE_ACCEPTED, Rule, RuleError, flag, format_bytes, seconds, size
 from ._settings.sources import PlatformValues, Sources, platform_env_name, resolve_platform
-from .types import Candidate, Capabilities, DeviceInfo, Machine, Score, format_size
+from .types import Candidate, Capabilities, Device, DeviceInfo, Machine, Score, format_size
 
 __all__ = ["Platform", "PlatformSetting", "PlatformValues", "GENERIC", "vmm_unsupported", "KEPT_WINDOWS_PER_DEVICE",
            "CHURN_MARGIN", "size", "flag", "seconds", "Rule", "RuleError", "SIZE_ACCEPTED", "format_bytes",
            "ONE_POOL", "one_pool_headroom", "ONE_POOL_HEADROOM_FRACTION", "ONE_POOL_HEADROOM_MIN",
-           "ONE_POOL_HEADROOM_MAX", "amd_unfit"]
+           "ONE_POOL_HEADROOM_MAX", "amd_unfit", "Headroom", "HeadroomByDevice", "HEADROOM_LIVE"]
 
 MiB, GiB = 1 << 20, 1 << 30
 #: what ``Platform.budget_source`` accepts: the driver's sources, and ``auto`` (one pool on an integrated
@@ -404,3 +405,88 @@ GENERIC = Platform(
     page_size=32 * MiB,
     description="generic virtual-memory backend over the CUDA or HIP driver",
 )
+
+
+# --------------------------------------------------------------------------- the headroom in force
+
+#: the ``source`` of a live change (``Session.set_headroom``'s default; the ComfyUI memory panel's VRAM cap): any
+#: source that is this or starts with it and a space wins over every other source of the headroom
+HEADROOM_LIVE = "live"
+
+
+class Headroom:
+    """The headroom (the bytes every budget keeps free) of one device, and the one precedence that decides it.
+
+    Highest first: (1) a live change, (2) the host's start-up flags (both through :meth:`set`), (3) the
+    ``headroom`` setting (``setting``: bytes and where it came from, or None), (4) the backend's own rule
+    (``own(device, total) -> (bytes, source)``, or None) and (5) the headroom the backend's budget reports.
+    :meth:`in_force` is the only place the precedence is computed. The session makes one per device
+    (:class:`HeadroomByDevice`) and hands them to a backend that takes decisions on the headroom itself
+    (``hookspec.OptionalMembers.use_headroom``: the VMM backend's budget and its one-pool guard), so the
+    backend reads the very object the session changes, and nothing calls back up. Thread-safe: :meth:`set`
+    may race :meth:`in_force` from any thread."""
+
+    __slots__ = ("device", "_levels", "_setting", "_own", "_backend", "_lock")
+    LIVE, FLAGS = 0, 1  # the levels set through set(), highest first
+
+    def __init__(self, device: Device, *, setting: tuple[int, str] | None = None,
+                 own: Callable[[Device, int], tuple[int, str]] | None = None, backend: str = "?"):
+        self.device = device
+        #: level (LIVE, FLAGS) -> (bytes, source); read and written under _lock
+        self._levels: dict[int, tuple[int, str]] = {}
+        self._setting = setting
+        self._own = own
+        self._backend = backend
+        self._lock = threading.Lock()
+
+    @classmethod
+    def level_of(cls, source: str) -> int:
+        """The level ``source`` sets: :data:`HEADROOM_LIVE` (or ``"live ..."``) is live, anything else flags."""
+        return cls.LIVE if source == HEADROOM_LIVE or source.startswith(HEADROOM_LIVE + " ") else cls.FLAGS
+
+    def set(self, headroom: int | None, source: str) -> None:
+        """Hold ``headroom`` bytes (checked by the caller) at the level of ``source``; None takes it away."""
+        level = self.level_of(source)
+        with self._lock:
+            if headroom is None:
+                self._levels.pop(level, None)
+            else:
+                self._levels[level] = (headroom, source)
+
+    def chosen(self, flags: bool = True) -> tuple[int, str] | None:
+        """Levels 1-3 (a live change, the flags unless ``flags`` is false, the setting); None: none is set."""
+        with self._lock:
+            levels = self._levels
+            if levels:
+                if flags or self.FLAGS not in levels:
+                    return levels[min(levels)]
+                if self.LIVE in levels:
+                    return levels[self.LIVE]
+        return self._setting
+
+    def in_force(self, total: int, reported: int = 0, *, flags: bool = True) -> tuple[int, str]:
+        """``(bytes kept free, where they come from, in words)`` on the device of ``total`` bytes whose budget
+        ``reported`` a headroom: the one precedence. ``flags`` false leaves the host's start-up flags out (what
+        the host is told is free: it accounts for its own flags itself)."""
+        chosen = self.chosen(flags)
+        if chosen is not None:
+            return chosen
+        if self._own is not None:
+            room, source = self._own(self.device, total)
+            return int(room), str(source)
+        return reported, f"backend {self._backend}'s own rule (the headroom its budget reports)"
+
+
+class HeadroomByDevice(dict[Device, Headroom]):
+    """Device -> its :class:`Headroom`, made on first ask with ``make(device)`` (a dict: one lookup for a
+    backend's budget). Thread-safe: two threads asking at once get the same object."""
+
+    def __init__(self, make: Callable[[Device], Headroom]):
+        super().__init__()
+        self._make = make
+        #: whether a backend reads this table now (its session handed it down and no later session replaced it)
+        self.followed = False
+
+    def __missing__(self, device: Device) -> Headroom:
+        made: Headroom = self.setdefault(device, self._make(device))
+        return made

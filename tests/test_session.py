@@ -57,14 +57,14 @@ class Counter:
 def test_without_observers_hot_verbs_are_the_backends_own_methods():
     backend = HostBackend()
     s = Session(backend, machine=gather_machine())
-    assert s._fault == backend.membackend_fault and s._free == backend.membackend_free
+    assert s._parts.bound.fault == backend.membackend_fault and s._parts.bound.free == backend.membackend_free
 
 
 def test_observers_wrap_only_the_verbs_they_implement():
     backend = HostBackend()
     counter = Counter()
     s = Session(backend, machine=gather_machine(), observers=[counter])
-    assert s._fault != backend.membackend_fault and s._free == backend.membackend_free
+    assert s._parts.bound.fault != backend.membackend_fault and s._parts.bound.free == backend.membackend_free
     r = s.reserve("cpu", 4 * MiB)
     s.fault(r, 0, 3 * MiB)
     assert counter.seen == [(0, 3 * MiB, True)]
@@ -328,7 +328,7 @@ def test_add_observer_refuses_a_plain_hookimpl_and_changes_nothing():
     s = Session(backend, machine=gather_machine())
     with pytest.raises(PluginError, match="Hijacker"):
         s.add_observer(Hijacker())
-    assert s.observers == [] and s._fault == backend.membackend_fault
+    assert s.observers == [] and s._parts.bound.fault == backend.membackend_fault
     r = s.reserve("cpu", 2 * MiB)
     assert s.fault(r, 0, MiB).mapped == 2 * MiB  # the backend answered
     s.close()
@@ -875,7 +875,7 @@ def test_verbs_on_one_reservation_never_overlap_in_the_backend_under_contention(
                 off = ((i + n) % 16) * page
                 assert s.fault(r, off, page).ok
                 s.free(r, off, page)
-                with s._permits.held(s._live[r]):  # a third way in: what fence and release take
+                with s._books.permits.held(s._books.live[r]):  # a third way in: what fence and release take
                     pass
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)

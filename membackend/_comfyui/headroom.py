@@ -15,7 +15,7 @@ from ..types import Device, InvalidSize, WrongDevice
 from .lines import gb, say
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from .links import RuntimeLinks
 
 __all__ = ["Headroom", "LIVE_SOURCE"]
 
@@ -24,10 +24,17 @@ LIVE_SOURCE = "live change (lasts until ComfyUI stops)"
 
 
 class Headroom:
-    """The headroom of the devices ``runtime`` serves, through its session and its residency manager."""
+    """The headroom of the devices the runtime serves, through its session and its residency manager: what it
+    reads of the runtime is ``comfy_args`` (ComfyUI's parsed arguments, or None), ``session()`` (the session,
+    None before the start), ``devices()`` (the served devices), ``links`` (the residency manager and why the
+    adapter switched itself off), ``device_named(name)``, ``policy()`` (the residency manager, or
+    ``RuntimeError``) and ``sample(force=, coalesce=)`` (a history sample)."""
 
-    def __init__(self, runtime: "Runtime"):
-        self._rt = runtime
+    def __init__(self, comfy_args: Any, session: Callable[[], Any], devices: Callable[[], list[Device]],
+                 links: "RuntimeLinks", device_named: Callable[[Any], Device], policy: Callable[[], Any],
+                 sample: Callable[..., None]):
+        self._args, self._session, self._devices, self._links = comfy_args, session, devices, links
+        self._device_named, self._policy, self._sample = device_named, policy, sample
         self._lock = threading.Lock()  # one live change at a time
         #: devices whose last fit left less free room than the headroom (a model of the run kept its pages):
         #: fitted again between nodes, and only those (a budget query per node otherwise)
@@ -37,23 +44,23 @@ class Headroom:
         """ComfyUI's memory flags reach the budget: ``--reserve-vram`` GB is kept free at least (the larger
         of it and the backend's own headroom, as comfy-aimdo's simple headroom), ``--vram-headroom`` GB
         (``extra``: passed to ``init_devices``, per device) is kept free on top."""
-        rt = self._rt
-        reserve_gb = getattr(rt.comfy_args, "reserve_vram", None)
+        reserve_gb = getattr(self._args, "reserve_vram", None)
         reserve = int(float(reserve_gb) * 1024 ** 3) if reserve_gb else 0
-        for dev in rt.devices:
+        session = self._session()
+        for dev in self._devices():
             more = max(0, extra.get(dev, 0))
             if not (reserve or more):
                 continue
-            own = rt.session.budget_query(dev).headroom
-            rt.session.set_headroom(dev, max(own, reserve) + more, source="comfyui --reserve-vram/--vram-headroom")
+            own = session.budget_query(dev).headroom
+            session.set_headroom(dev, max(own, reserve) + more, source="comfyui --reserve-vram/--vram-headroom")
 
     def in_force(self, device: Device) -> tuple[int, str]:
         """``(bytes kept free on device, where that value came from, in words)``: the session's answer."""
-        return self._rt.session.headroom_in_force(device)
+        return self._session().headroom_in_force(device)  # the session's Headroom of the device decides
 
     def bounds(self, device: Device) -> tuple[int, int]:
         """The live headroom accepted on ``device``: 0 to the device's total, in bytes."""
-        return 0, int(self._rt.session.budget_query(device).total)
+        return 0, int(self._session().budget_query(device).total)
 
     def parse(self, device: Device, value: Any) -> int | None:
         """A headroom as the settings read one (``"2GiB"``, ``1.5e9``, bytes; None: back to the start-up
@@ -89,12 +96,11 @@ class Headroom:
         and changes nothing; a failure while freeing puts the previous headroom back and raises it.
         ``then(bytes in force)`` runs under the same lock once the change holds (the route's save); what it
         returns joins the answer, and if it raises, the previous headroom is put back the same way."""
-        rt = self._rt
-        if rt.session is None or rt.residency is None:
+        session = self._session()
+        if session is None or self._links.residency() is None:
             raise WrongDevice("membackend is not running in this ComfyUI; accepted: a live change once it runs")
-        dev = rt.device_named(device)
+        dev = self._device_named(device)
         n = self.parse(dev, value)
-        session = rt.session
         with self._lock:
             before, before_source = self.in_force(dev)
             was_live = before_source == LIVE_SOURCE
@@ -109,7 +115,7 @@ class Headroom:
         b = session.budget_query(dev)
         say(f"headroom on {dev} is now {gb(now)} ({source}; was {gb(before)}, {before_source})"
             + (f"; gave back {gb(freed)} that no longer fit" if freed else ""))
-        rt.sample(force=True, coalesce=True)
+        self._sample(force=True, coalesce=True)
         return {**extra, "device": str(dev), "headroom": now, "source": source, "previous": before,
                 "previous_source": before_source, "freed": freed,
                 "budget": {"total": b.total, "free": b.free, "headroom": b.headroom, "usable": b.usable,
@@ -119,24 +125,24 @@ class Headroom:
         """Between nodes (and, with ``every``, when idle, on every served device): where the last fit left the free
         room below the headroom (a lowered cap that a model of the run kept from being met), give back what fits
         no longer, as a live change does. Returns the bytes freed."""
-        rt = self._rt
-        if rt.session is None or rt.residency is None or rt.aborted is not None or not (every or self._short):
+        if self._session() is None or self._links.residency() is None or self._links.aborted() is not None \
+                or not (every or self._short):
             return 0
         freed = 0
         with self._lock:
-            for dev in (rt.devices if every else list(self._short)):
+            for dev in (self._devices() if every else list(self._short)):
                 freed += self._fit(dev)
         return freed
 
     def _fit(self, dev: Device) -> int:
         """Free what no longer fits under the budget of ``dev``: idle models whole, then unpinned pages."""
-        session = self._rt.session
+        session = self._session()
         b = session.budget_query(dev)
         if b.free >= b.headroom:
             self._short.discard(dev)
             return 0
         reason = f"headroom raised to {gb(b.headroom)} (live)"
-        residency = self._rt.policy()
+        residency = self._policy()
         freed = residency.keep_warm(dev, reason=reason)
         b = session.budget_query(dev)
         if b.free < b.headroom:

@@ -151,12 +151,13 @@ class Runtime:
         self.vbars: weakref.WeakSet[Any] = weakref.WeakSet()  # the facade's live VBARs
         self.journal = Journal(self.vbars)
         self.history = History()
-        self.headroom = Headroom(self)
-        self.unloader = Unloader(self)
         self.delegates = HookDelegates()
         #: what the parts read of this runtime as it is now (they never hold the runtime)
         self.links = RuntimeLinks(residency=lambda: self.residency, fences=lambda: self.fences,
                                   aborted=lambda: self.aborted, vbars=self.vbars)
+        self.headroom = Headroom(comfy_args, lambda: self.session, lambda: self.devices, self.links,
+                                 self.device_named, self.policy, self.sample)
+        self.unloader = Unloader(self.links, self.journal, policy=self.policy, session=lambda: self.session)
         self.classic = ClassicPath(self.links)  # wholly resident models on ComfyUI's classic path (issue 41)
         self.reuse = Reuse(self.links)  # weights already in VRAM copied on the device, not read again (issue 41)
         # the journal's records and the put-off unloads, under the names the wiring and the facade read and fill

@@ -211,7 +211,7 @@ def _kept(session: Any, device: Device) -> dict[str, Any] | None:
 def _kept_windows(session: Any, device: Device) -> dict[str, Any] | None:
     """What the backend says it keeps of released address windows on ``device`` (``kept_windows``: the vmm
     backend under a reserve-churn limit), with its line; None where it keeps none or cannot say."""
-    report = getattr(session.backend, "kept_windows", None)
+    report = session.members.kept_windows  # read once with the session (hookspec.OptionalMembers)
     if report is None:
         return None
     try:

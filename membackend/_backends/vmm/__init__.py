@@ -32,8 +32,8 @@ Mechanism only, per device:
   device-wide fence synchronizes the device;
 * budget: the platform's budget source (``device``, ``wddm``, ``unified``,
   ``apu``, ``auto``: :mod:`.pool`) minus the headroom in force: the session's
-  decision once a session follows this backend
-  (:meth:`VmmBackend.follow_headroom`), else the platform's own rule
+  :class:`~membackend.platform.Headroom` of the device once a session handed them
+  down (:meth:`VmmBackend.use_headroom`), else the platform's own rule
   (:meth:`VmmBackend.own_headroom`); the up-front refusal on a unified pool
   uses the same value;
 * inspect: the driver's own tables where it has them (the simulated drivers);
@@ -67,8 +67,9 @@ groups and parts is:
 ``headroom`` setting: its own rule (:meth:`VmmBackend.own_headroom`: the
 ``headroom`` override, else the platform's) is the lowest level of the
 session's precedence, and the session that owns the backend hands it its
-decision (:meth:`VmmBackend.follow_headroom`), which every budget and the
-up-front refusal of a unified pool then use.
+:class:`~membackend.platform.Headroom` objects, one per device
+(:meth:`VmmBackend.use_headroom`), which every budget and the up-front refusal
+of a unified pool then read: nothing calls back up to the session.
 
 The right device is made current before every call that touches one. Calls
 on different reservations may arrive from several threads (the session

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..._version import __version__
 from ..._drivers.gpu import EventToken, GpuDriver
 from ..._drivers.open import LazyDriver, machine_for, resolve_vendor
 from ...hookspec import hookimpl
-from ...platform import GENERIC, Platform
+from ...platform import GENERIC, Headroom, Platform
 from ...types import (
     Budget,
     Candidate,
@@ -53,7 +53,7 @@ class VmmBackend:
         self.platform_values = platform_values if platform_values is not None else platform.default_values()
         capabilities = capabilities or platform.capabilities_for(self.platform_values)
         self._headroom = headroom  # None: the platform's own, per device
-        self._decide_headroom: Callable[[Device, int], int] | None = None  # the owning session's decision
+        self._headrooms: Mapping[Device, Headroom] | None = None  # the session's (use_headroom); None: own
         self.requested_page_size = page_size or platform.page_size
         vendor = driver.vendor if driver is not None else getattr(driver_factory, "vendor", None)
         if vendor is None:
@@ -93,20 +93,20 @@ class VmmBackend:
         return (self.platform.headroom_for(total, self.platform_values, integrated=integrated),
                 self.platform.headroom_source(self.platform_values))
 
-    def follow_headroom(self, decide: Callable[[Device, int], int] | None,
-                        instead_of: Callable[[Device, int], int] | None = None) -> None:
-        """Take the headroom in force from ``decide(device, total)`` (None: :meth:`own_headroom`), for every
-        budget and the up-front refusal of a unified pool; with ``instead_of``, only while that is the one
-        followed now (``hookspec.OptionalMembers.follow_headroom``: one session, the latest built, is followed)."""
+    def use_headroom(self, headrooms: Mapping[Device, Headroom] | None,
+                     instead_of: Mapping[Device, Headroom] | None = None) -> None:
+        """Read the headroom in force from ``headrooms[device]`` (the session's ``Headroom``s; None: back to
+        :meth:`own_headroom`) for every budget and the unified pool's up-front refusal; with ``instead_of``,
+        only while that is the one used (``hookspec.OptionalMembers.use_headroom``: the latest session's)."""
         with self._lock:
-            if instead_of is None or self._decide_headroom == instead_of:
-                self._decide_headroom = decide
+            if instead_of is None or self._headrooms is instead_of:
+                self._headrooms = headrooms
 
     def _room(self, index: int, total: int) -> int:
-        """The headroom in force on device ``index`` of ``total`` bytes (see :meth:`follow_headroom`)."""
+        """The headroom in force on device ``index`` of ``total`` bytes (see :meth:`use_headroom`)."""
         device = Device(self.device_kinds[0], index)
-        decide = self._decide_headroom
-        return decide(device, total) if decide is not None else self.own_headroom(device, total)[0]
+        headrooms = self._headrooms  # the Headroom computes the precedence: nothing calls back up
+        return headrooms[device].in_force(total)[0] if headrooms is not None else self.own_headroom(device, total)[0]
 
     @property
     def headroom(self) -> int | Any:
