@@ -15,7 +15,7 @@ Printed per side, summed over the seeds, all from the simulated driver:
 * bytes spilled past VRAM into shared system memory (sysmem fallback);
 * ledger = driver after every model and after the unload.
 
-Sides: ``stock`` (StockPolicy over comfy-aimdo's mechanism) and ``plugin`` (the
+Sides: ``stock`` (StockManager over comfy-aimdo's mechanism) and ``plugin`` (the
 ResidencyManager over the cuda_wddm backend). Then the plugin again with NOT_READY injected at random on ``cuMemMap`` and
 ``cuMemSetAccess``: every run completes or reports typed errors.
 """

@@ -18,10 +18,12 @@ import json
 import sys
 
 from membackend import ResidencyManager, Session
-from membackend.lab.simulated import StockPolicy, host_session, simulated_profiles, simulated_session
+from membackend.lab.simulated import StockManager, host_session, simulated_profiles, simulated_session
 from membackend.types import Device
 
 MiB = 1 << 20
+#: each side's manager, by the name of its policy (``policy_name``)
+SIDES = (("stock", StockManager), ("membackend", ResidencyManager))
 WORKFLOW = ("image", "video", "image", "audio", "image")
 
 
@@ -37,6 +39,7 @@ def session_for(target: str) -> tuple[Session, Device, int, float]:
 def run(target: str, cls) -> dict:
     s, dev, page, bandwidth = session_for(target)
     policy = cls(s)
+    assert (policy.policy_name, cls) in SIDES
     size = int(s.budget_query(dev).usable * 0.35) // page * page
     models = {n: policy.register(n, size, dev) for n in ("image", "video", "audio")}
     copied = oom = 0
@@ -57,7 +60,7 @@ def run(target: str, cls) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    results = {t: {cls.policy: run(t, cls) for cls in (StockPolicy, ResidencyManager)}
+    results = {t: {name: run(t, cls) for name, cls in SIDES}
                for t in ["host", *simulated_profiles(vmm_only=True)]}
     if "--json" in argv:
         print(json.dumps(results, indent=2))

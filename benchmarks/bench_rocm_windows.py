@@ -38,7 +38,7 @@ import os
 import sys
 
 from membackend import ResidencyManager, create_session
-from membackend.lab.simulated import StockPolicy, simulated_session
+from membackend.lab.simulated import StockManager, simulated_session
 from membackend.platform import GENERIC
 
 from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
@@ -76,7 +76,7 @@ def seed(backend: str | None, cls, sizing=lambda n: n) -> dict:
         policy.unpin(m, 0, KREA2[name])
     reserved = sum(m.reservation(HIP0).size for m in models.values())
     policy.unload_all()
-    out = {"backend": s.backend.name, "policy": cls.policy, "reserved": reserved,
+    out = {"backend": s.backend.name, "policy": policy.policy_name, "reserved": reserved,
            "commit_over_baseline": sim.private_commit - baseline,
            "reservations_alive": s.ledger.account(HIP0).reservations_alive,
            "driver_reservations": sim.state()["reservations"], "device1_reserved": sim.state(1)["reserved"]}
@@ -87,9 +87,10 @@ def seed(backend: str | None, cls, sizing=lambda n: n) -> dict:
 
 def cycles(backend: str | None, cls, n: int, unload_everything: bool = False) -> dict:
     s, sim = session(backend)
-    r = run_cycles(s, cls(s), n, unload_everything)
+    manager = cls(s)
+    r = run_cycles(s, manager, n, unload_everything)
     done, error, commits, peak = r.done, r.error, r.commits, r.peak_quota_used
-    out = {"backend": s.backend.name, "policy": cls.policy, "unload": "unload_all" if unload_everything else
+    out = {"backend": s.backend.name, "policy": manager.policy_name, "unload": "unload_all" if unload_everything else
            "full_unload", "cycles": n, "done": done, "error": error, "large_frees": sim.churn_frees,
            "commit_each": commits, "kept_each": r.kept,
            "kept_report": [k.describe() for k in (kept(d) for d in (HIP0, HIP1)) if k is not None]
@@ -97,7 +98,7 @@ def cycles(backend: str | None, cls, n: int, unload_everything: bool = False) ->
            "commit_first": commits[0] if commits else None, "commit_last": commits[-1] if commits else None,
            "commit_flat_after_2": None if error else len(set(commits[2:])) <= 1, "peak_quota_used": peak,
            "quota_limit": s.capabilities.address_quota, "crashes": sim.crashes}
-    del r  # the stock policy's models are collected here, after the figures are taken
+    del r, manager  # the stock policy's models are collected here, after the figures are taken
     try:
         s.close()
     except Exception:  # the failed side may not close cleanly; its figures are already taken
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in [k for k in os.environ if k.startswith("MEMBACKEND_")]:
         del os.environ[key]  # figures for the defaults
     results = {
-        "seed": [seed("vmm", StockPolicy), seed("vmm", StockPolicy, aimdo_vbar), seed(None, ResidencyManager)],
-        "cycles": [cycles("vmm", StockPolicy, n), cycles("vmm", ResidencyManager, n),
+        "seed": [seed("vmm", StockManager), seed("vmm", StockManager, aimdo_vbar), seed(None, ResidencyManager)],
+        "cycles": [cycles("vmm", StockManager, n), cycles("vmm", ResidencyManager, n),
                    cycles(None, ResidencyManager, n), cycles(None, ResidencyManager, n, unload_everything=True)],
         "quota": [reserve_until_refused("vmm"), reserve_until_refused(None)],
         "per_cycle": [cycles(None, ResidencyManager, per, unload_everything=True),

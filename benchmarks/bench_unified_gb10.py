@@ -9,7 +9,7 @@ Needs the plugin installed (``pip install --no-deps -e plugins/unified_gb10``;
 * **plugin**: the membackend policy (``ResidencyManager``) on the auto-selected
   backend, ``unified_gb10``;
 * **stock**: today's ComfyUI + comfy-aimdo, i.e. the stock policy
-  (``StockPolicy``: residency dropped on every workflow change) on the generic
+  (``StockManager``: residency dropped on every workflow change) on the generic
   VMM (budget from the driver's mem-get-info), with the plugin's page size so
   bytes compare page for page.
 
@@ -38,7 +38,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from membackend.lab.simulated import StockPolicy
+from membackend.lab.simulated import StockManager
 
 from workload_unified_gb10 import CUDA0, GB, Workload, gb10_session, stock_session
 
@@ -54,7 +54,7 @@ TWO_POOL = ("image", "video", "audio", "image", "video")
 def side(name: str) -> Workload:
     """One policy on one fresh simulated GB10, with the workflows registered."""
     if name == "stock":
-        return Workload(stock_session(), StockPolicy)
+        return Workload(stock_session(), StockManager)
     session = gb10_session()
     if session.name != "unified_gb10":
         raise SystemExit(f"the auto-selected backend is {session.name!r}, not unified_gb10: "

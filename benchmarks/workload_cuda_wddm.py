@@ -17,7 +17,7 @@ raises a typed driver error. At the end everything is unloaded.
 **Stock** (:func:`stock_session`): membackend's own model of stock ComfyUI +
 comfy-aimdo 0.5.x (from ``membackend.lab.simulated``, shared with
 ``membackend replay``): :class:`AimdoStockVmm` (the VMM mechanism doing what
-aimdo does on this path) under :class:`AimdoLoadPolicy` (evictions made by a fault skip the
+aimdo does on this path) under :class:`AimdoLoadManager` (evictions made by a fault skip the
 device sync, as aimdo's ``vbars_free`` does while the prefetch's malloc graph
 is sync-paused). It records no fence tokens: aimdo has none, it relies on
 ``cuCtxSynchronize``.
@@ -40,7 +40,7 @@ from typing import Any
 
 from membackend import ResidencyManager, Session
 from membackend.lab.simulated import (
-    AimdoLoadPolicy,
+    AimdoLoadManager,
     AimdoStockVmm,
     simulated_driver,
     simulated_failures,
@@ -49,7 +49,7 @@ from membackend.lab.simulated import (
 from membackend.types import Device, MembackendError
 from membackend_cuda_wddm import PLATFORM
 
-__all__ = ["MODELS", "Timing", "timing_for", "AimdoStockVmm", "AimdoLoadPolicy", "stock_session",
+__all__ = ["MODELS", "Timing", "timing_for", "AimdoStockVmm", "AimdoLoadManager", "stock_session",
            "plugin_session", "run_seed", "SeedResult", "PROFILE", "LAYER", "SIDES"]
 
 MiB, GB = 1 << 20, 10**9
@@ -143,7 +143,7 @@ def run_seed(seed: int, side: str, *, page_size: int = PLATFORM.page_size, not_r
     timing = timing_for(seed)
     if side == "stock":
         session = stock_session(timing, page_size, carry_on)
-        policy: ResidencyManager = AimdoLoadPolicy(session)
+        policy: ResidencyManager = AimdoLoadManager(session)
     else:
         session = plugin_session(timing, page_size)
         policy = ResidencyManager(session)

@@ -17,7 +17,9 @@ What you may import, by who you are (everything else is internal):
     :func:`load_settings` reads the settings the way ``create_session`` does.
     The value types and errors (:class:`Device`, :class:`Budget`, ...,
     :class:`MembackendError` and its subclasses) are re-exported here from
-    :mod:`membackend.types`.
+    :mod:`membackend.types` (its ``__all__``). The lab's errors are the lab's
+    (``from membackend.lab import ReplayError``) and the installer's are internal:
+    their old names here still work for one release, with a ``DeprecationWarning``.
 
 **Backend authors** (a new mechanism: one class with the six verbs)
     :mod:`membackend.hookspec` (``hookimpl`` and the contract of every hook),
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__  # noqa: E402
 from .hookspec import hookimpl  # noqa: E402
 from .types import *  # noqa: E402,F401,F403
+from .types import _MOVED, _moved_error  # noqa: E402
 from .types import __all__ as _types_all  # noqa: E402
 
 if TYPE_CHECKING:  # what a type checker sees of the lazy names below (the same objects, imported eagerly)
@@ -58,6 +61,19 @@ if TYPE_CHECKING:  # what a type checker sees of the lazy names below (the same 
     from ._residency import ResidencyPolicy as ResidencyPolicy
     from ._session import Session as Session
     from ._settings import load_settings as load_settings
+    from .types import CannotWrite as CannotWrite  # the moved errors' old names, for their last release
+    from .types import ForeignFolder as ForeignFolder
+    from .types import NotComfyUI as NotComfyUI
+    from .types import PlotFormatError as PlotFormatError
+    from .types import PlotUnavailable as PlotUnavailable
+    from .types import PluginMissing as PluginMissing
+    from .types import ReplayError as ReplayError
+    from .types import StartupCostError as StartupCostError
+    from .types import TimelineError as TimelineError
+    from .types import TraceError as TraceError
+    from .types import TraceWriteError as TraceWriteError
+    from .types import UnknownScenario as UnknownScenario
+    from .types import UnsafeLayout as UnsafeLayout
 
 #: names re-exported lazily (importing them pulls in the session, the policy or pydantic)
 _LAZY = {
@@ -85,6 +101,8 @@ if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name is a
             value = getattr(importlib.import_module(module, __name__), attr)
             globals()[name] = value
             return value
+        if name in _MOVED:  # the lab's and the installer's errors: their old name here, for one release
+            return _moved_error(__name__, name)  # not kept in globals(): each use warns
         raise AttributeError(f"module 'membackend' has no attribute {name!r}")
 
 

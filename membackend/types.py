@@ -30,7 +30,18 @@ import errno
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ClassVar,
+    Mapping,
+    NamedTuple,
+    Protocol,
+    Sequence,
+    TypeVar,
+    runtime_checkable,
+)
 
 __all__ = [
     "Device",
@@ -70,20 +81,7 @@ __all__ = [
     "ModelError",
     "TorchMissing",
     "NotResident",
-    "UnknownScenario",
-    "ReplayError",
-    "PluginMissing",
-    "TraceError",
-    "TraceWriteError",
-    "TimelineError",
-    "PlotUnavailable",
-    "PlotFormatError",
     "MissingName",
-    "NotComfyUI",
-    "ForeignFolder",
-    "UnsafeLayout",
-    "CannotWrite",
-    "StartupCostError",
     "format_size",
 ]
 
@@ -323,9 +321,9 @@ class SanitizerError(MembackendError):
     """Sanitize mode caught a use of memory that would be unsafe (G1/G2)."""
 
 
-# ------------------------------------------------------- errors of the policy, the replays and the ComfyUI adapter
-# Every error a caller can meet is here, under MembackendError, one class per meaning; the module that raises
-# one imports it from here.
+# -------------------------------------------------------------- errors of the policy and the ComfyUI adapter
+# Every error class is here, under MembackendError, one class per meaning; the module that raises one imports
+# it from here (the lab's and the installer's too: see "errors promised elsewhere" below).
 
 
 class RuleError(MembackendError, ValueError):
@@ -366,24 +364,65 @@ class NotResident(MembackendError, ValueError):
     """A tensor was asked for over pages that are not resident; fault them first."""
 
 
-class UnknownScenario(MembackendError, ValueError):
+class MissingName(MembackendError, LookupError):
+    """A name the ComfyUI adapter patches does not exist in this ComfyUI / comfy-aimdo."""
+
+
+# ------------------------------------------------ errors promised elsewhere: the lab's and the installer's
+# The lab's errors (its replays, traces, timelines, pictures and start-up cost) and those of the ComfyUI
+# installer are no part of the promise this module makes (issue 44): each is public at its home
+# (``membackend.lab``; ``membackend._comfyui.install``, internal) under its name without the leading ``_``.
+# They are defined here all the same, where every error class is (one class per meaning, tests/test_types.py),
+# for the layers' sake (tests/test_layers.py): the replays that raise most of them sit in the lab's lowest row
+# and may import nothing of the lab above it, and this module, the bottom layer, could not give the old name
+# for its last release without importing upwards were the class defined at its home. So the home imports the
+# class from here, and the old ``membackend.types.X`` / ``membackend.X`` still give that same class for one
+# release, with a DeprecationWarning naming the home (this module's ``__getattr__``, and the facade's).
+
+_LAB = "membackend.lab"
+_INSTALLER = "membackend._comfyui.install"
+_Error = TypeVar("_Error", bound=type)
+
+#: every error promised elsewhere, by its public name (the home is its ``__module__``)
+_MOVED: dict[str, type[MembackendError]] = {}
+
+
+def _promised_at(home: str) -> Callable[[_Error], _Error]:
+    """Class decorator: the error ``_X`` defined here is ``X`` of module ``home`` (its name, ``__module__`` and
+    pickle say so), and ``membackend.types.X`` gives it only with a DeprecationWarning."""
+
+    def mark(cls: _Error) -> _Error:
+        cls.__name__ = cls.__qualname__ = cls.__name__.lstrip("_")
+        cls.__module__ = home
+        _MOVED[cls.__name__] = cls
+        return cls
+
+    return mark
+
+
+@_promised_at(_LAB)
+class _UnknownScenario(MembackendError, ValueError):
     """A scenario name that is not built in (the message lists the built-in ones)."""
 
 
-class ReplayError(MembackendError, ValueError):
+@_promised_at(_LAB)
+class _ReplayError(MembackendError, ValueError):
     """A replay that cannot run as asked (the message says why and what is accepted)."""
 
 
-class PluginMissing(ReplayError):
+@_promised_at(_LAB)
+class _PluginMissing(_ReplayError):
     """The plugin a scenario compares with is not installed; the message says how to install it."""
 
 
-class TraceError(MembackendError, ValueError):
+@_promised_at(_LAB)
+class _TraceError(MembackendError, ValueError):
     """A trace that cannot be replayed: the message names the file, the line and what was wrong,
     and says what is accepted."""
 
 
-class TraceWriteError(MembackendError, OSError):
+@_promised_at(_LAB)
+class _TraceWriteError(MembackendError, OSError):
     """A trace file that cannot be written (a full disk, no permission, a read-only file system).
 
     ``TraceWriteError(path, cause, shown=None)``: ``errno`` and ``filename`` are the failed write's
@@ -400,44 +439,82 @@ class TraceWriteError(MembackendError, OSError):
         return self.message
 
 
-class TimelineError(MembackendError, ValueError):
+@_promised_at(_LAB)
+class _TimelineError(MembackendError, ValueError):
     """A tally the timeline cannot take (an unknown name, a value that is not a count, a total that fell)."""
 
 
-class PlotUnavailable(MembackendError, RuntimeError):
+@_promised_at(_LAB)
+class _PlotUnavailable(MembackendError, RuntimeError):
     """A matplotlib format was asked for and matplotlib is not installed."""
 
 
-class PlotFormatError(MembackendError, ValueError):
+@_promised_at(_LAB)
+class _PlotFormatError(MembackendError, ValueError):
     """The output path's suffix names no format the replay's pictures can write."""
 
 
-class MissingName(MembackendError, LookupError):
-    """A name the ComfyUI adapter patches does not exist in this ComfyUI / comfy-aimdo."""
+@_promised_at(_LAB)
+class _StartupCostError(MembackendError, RuntimeError):
+    """The adapter's start-up cost cannot be measured here; the message says why."""
 
 
-class NotComfyUI(MembackendError, ValueError):
+@_promised_at(_INSTALLER)
+class _NotComfyUI(MembackendError, ValueError):
     """The folder given to ``membackend comfyui install`` is not a ComfyUI checkout; nothing was written or
     removed."""
 
 
-class ForeignFolder(MembackendError, ValueError):
+@_promised_at(_INSTALLER)
+class _ForeignFolder(MembackendError, ValueError):
     """``custom_nodes/membackend`` holds a file of ours by name that ``membackend comfyui install`` did not
     write; nothing was written or removed."""
 
 
-class UnsafeLayout(MembackendError, ValueError):
+@_promised_at(_INSTALLER)
+class _UnsafeLayout(MembackendError, ValueError):
     """A symbolic link, or a file where a folder belongs (or the reverse), where install/uninstall would
     write or delete; nothing was written or removed."""
 
 
-class CannotWrite(MembackendError, OSError):
+@_promised_at(_INSTALLER)
+class _CannotWrite(MembackendError, OSError):
     """A path under ``custom_nodes`` could not be read, written or removed; the message names it and says
     what, if anything, was changed."""
 
 
-class StartupCostError(MembackendError, RuntimeError):
-    """The adapter's start-up cost cannot be measured here; the message says why."""
+def _moved_error(module: str, name: str) -> type[MembackendError]:
+    """The error ``name`` that left ``module``'s promise, for that module's ``__getattr__`` (this one, the
+    facade's): the class itself (``isinstance`` and ``except`` keep working) and a DeprecationWarning, pointing at
+    the caller's line, that names the home to import it from."""
+    import warnings
+
+    cls = _MOVED[name]
+    warnings.warn(f"{module}.{name} is deprecated: import {name} from {cls.__module__} (the same class); "
+                  f"{module}.{name} goes in the next release", DeprecationWarning, stacklevel=3)
+    return cls
+
+
+if TYPE_CHECKING:  # a type checker still reads the old names for their last release (the same classes)
+    UnknownScenario = _UnknownScenario
+    ReplayError = _ReplayError
+    PluginMissing = _PluginMissing
+    TraceError = _TraceError
+    TraceWriteError = _TraceWriteError
+    TimelineError = _TimelineError
+    PlotUnavailable = _PlotUnavailable
+    PlotFormatError = _PlotFormatError
+    StartupCostError = _StartupCostError
+    NotComfyUI = _NotComfyUI
+    ForeignFolder = _ForeignFolder
+    UnsafeLayout = _UnsafeLayout
+    CannotWrite = _CannotWrite
+else:  # hidden from type checkers, so that a misspelt name is an error there and not Any
+
+    def __getattr__(name: str) -> Any:
+        if name in _MOVED:
+            return _moved_error(__name__, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- values

@@ -13,11 +13,12 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import membackend.lab._pictures as pictures
+from membackend.lab import PlotFormatError, PlotUnavailable
 from membackend.lab._pictures import ACCEPTED_SUFFIXES, style, write_plot
 from membackend.lab._pictures.figure import draw_figure
 from membackend.lab._pictures.layout import MAX_LANES, assign_lanes, lay_out, step_segments
 from membackend.lab._replay.timeline import Marker, Sample, Timeline
-from membackend.types import MembackendError, PlotFormatError, PlotUnavailable
+from membackend.types import MembackendError
 
 GiB = 1 << 30
 EVIL = "<script>alert(1)</script>"

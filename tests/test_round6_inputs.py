@@ -28,15 +28,16 @@ import pytest
 import membackend
 from membackend import _cli as cli
 from membackend._backends import host as host_backend
-from membackend._comfyui.install import install
+from membackend._comfyui.install import NotComfyUI, install
 from membackend._drivers.sim.profiles import PROFILES, get_profile
 from membackend._hostmem import HostMemory
 from membackend._manager import BackendManager
 from membackend._settings import load_settings, quick_settings
 from membackend._settings.rules import did_you_mean, shown
+from membackend.lab import PluginMissing, ReplayError
 from membackend.lab._replay.compare import replay
 from membackend.platform import Platform, PlatformSetting, size
-from membackend.types import ConfigError, NotComfyUI, PluginMissing, ReplayError
+from membackend.types import ConfigError
 
 GiB = 1 << 30
 LONG_PART = "a" * 256  # one more byte than a path component may have on most file systems (NAME_MAX 255)

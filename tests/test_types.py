@@ -1,6 +1,7 @@
-"""Every error a caller can meet is importable from ``membackend.types``, under ``MembackendError``, one name
-per meaning (issue 26): the modules that raise them import them from there, and no error class of the same
-name is defined twice anywhere in the package."""
+"""Every error a caller can meet is defined in ``membackend.types``, under ``MembackendError``, one name per
+meaning (issue 26): the modules that raise them import them from there, and no error class of the same name is
+defined twice anywhere in the package. The lab's and the installer's are defined there too but promised at their
+homes (issue 44: tests/test_promise_moves.py)."""
 
 from __future__ import annotations
 

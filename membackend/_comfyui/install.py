@@ -45,7 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._settings.rules import os_reason, shown
-from ..types import CannotWrite, ForeignFolder, NotComfyUI, UnsafeLayout
+from ..types import _CannotWrite as CannotWrite
+from ..types import _ForeignFolder as ForeignFolder
+from ..types import _NotComfyUI as NotComfyUI
+from ..types import _UnsafeLayout as UnsafeLayout
 
 __all__ = ["NotComfyUI", "ForeignFolder", "UnsafeLayout", "CannotWrite", "Outcome", "install", "uninstall",
            "is_comfyui", "NODE_DIR", "MARKER"]

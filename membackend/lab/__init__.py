@@ -19,12 +19,27 @@ Builders, imported on first use from their modules:
   :func:`simulated_failures` — a profile's driver (or a variant of it), its machine facts, the
   profile names, the exceptions that end a simulated machine
   (all of these: :mod:`membackend.lab.simulated`);
-* :class:`StockPolicy`, :class:`AimdoStockVmm`, :class:`AimdoLoadPolicy` — the stock models:
+* :class:`StockManager`, :class:`AimdoStockVmm`, :class:`AimdoLoadManager` — the stock models:
   membackend's models of stock ComfyUI + comfy-aimdo 0.5.x, the stock side of every comparison and
-  of ``membackend replay``;
+  of ``membackend replay`` (the managers' old names, ``StockPolicy`` and ``AimdoLoadPolicy``, still
+  work for one release, with a ``DeprecationWarning``);
 * :func:`this_machine`, :func:`cuda_driver`, :func:`vmm_backend`, :func:`aimdo_backend`,
   :func:`event_token`, :func:`tensor_at` — what a check on a real GPU needs
   (:mod:`membackend.lab.real`).
+
+The lab's errors, all under :class:`membackend.MembackendError` (their home is here; the old
+``membackend.X`` and ``membackend.types.X`` give the same classes for one release, with a
+``DeprecationWarning``):
+
+* :class:`ReplayError` — a replay that cannot run as asked, and its :class:`PluginMissing` (the
+  plugin a comparison needs is not installed); :class:`UnknownScenario` — no built-in scenario of
+  that name;
+* :class:`TraceError` — a trace that cannot be replayed (the file, the line, what is wrong);
+  :class:`TraceWriteError` — a trace that cannot be written (``replay --record``);
+* :class:`TimelineError` — a tally the timeline cannot take;
+* :class:`PlotUnavailable` — matplotlib is not installed; :class:`PlotFormatError` — no picture
+  format for the path's suffix;
+* :class:`StartupCostError` — the adapter's start-up cost cannot be measured here.
 
 Modules:
 
@@ -36,9 +51,21 @@ Modules:
   their pictures live in the lab's internal ``_replay`` and ``_pictures``.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._lazy import lazy_attributes
+
+# the lab's errors: defined in membackend.types, where every error class is and below the replays that raise
+# them (see its "errors promised elsewhere"), and public here, their home; imported now, as they are cheap
+from ..types import _PlotFormatError as PlotFormatError
+from ..types import _PlotUnavailable as PlotUnavailable
+from ..types import _PluginMissing as PluginMissing
+from ..types import _ReplayError as ReplayError
+from ..types import _StartupCostError as StartupCostError
+from ..types import _TimelineError as TimelineError
+from ..types import _TraceError as TraceError
+from ..types import _TraceWriteError as TraceWriteError
+from ..types import _UnknownScenario as UnknownScenario
 
 if TYPE_CHECKING:  # what a type checker sees of the names below: the same objects, imported eagerly
     from .real import aimdo_backend as aimdo_backend
@@ -47,8 +74,10 @@ if TYPE_CHECKING:  # what a type checker sees of the names below: the same objec
     from .real import tensor_at as tensor_at
     from .real import this_machine as this_machine
     from .real import vmm_backend as vmm_backend
-    from .simulated import AimdoLoadPolicy as AimdoLoadPolicy
+    from .simulated import AimdoLoadManager as AimdoLoadManager
+    from .simulated import AimdoLoadPolicy as AimdoLoadPolicy  # the old names, for their last release
     from .simulated import AimdoStockVmm as AimdoStockVmm
+    from .simulated import StockManager as StockManager
     from .simulated import StockPolicy as StockPolicy
     from .simulated import host_session as host_session
     from .simulated import simulated_driver as simulated_driver
@@ -61,14 +90,24 @@ if TYPE_CHECKING:  # what a type checker sees of the names below: the same objec
 _HOME = {
     "simulated_session": "simulated", "host_session": "simulated", "simulated_driver": "simulated",
     "simulated_machine": "simulated", "simulated_profiles": "simulated", "simulated_failures": "simulated",
-    "StockPolicy": "simulated", "AimdoStockVmm": "simulated", "AimdoLoadPolicy": "simulated",
+    "StockManager": "simulated", "AimdoStockVmm": "simulated", "AimdoLoadManager": "simulated",
     "this_machine": "real", "cuda_driver": "real", "vmm_backend": "real", "aimdo_backend": "real",
     "event_token": "real", "tensor_at": "real",
 }
 
 __all__ = ["simulated_session", "host_session", "simulated_driver", "simulated_machine", "simulated_profiles",
-           "simulated_failures", "StockPolicy", "AimdoStockVmm", "AimdoLoadPolicy", "this_machine", "cuda_driver",
-           "vmm_backend", "aimdo_backend", "event_token", "tensor_at"]
+           "simulated_failures", "StockManager", "AimdoStockVmm", "AimdoLoadManager", "this_machine", "cuda_driver",
+           "vmm_backend", "aimdo_backend", "event_token", "tensor_at",
+           # the lab's errors, imported above
+           "ReplayError", "PluginMissing", "UnknownScenario", "TraceError", "TraceWriteError", "TimelineError",
+           "PlotUnavailable", "PlotFormatError", "StartupCostError"]
 
 if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt name is an error there and not Any
-    __getattr__ = lazy_attributes(__name__, {name: f".{_HOME[name]}" for name in __all__}, globals())
+    _lazy = lazy_attributes(__name__, {name: f".{home}" for name, home in _HOME.items()}, globals())
+
+    def __getattr__(name: str) -> Any:
+        if name in ("StockPolicy", "AimdoLoadPolicy"):  # the managers' old names: not kept, each use warns
+            from ._replay.stock import renamed
+
+            return renamed(__name__, name)
+        return _lazy(name)

@@ -21,9 +21,11 @@ And what the callers of those sessions need besides:
 * :func:`simulated_profiles` — the profile names;
 * :func:`simulated_failures` — the exceptions that end a simulated machine
   (a kernel bugcheck, a runtime crash);
-* :class:`StockPolicy`, :class:`AimdoStockVmm`, :class:`AimdoLoadPolicy` —
+* :class:`StockManager`, :class:`AimdoStockVmm`, :class:`AimdoLoadManager` —
   membackend's models of stock ComfyUI + comfy-aimdo 0.5.x (the "stock" side
-  of every comparison and of ``membackend replay``).
+  of every comparison and of ``membackend replay``); their old names
+  ``StockPolicy`` and ``AimdoLoadPolicy`` still work for one release, with a
+  ``DeprecationWarning``.
 
 Importing this module imports neither pytest nor hypothesis, so it runs without
 the ``kit`` extra.
@@ -51,13 +53,13 @@ from .._session import Session
 from .._settings import load_settings
 from ..platform import GENERIC, Platform
 from ..types import Capabilities, ConfigError, Machine
-from ._replay.stock import AimdoLoadPolicy, AimdoStockVmm, StockPolicy
+from ._replay.stock import RENAMED, AimdoLoadManager, AimdoStockVmm, StockManager, renamed
 
 if TYPE_CHECKING:
     from .._drivers.gpu import GpuDriver
 
 __all__ = ["simulated_session", "host_session", "simulated_driver", "simulated_machine", "simulated_profiles",
-           "simulated_failures", "StockPolicy", "AimdoStockVmm", "AimdoLoadPolicy"]
+           "simulated_failures", "StockManager", "AimdoStockVmm", "AimdoLoadManager"]
 
 _HERE = "simulated_session"
 
@@ -298,3 +300,14 @@ def _session(backend: Any, machine: Machine, s: Any, observers: Iterable[Any], s
         watchers.append(tracer)
     return Session(backend, machine=machine, ledger=Ledger(sanitize=s.sanitize), observers=watchers,
                    headroom=s.headroom, tracer=tracer)
+
+
+if TYPE_CHECKING:  # a type checker still reads the managers' old names for their last release (the same classes)
+    StockPolicy = StockManager
+    AimdoLoadPolicy = AimdoLoadManager
+else:  # hidden from type checkers, so that a misspelt name is an error there and not Any
+
+    def __getattr__(name: str) -> Any:
+        if name in RENAMED:
+            return renamed(__name__, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,7 +43,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..types import StartupCostError, TorchMissing
+from ..types import TorchMissing
+from ..types import _StartupCostError as StartupCostError
 
 __all__ = ["measure_startup", "format_startup", "StartupCostError", "TorchMissing", "TARGET"]
 

@@ -44,7 +44,8 @@ import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
-from ...types import PlotFormatError, PlotUnavailable
+from ...types import _PlotFormatError as PlotFormatError
+from ...types import _PlotUnavailable as PlotUnavailable
 from .._replay.timeline import Timeline
 from .figure import draw_figure, save_figure
 from .layout import lay_out

@@ -1,6 +1,6 @@
 """Running a trace through the residency policy and a backend on a simulated machine, per side.
 
-* **stock**: today's ComfyUI + comfy-aimdo — :class:`~membackend.lab._replay.stock.AimdoLoadPolicy`
+* **stock**: today's ComfyUI + comfy-aimdo — :class:`~membackend.lab._replay.stock.AimdoLoadManager`
   over :class:`~membackend.lab._replay.stock.AimdoStockVmm` (32 MiB pages, budget as aimdo reads it,
   no fence tokens: aimdo has none).
 * **plugin**: membackend — :class:`~membackend._residency.ResidencyManager` over the backend the
@@ -42,8 +42,12 @@ from ..._settings import load_settings
 from ..._settings.rules import did_you_mean, quoted
 from ..._trace import TraceObserver
 from ...platform import Platform
-from ...types import Device, MembackendError, PluginMissing, ReplayError, TraceError, TraceWriteError
-from .stock import AimdoLoadPolicy, AimdoStockVmm
+from ...types import Device, MembackendError
+from ...types import _PluginMissing as PluginMissing
+from ...types import _ReplayError as ReplayError
+from ...types import _TraceError as TraceError
+from ...types import _TraceWriteError as TraceWriteError
+from .stock import AimdoLoadManager, AimdoStockVmm
 from .timeline import Marker, Sample, Timeline
 from .traceformat import Trace, shown_path
 
@@ -185,8 +189,8 @@ def _stock_session(profile: str, changes: dict[str, Any]) -> Session:
 class _Run:
     """One side's replay state."""
 
-    def __init__(self, session: Session, policy: ResidencyManager, result: SideResult, record_copies: bool):
-        self.session, self.policy, self.result = session, policy, result
+    def __init__(self, session: Session, manager: ResidencyManager, result: SideResult, record_copies: bool):
+        self.session, self.manager, self.result = session, manager, result
         self.backend: Any = cast(Any, session.backend)  # a VMM backend over a simulated driver: its driver
         self.driver = self.backend.driver
         self.sim = self.driver.sim
@@ -296,11 +300,11 @@ class _Run:
                 raise TraceError(f"owner {e['owner']!r} of model {e['model']!r} is not registered before it")
             owner = self.models[e["owner"]]
         devices = list(dict.fromkeys(self.device(d) for d in e["devices"]))  # two may map onto one
-        self.models[e["model"]] = self.policy.register(e["model"], e["bytes"], devices, e.get("kind") or "other",
+        self.models[e["model"]] = self.manager.register(e["model"], e["bytes"], devices, e.get("kind") or "other",
                                                        owner=owner)
 
     def on_use(self, e):
-        self.policy.use([self.models[m] for m in e["models"]], workflow=e.get("workflow"))
+        self.manager.use([self.models[m] for m in e["models"]], workflow=e.get("workflow"))
         label = e.get("workflow") or "+".join(e["models"])
         if self.run is None or self.run["workflow"] != label:
             self.run = {"workflow": label, "start": self.t, "seconds": 0.0, "loaded": 0}
@@ -311,7 +315,7 @@ class _Run:
         model, dev = self.models[e["model"]], self.device(e["device"])
         pending = self.pending_copies.setdefault((e["model"], dev), [])
         try:
-            f = self.policy.fault(model, e["offset"], e["bytes"], dev)
+            f = self.manager.fault(model, e["offset"], e["bytes"], dev)
         except MembackendError as exc:
             if isinstance(exc, ValueError):
                 raise  # the trace's range or device is wrong: a TraceError for the caller
@@ -359,7 +363,7 @@ class _Run:
             stream = self.streams[dev.index] = self.driver.stream_create()
         self.driver.memcpy_htod_async(r.base + start, 0, end - start, stream)
         if self.record_copies:  # the copy's event: frees of this reservation wait for it (G2)
-            self.policy.record(model, self.backend.fence_token(r, stream), dev)
+            self.manager.record(model, self.backend.fence_token(r, stream), dev)
 
     def on_compute(self, e):
         self.advance(e["seconds"], busy=True)
@@ -374,38 +378,38 @@ class _Run:
             self.sim.advance(seconds)  # the host runs ahead while the device computes
 
     def on_unpin(self, e):
-        self.policy.unpin(self.models[e["model"]], e["offset"], e["bytes"], self.device(e["device"]))
+        self.manager.unpin(self.models[e["model"]], e["offset"], e["bytes"], self.device(e["device"]))
 
     def on_full_unload(self, e):
-        self.policy.full_unload(self.models[e["model"]])
+        self.manager.full_unload(self.models[e["model"]])
         self.mark("unload", e["model"])
         self.after_unload(e["model"])
 
     def on_unload_all(self, e):
-        self.policy.unload_all()
+        self.manager.unload_all()
         self.mark("unload_all", "unload all")
         self.after_unload("unload all")
 
     def on_unregister(self, e):
-        self.policy.unregister(self.models.pop(e["model"]))
+        self.manager.unregister(self.models.pop(e["model"]))
 
     def on_free_memory(self, e):
-        self.policy.free_memory(e["bytes"], self.device(e["device"]))
+        self.manager.free_memory(e["bytes"], self.device(e["device"]))
 
     def on_shed(self, e):
-        self.policy.shed(self.models[e["model"]], e["bytes"], self.device(e["device"]), floor=e.get("floor", 0))
+        self.manager.shed(self.models[e["model"]], e["bytes"], self.device(e["device"]), floor=e.get("floor", 0))
 
     def on_prioritize(self, e):
-        self.policy.prioritize(self.models[e["model"]])
+        self.manager.prioritize(self.models[e["model"]])
 
     def on_deprioritize(self, e):
-        self.policy.deprioritize(self.models[e["model"]])
+        self.manager.deprioritize(self.models[e["model"]])
 
     def on_set_watermark(self, e):
-        self.policy.set_watermark(self.models[e["model"]], e["limit"], self.device(e["device"]))
+        self.manager.set_watermark(self.models[e["model"]], e["limit"], self.device(e["device"]))
 
     def on_idle(self, e):
-        self.policy.on_idle()
+        self.manager.on_idle()
         if self.result.unloads:
             self.after_unload("idle")
 
@@ -455,9 +459,9 @@ def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = Non
         raise ReplayError(f"side {side!r}; accepted: {', '.join(SIDES)}")
     changes = dict(changes or {})
     session, tracer = _open_side(trace, side, profile, backend, changes, record)
-    policy = AimdoLoadPolicy(session, tracer=tracer) if side == "stock" else ResidencyManager(session, tracer=tracer)
+    manager = AimdoLoadManager(session, tracer=tracer) if side == "stock" else ResidencyManager(session, tracer=tracer)
     result = SideResult(side, session.backend.name, profile, timeline=Timeline(side))
-    run = _Run(session, policy, result, record_copies=side == "plugin")
+    run = _Run(session, manager, result, record_copies=side == "plugin")
     try:
         _replay_events(run, trace, tracer, progress)
         run.finish_timeline()
@@ -465,7 +469,7 @@ def run_side(trace: Trace, side: str, *, profile: str, backend: str | None = Non
     finally:
         # stock releases reservations only when its models are collected: after the figures, as ComfyUI would
         run.models.clear()
-        del policy, run
+        del manager, run
         gc.collect()
         _close_side(session, tracer, lost=result.lost is not None)
     failed = _record_failure(tracer, record)
@@ -525,7 +529,7 @@ def _apply_event(run: _Run, trace: Trace, tracer: _RecordingTracer | None, fatal
     n, line, e = at
     try:
         if tracer is not None and e["event"] in ("copy", "compute"):
-            _trace_input(tracer, run.policy, e)
+            _trace_input(tracer, run.manager, e)
         run.apply(e)
     except fatal as exc:
         run.result.lost = f"{trace.where(n, line, e)}: {type(exc).__name__}: {exc}"
@@ -583,7 +587,7 @@ def _record_failure(tracer: _RecordingTracer | None, record: str | None) -> Trac
     return TraceWriteError(record, tracer.failed, shown_path(record))
 
 
-def _trace_input(tracer: TraceObserver, policy: ResidencyManager, e: dict[str, Any]) -> None:
+def _trace_input(tracer: TraceObserver, manager: ResidencyManager, e: dict[str, Any]) -> None:
     """Copies and compute steps are the workload's, not the policy's: written as they came."""
-    tracer.event(e["event"], policy=policy.policy, **{k: v for k, v in e.items() if k not in ("event", "policy",
+    tracer.event(e["event"], policy=manager.policy_name, **{k: v for k, v in e.items() if k not in ("event", "policy",
                                                                                                "time")})

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..._settings.rules import did_you_mean, quoted
-from ...types import UnknownScenario
+from ...types import _UnknownScenario as UnknownScenario
 
 __all__ = ["Scenario", "SCENARIOS", "get_scenario", "UnknownScenario", "layered_run"]
 

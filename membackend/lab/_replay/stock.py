@@ -1,15 +1,18 @@
 """Stock ComfyUI + comfy-aimdo 0.5.x on the VMM mechanism: the "stock" side of every replay.
 
 :class:`AimdoStockVmm` makes the generic VMM backend do what comfy-aimdo does with physical
-memory (each behaviour's source is on its method); :class:`AimdoLoadPolicy` is the stock
-residency policy (:class:`StockPolicy`, below) with aimdo's pressure path during
-a load. Comparison only: automatic selection never picks it (its probe scores 0).
+memory (each behaviour's source is on its method); :class:`AimdoStock` is the stock residency
+policy and :class:`StockManager` the residency manager over it; :class:`AimdoLoadManager` is that
+manager with aimdo's pressure path during a load (:class:`AimdoLoad`). Comparison only: automatic
+selection never picks it (its probe scores 0). The managers' old names, ``StockPolicy`` and
+``AimdoLoadPolicy``, still give them for one release, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, MutableMapping
 
@@ -26,7 +29,8 @@ if TYPE_CHECKING:
     from ..._session import Session
     from ..._trace import TraceObserver
 
-__all__ = ["AimdoStock", "AimdoLoad", "StockPolicy", "stock_platform", "AimdoStockVmm", "AimdoLoadPolicy", "AIMDO_PAGE"]
+__all__ = ["AimdoStock", "AimdoLoad", "StockManager", "stock_platform", "AimdoStockVmm", "AimdoLoadManager",
+           "AIMDO_PAGE"]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ AIMDO_PAGE = 32 * MiB
 
 
 class AimdoStock(ResidencyPolicy):
-    """Today's ComfyUI + comfy-aimdo as a residency policy (:class:`StockPolicy` is the manager over it).
+    """Today's ComfyUI + comfy-aimdo as a residency policy (:class:`StockManager` is the manager over it).
 
     * A full unload frees the pages (``vbar.free_memory``, after a device-wide
       sync) but the reservation (the ``ModelVBAR``) stays alive until the model
@@ -99,11 +103,9 @@ class AimdoLoad(AimdoStock):
             super().fence_before_free(session, device, during_fault)
 
 
-class StockPolicy(ResidencyManager):
+class StockManager(ResidencyManager):
     """The residency manager over :class:`AimdoStock` (or ``policy``): today's ComfyUI + comfy-aimdo,
-    reproduced for side-by-side comparison."""
-
-    policy = "stock"
+    reproduced for side-by-side comparison (its :attr:`policy_name` is ``stock``)."""
 
     def __init__(self, session: Session, *, policy: AimdoStock | None = None, tracer: TraceObserver | None = None):
         super().__init__(session, policy=policy if policy is not None else AimdoStock(), tracer=tracer)
@@ -146,7 +148,7 @@ class AimdoStockVmm(VmmBackend):
       returned to the driver, not pooled"); nothing is recycled.
     * The mechanism never synchronizes by itself: aimdo's only fence is the
       ``cuCtxSynchronize`` inside its VBAR free paths, which the policy issues
-      (:class:`AimdoLoadPolicy`), and no free path waits for the WDDM page-in
+      (:class:`AimdoLoadManager`), and no free path waits for the WDDM page-in
       of a fresh mapping.
     * A failed fault is unwound with no sync (``three_stooges`` unwinds with
       ``cuMemUnmap`` → ``cuMemRelease``).
@@ -200,7 +202,7 @@ class _AimdoPages(PageMapper):
 
     def _fence_before_drop(self, state: Any) -> None:
         """mod1 unmaps and releases page by page with no sync of its own (the policy's free paths
-        sync the device; a fault's evictions do not, see :class:`AimdoLoadPolicy`)."""
+        sync the device; a fault's evictions do not, see :class:`AimdoLoadManager`)."""
 
     def _unmap(self, ptr: int, size: int) -> None:
         self._unsafe(self._driver().unmap, ptr, size)
@@ -212,8 +214,35 @@ class _AimdoPages(PageMapper):
         return 0
 
 
-class AimdoLoadPolicy(StockPolicy):
+class AimdoLoadManager(StockManager):
     """The residency manager over :class:`AimdoLoad`: comfy-aimdo 0.5.x's pressure path during a load."""
 
     def __init__(self, session: Session, *, tracer: TraceObserver | None = None):
         super().__init__(session, policy=AimdoLoad(), tracer=tracer)
+
+
+#: the managers' old names (they are residency managers, not policies: issue 44), each to its new one; they
+#: still give the same class for one release (:func:`renamed`)
+RENAMED = {"StockPolicy": "StockManager", "AimdoLoadPolicy": "AimdoLoadManager"}
+
+
+def renamed(module: str, name: str) -> type[StockManager]:
+    """The manager old name ``name`` stands for, for the ``__getattr__`` of ``module`` (this one,
+    ``membackend.lab.simulated``, ``membackend.lab``), with a DeprecationWarning at the caller's line naming the
+    new name."""
+    new = RENAMED[name]
+    warnings.warn(f"{module}.{name} is deprecated: it is a residency manager, {module}.{new} (the same class); "
+                  f"{module}.{name} goes in the next release", DeprecationWarning, stacklevel=3)
+    manager: type[StockManager] = globals()[new]
+    return manager
+
+
+if TYPE_CHECKING:  # a type checker still reads the old names for their last release (the same classes)
+    StockPolicy = StockManager
+    AimdoLoadPolicy = AimdoLoadManager
+else:  # hidden from type checkers, so that a misspelt name is an error there and not Any
+
+    def __getattr__(name: str) -> Any:
+        if name in RENAMED:
+            return renamed(__name__, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...types import TimelineError
+from ...types import _TimelineError as TimelineError
 
 __all__ = ["Sample", "Marker", "Timeline", "TimelineError", "TALLY_MARKERS"]
 

@@ -30,7 +30,8 @@ from typing import Any, Iterable, Iterator
 
 from ..._settings.rules import os_reason, shown
 from ..._trace import TRACE_FORMAT, TRACE_VERSION, trace_header
-from ...types import TraceError, TraceWriteError
+from ...types import _TraceError as TraceError
+from ...types import _TraceWriteError as TraceWriteError
 
 __all__ = ["TraceError", "TraceWriteError", "Trace", "TraceEvents", "WORKLOAD_EVENTS", "MAX_LINE_BYTES",
            "MAX_COUNT", "MAX_SHOWN", "HEADER_MACHINE_FIELDS", "parse_lines", "read_trace", "write_trace",

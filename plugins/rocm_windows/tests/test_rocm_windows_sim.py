@@ -16,7 +16,7 @@ from membackend._backends.vmm import AddressSpaceExhausted
 from membackend._manager import BackendManager
 from membackend._residency import ResidencyManager
 from membackend._settings import load_settings
-from membackend.lab._replay.stock import StockPolicy
+from membackend.lab._replay.stock import StockManager
 from membackend.types import BackendNotFound, ConfigError
 
 from workload_rocm_windows import HIP0, HIP1, KREA2, run_cycles
@@ -54,7 +54,7 @@ def run_krea2(policy, device=HIP0):
 def test_seed_stock_keeps_commit_by_the_reserved_size_the_plugin_returns_to_baseline():
     stock_s, plugin_s = session("vmm"), session()
     results = {}
-    for name, s, cls in (("stock", stock_s, StockPolicy), ("plugin", plugin_s, ResidencyManager)):
+    for name, s, cls in (("stock", stock_s, StockManager), ("plugin", plugin_s, ResidencyManager)):
         baseline = sim(s).private_commit
         policy = cls(s)
         models = run_krea2(policy)  # held, as ComfyUI holds its model objects

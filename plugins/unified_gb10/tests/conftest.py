@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from membackend._residency import ResidencyManager
-from membackend.lab._replay.stock import StockPolicy
+from membackend.lab._replay.stock import StockManager
 
 from workload_unified_gb10 import Workload, gb10_session, stock_session
 
@@ -27,7 +27,7 @@ def workload():
     made = []
 
     def make(side: str = "plugin") -> Workload:
-        w = Workload(gb10_session(), ResidencyManager) if side == "plugin" else Workload(stock_session(), StockPolicy)
+        w = Workload(gb10_session(), ResidencyManager) if side == "plugin" else Workload(stock_session(), StockManager)
         made.append(w)
         return w
 
