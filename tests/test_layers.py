@@ -21,8 +21,14 @@ module with a part starting with ``_``), and the core never imports a plugin.
 Tests, the plugins' (``plugins/*/tests/``) and membackend's (``tests/``), may
 use the internals.
 
-``python tests/test_layers.py`` prints the import graph's figures: modules,
-arrows between them, arrows pointing up, circles.
+The graph is counted twice: as it runs (``TYPE_CHECKING`` blocks exempt) and
+with the imports made only for type checking, which a type checker and a
+reader follow as arrows too. Both ways no arrow points up and there is no
+circle; and inside a package of parts no part imports its front
+(:data:`FRONTS`), even for a type.
+
+``python tests/test_layers.py`` prints the import graph's figures both ways:
+modules, arrows between them, arrows pointing up, circles.
 """
 
 from __future__ import annotations
@@ -95,18 +101,19 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def imports_of(path: Path, package: str | None = None) -> list[str]:
-    """Every ``membackend`` module ``path`` imports (lazy ones included; ``TYPE_CHECKING`` exempt).
-    ``package``: the package relative imports start from (default: the file's own, inside membackend)."""
+def imports_of(path: Path, package: str | None = None, type_only: bool = False) -> list[str]:
+    """Every ``membackend`` module ``path`` imports (lazy ones included; ``TYPE_CHECKING`` exempt unless
+    ``type_only``). ``package``: the package relative imports start from (default: the file's own, inside
+    membackend)."""
     if package is None:
         name = module_name(path)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    return imports_in(ast.parse(path.read_text()), package)
+    return imports_in(ast.parse(path.read_text()), package, type_only)
 
 
-def imports_in(tree: ast.AST, package: str) -> list[str]:
+def imports_in(tree: ast.AST, package: str, type_only: bool = False) -> list[str]:
     """:func:`imports_of` for a parsed module."""
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_only else _type_checking_nodes(tree)
     found = []
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -127,16 +134,21 @@ def imports_in(tree: ast.AST, package: str) -> list[str]:
     return [m for m in found if m == "membackend" or m.startswith("membackend.")]
 
 
-def all_imports() -> dict[str, list[str]]:
-    """Every module of the package and the ``membackend`` modules it imports (a fresh copy the caller may change)."""
-    return {module: list(found) for module, found in _parsed_package()}
+def all_imports(type_only: bool = False) -> dict[str, list[str]]:
+    """Every module of the package and the ``membackend`` modules it imports (a fresh copy the caller may change);
+    with ``type_only``, the imports made only for type checking count too."""
+    return {module: list(found) for module, found in _parsed_package(type_only)}
+
+
+#: the two ways the graph is counted: as it runs, and with the imports made for type checking only
+WAYS = {"run time": False, "type-only included": True}
 
 
 @functools.cache
-def _parsed_package() -> tuple[tuple[str, tuple[str, ...]], ...]:
+def _parsed_package(type_only: bool = False) -> tuple[tuple[str, tuple[str, ...]], ...]:
     # parsed once per test run: the package's files do not change while its tests run (planted imports are
     # added to a copy of what this returns)
-    return tuple((module_name(p), tuple(imports_of(p))) for p in sorted(ROOT.rglob("*.py")))
+    return tuple((module_name(p), tuple(imports_of(p, type_only=type_only))) for p in sorted(ROOT.rglob("*.py")))
 
 
 def upward(imports: dict[str, list[str]]) -> list[str]:
@@ -152,8 +164,17 @@ def adapter_leaks(imports: dict[str, list[str]]) -> list[str]:
             for imp in imps if _is_under(imp, NEVER_FROM_THE_ADAPTER)]
 
 
-def test_no_module_imports_one_above_it():
-    assert upward(all_imports()) == []
+@pytest.mark.parametrize("type_only", WAYS.values(), ids=WAYS.keys())
+def test_no_module_imports_one_above_it(type_only):
+    assert upward(all_imports(type_only)) == []
+
+
+def test_a_type_only_import_counts_when_asked():
+    """The second way can fail: an import under ``if TYPE_CHECKING:`` is an arrow only when type-only imports
+    count."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .._manager import X\n")
+    assert imports_in(tree, "membackend._backends") == []
+    assert imports_in(tree, "membackend._backends", type_only=True) == ["membackend._manager"]
 
 
 def test_the_adapter_imports_neither_the_lab_nor_the_kit():
@@ -247,10 +268,42 @@ def figures(imports: dict[str, list[str]]) -> dict[str, int]:
             "upward": len(upward(graph)), "circles": len(_cycles(graph))}
 
 
-def test_the_package_has_no_import_circle():
-    """Lazy imports count; the whole package, its top floor included."""
-    found = figures(all_imports())
-    assert found["arrows"] > found["modules"] and found["upward"] == 0 and found["circles"] == 0, found
+@pytest.mark.parametrize("type_only", WAYS.values(), ids=WAYS.keys())
+def test_the_package_has_no_import_circle(type_only):
+    """Lazy imports count; the whole package, its top floor included; type-only imports too, the second way."""
+    imports = all_imports(type_only)
+    found = figures(imports)
+    circles = [" -> ".join(c) for c in _cycles(module_graph(imports))]
+    assert found["arrows"] > found["modules"] and found["upward"] == 0 and found["circles"] == 0, (found, circles)
+
+
+#: each package of parts -> its front, the module that composes the parts; no other module of the package
+#: imports it, type-only imports included (the parts receive what they use, they never hold their whole)
+FRONTS = {
+    "membackend._backends.vmm": "membackend._backends.vmm.backend",
+    "membackend._session": "membackend._session.session",
+    "membackend._residency": "membackend._residency.manager",
+    "membackend._drivers.sim.platform": "membackend._drivers.sim.platform",
+}
+
+
+def front_imports(imports: dict[str, list[str]], fronts: dict[str, str] = FRONTS) -> list[str]:
+    """``part imports front`` for every module of a package of :data:`FRONTS` (its ``__init__`` aside, which
+    re-exports the front) that imports the package's front."""
+    return [f"{mod} imports {imp}" for pkg, front in fronts.items() for mod, imps in imports.items()
+            if mod.startswith(pkg + ".") and mod != front for imp in imps
+            if imp == front or (front == pkg and imp.startswith(front + ".") and imp.rpartition(".")[2][0].isupper())]
+
+
+def test_no_part_imports_its_front():
+    imports = all_imports(type_only=True)
+    assert all(front in imports for front in FRONTS.values()), "a front of FRONTS is no module: out of date"
+    assert front_imports(imports) == []
+
+
+def test_a_part_importing_its_front_is_caught():
+    imports = {**all_imports(type_only=True), "membackend._backends.vmm._probe": ["membackend._backends.vmm.backend"]}
+    assert front_imports(imports) == ["membackend._backends.vmm._probe imports membackend._backends.vmm.backend"]
 
 
 def test_no_import_circle_inside_the_comfyui_adapter():
@@ -507,4 +560,5 @@ def test_the_public_names_check_can_fail(tmp_path):
 
 
 if __name__ == "__main__":
-    print(", ".join(f"{k} {v}" for k, v in figures(all_imports()).items()))
+    for way, type_only in WAYS.items():
+        print(f"{way}: " + ", ".join(f"{k} {v}" for k, v in figures(all_imports(type_only)).items()))
