@@ -628,7 +628,7 @@ class Reservation:
     * ``handle``: anything the backend needs later (a file, a page table); membackend never reads it;
     * ``requested``: the size asked for, so a free may end at the last requested byte inside the tail page.
 
-    ``id`` and ``released`` are membackend's: leave them at their defaults.
+    ``id``, ``released`` and ``_seat`` are membackend's: leave them at their defaults.
     The session checks the result (a ``Reservation``, at least the size asked,
     the same device, whole pages, this backend's name, not released) and
     gives a wrong one back, raising ``PluginError``.
@@ -643,6 +643,16 @@ class Reservation:
     requested: int = 0
     id: int = field(default_factory=lambda: next(_reservation_ids))
     released: bool = False
+    #: ``(live table, permit)`` of the session that holds it alive (None otherwise): the hot verbs find both in
+    #: one attribute load, where a dict lookup was their largest single cost (docs/performance.md). Not an
+    #: argument, not compared, not shown, and a copy or a pickle leaves it behind (:meth:`__getstate__`).
+    _seat: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or a pickle is a new object, alive in no session: everything but the seat."""
+        state = dict(self.__dict__)
+        state.pop("_seat", None)
+        return state
 
     @property
     def pages(self) -> int:

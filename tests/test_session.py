@@ -5,7 +5,9 @@ precise input errors."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import threading
 from concurrent.futures import Future
 
@@ -577,6 +579,45 @@ def test_a_reservation_of_another_session_of_the_same_backend_is_refused(verb):
     assert theirs.free(r) == 4 * MiB  # the owner still uses it normally
     theirs.close()
     mine.close()
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+@pytest.mark.parametrize("verb", ["fault", "free"])
+def test_a_copy_of_a_live_reservation_is_alive_in_no_session(how, verb):
+    # the hot verbs find a reservation's session on the object itself (Reservation._seat): a copy must not
+    s = plain_host_session(HostBackend(page_size=PAGE))
+    r = s.reserve(CPU, 8 * MiB)
+    s.fault(r, 0, 4 * MiB)
+    twin = {"copy": copy.copy, "deepcopy": copy.deepcopy,
+            "pickle": lambda x: pickle.loads(pickle.dumps(x))}[how](r)
+    assert twin is not r and twin.id == r.id and twin._seat is None and r._seat is not None
+    args = (twin, 0, 4 * MiB) if verb == "fault" else (twin,)
+    with pytest.raises(ForeignReservation, match=f"#{r.id} .*another session"):
+        getattr(s, verb)(*args)
+    assert s.ledger.account(CPU).resident == 4 * MiB and s.free(r) == 4 * MiB  # the original is untouched
+    s.close()
+    assert r._seat is None  # released: alive in no session
+    with pytest.raises(ReservationReleased):
+        s.fault(r, 0, PAGE)
+
+
+def test_a_backend_handing_out_a_live_reservation_again_is_a_plugin_error_and_the_live_one_stays():
+    class Repeater(HostBackend):
+        first = None
+
+        @hookimpl
+        def membackend_reserve(self, device, size):
+            if self.first is None:
+                self.first = super().membackend_reserve(device, size)
+            return self.first
+
+    s = plain_host_session(Repeater(page_size=PAGE))
+    r = s.reserve(CPU, 8 * MiB)
+    s.fault(r, 0, 4 * MiB)
+    with pytest.raises(PluginError, match=f"returned reservation #{r.id}, which is alive already"):
+        s.reserve(CPU, 8 * MiB)
+    assert s.reservations() == [r] and not r.released and s.free(r) == 4 * MiB  # not given back
+    s.close()
 
 
 # --------------------------------------------------------------------------- 4.5: reserve is exception-safe

@@ -7,6 +7,11 @@ installs them as attributes of the instance, declared on the class as :class:`Fa
 (their contracts), so no bound method is made per call and there is no second body. Each check is the one the
 session makes anywhere: the reservation alive here, the arguments, the permit (:class:`~.permits.Permits`),
 G2's fence before a free, the live views, the ledger.
+
+Why the seat: a reservation alive in a session carries ``(that session's live table, its permit)`` in
+``Reservation._seat`` (set by :mod:`.lifecycle`), and the hot verbs read it there, one attribute load, where the
+lookup in the live table was the largest single cost of ``Session.fault`` over the backend's method (about 70 of
+its 260 ns, ``docs/performance.md``). The table's identity says the reservation is alive *here*.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def hot_verbs(live: dict[Reservation, list[bool]], permits: Permits, ledger: Led
               in_range: Callable[[Reservation, Any, Any], tuple[int, int]],
               failed: Callable[..., Any], backend_fault: Callable[..., Fault],
               backend_free: Callable[..., int]) -> tuple[FaultVerb, FreeVerb]:
-    """``(fault, free)`` over ``live`` (reservation -> its permit, of ``permits``), the ``ledger``, ``frees``
+    """``(fault, free)`` over ``live`` (reservation -> its permit, of ``permits``; the identity a reservation's
+    seat names), the ``ledger``, ``frees``
     (reservation id -> frees that reached the backend), the live ``views`` table and its ``check_views``,
     ``wait_tokens`` (G2), ``refuse`` and ``in_range`` (the checks), ``failed`` (the typed-error wrapper) and
     the bound ``backend_fault`` and ``backend_free``."""
@@ -59,11 +65,13 @@ def hot_verbs(live: dict[Reservation, list[bool]], permits: Permits, ledger: Led
 
     def fault(reservation: Reservation, offset: int, size: int) -> Fault:
         try:
-            permit = live[reservation]
-        except (KeyError, TypeError):
+            table, permit = reservation._seat
+        except (AttributeError, TypeError):  # not a Reservation, or alive in no session
             refuse(reservation, "fault")
-        if not (offset.__class__ is int and size.__class__ is int and 0 <= offset < offset + size
-                <= reservation.size):
+        if table is not live:
+            refuse(reservation, "fault")
+        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
+                or offset + size > reservation.size:
             offset, size = in_range(reservation, offset, size)
         try:  # take the permit, inlined (see Permits)
             permit.pop()
@@ -78,8 +86,8 @@ def hot_verbs(live: dict[Reservation, list[bool]], permits: Permits, ledger: Led
                 if (untyped := failed("fault", exc, reservation)) is None:
                     raise
                 raise untyped from exc
-            if f.mapped:
-                on_fault(reservation, f.mapped)
+            if f[3]:  # f.mapped: an index costs less than a name on a tuple subclass
+                on_fault(reservation, f[3])
         finally:
             permit.append(True)  # give it back, inlined
             if waiting:
@@ -88,8 +96,10 @@ def hot_verbs(live: dict[Reservation, list[bool]], permits: Permits, ledger: Led
 
     def free(reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
         try:
-            permit = live[reservation]
-        except (KeyError, TypeError):
+            table, permit = reservation._seat
+        except (AttributeError, TypeError):
+            refuse(reservation, "free")
+        if table is not live:
             refuse(reservation, "free")
         if size is None:
             if offset.__class__ is not int:
@@ -98,8 +108,8 @@ def hot_verbs(live: dict[Reservation, list[bool]], permits: Permits, ledger: Led
                 raise OutOfRange(f"offset {offset} is outside reservation #{reservation.id} of "
                                  f"{reservation.size} bytes; accepted: 0 <= offset < {reservation.size}")
             size = reservation.size - offset
-        if not (offset.__class__ is int and size.__class__ is int and 0 <= offset < offset + size
-                <= reservation.size):
+        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
+                or offset + size > reservation.size:
             offset, size = in_range(reservation, offset, size)
         ps = reservation.page_size
         end = offset + size

@@ -49,13 +49,18 @@ class Lifecycle:
             if (untyped := self._failed("reserve", exc)) is None:
                 raise
             raise untyped from exc
+        if isinstance(r, Reservation) and r._seat is not None:  # not a new one: nothing to give back
+            raise PluginError(f"backend {self._name!r} broke the contract: reserve({device}, {size}) returned "
+                              f"reservation #{r.id}, which is alive already")
         try:
             if not isinstance(r, Reservation) or r.size < size or r.device != device or r.page_size <= 0 \
                     or r.size % r.page_size or r.backend != self._name or r.released:
                 raise PluginError(f"backend {self._name!r} broke the contract: reserve({device}, {size}) returned "
                                   f"{r!r}")
             self._ledger.on_reserve(r)
-            self._live[r] = [True]
+            permit = [True]
+            self._live[r] = permit
+            r._seat = (self._live, permit)  # what the hot verbs read (Reservation._seat)
         except BaseException:
             self.give_back(r)
             raise
@@ -79,6 +84,7 @@ class Lifecycle:
                     raise
                 raise untyped from exc
             reservation.released = True
+            reservation._seat = None
             self._ledger.on_release(reservation)
             self._live.pop(reservation, None)
             self._views.pop(reservation, None)
@@ -91,6 +97,7 @@ class Lifecycle:
         if not isinstance(r, Reservation):
             return  # nothing a backend could release
         self._live.pop(r, None)
+        r._seat = None
         self._views.pop(r, None)
         self._ledger.forget(r)
         try:
