@@ -94,7 +94,7 @@ def cycles(backend: str | None, cls, n: int, unload_everything: bool = False) ->
            "full_unload", "cycles": n, "done": done, "error": error, "large_frees": sim.churn_frees,
            "commit_each": commits, "kept_each": r.kept,
            "kept_report": [k.describe() for k in (kept(d) for d in (HIP0, HIP1)) if k is not None]
-           if (kept := getattr(s.backend, "kept_windows", None)) else [],
+           if (kept := s.members.kept_windows) else [],
            "commit_first": commits[0] if commits else None, "commit_last": commits[-1] if commits else None,
            "commit_flat_after_2": None if error else len(set(commits[2:])) <= 1, "peak_quota_used": peak,
            "quota_limit": s.capabilities.address_quota, "crashes": sim.crashes}

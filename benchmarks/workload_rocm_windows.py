@@ -34,7 +34,7 @@ def run_cycles(session, policy, n: int, unload_everything: bool = False) -> Cycl
     the kept windows the platform allows). A driver error, a refused reservation (a typed out-of-memory)
     or an out-of-memory fault ends the run and is recorded."""
     sim = session.backend.driver.sim
-    kept_windows = getattr(session.backend, "kept_windows", None)
+    kept_windows = session.members.kept_windows
     models = {d: [policy.register(f"{k}@{d}", KREA2[k], d) for k in ("text_encoder", "unet")] for d in (HIP0, HIP1)}
     out = Cycles(models=models)
     for i in range(n):

@@ -262,10 +262,10 @@ def self_test(mgr: BackendManager, machine: Machine, sel: Selection) -> dict[str
                 session.close()
             except MembackendError as exc:
                 step("close", f"{type(exc).__name__}: {exc}", passed=False)
-    listed = next((d.source for d in machine.devices if d.device == dev), "")
-    note = (f"RSS is this process's own resident memory: the bytes of a GPU simulated by {listed} are pages of a "
-            "memfd, counted there only once written, and a fault maps them without writing (a real GPU's never "
-            "count there); the ledger column is the device's figure") if listed.startswith("sim:") else ""
+    listed = next((d for d in machine.devices if d.device == dev), None)
+    note = (f"RSS is this process's own resident memory: the bytes of a GPU simulated by {listed.source} are pages "
+            "of a memfd, counted there only once written, and a fault maps them without writing (a real GPU's never "
+            "count there); the ledger column is the device's figure") if listed is not None and listed.simulated else ""
     return {"ok": ok, "backend": backend, "device": str(dev), "steps": steps, "rss_note": note}
 
 
@@ -366,7 +366,7 @@ def hidden_gpus(machine: Machine, environ: Any) -> list[str]:
     ``--cuda-device all`` (HIP honours the variable too): the second GPU is then hidden from ComfyUI, and so
     from membackend inside it."""
     gpus = machine.gpus()
-    simulated = any(d.source.startswith("sim:") for d in gpus)
+    simulated = any(d.simulated for d in gpus)
     seen = "the simulated driver ignores it" if simulated else "the list above is what it lets through"
     out = [f"{name}={quoted(environ[name])} is set: only the GPUs it names are visible to this process ({seen})"
            for name in VISIBILITY_VARIABLES if environ.get(name) is not None]

@@ -510,11 +510,9 @@ if TYPE_CHECKING:  # a type checker still reads the old names for their last rel
     UnsafeLayout = _UnsafeLayout
     CannotWrite = _CannotWrite
 else:  # hidden from type checkers, so that a misspelt name is an error there and not Any
+    from ._lazy import old_names
 
-    def __getattr__(name: str) -> Any:
-        if name in _MOVED:
-            return _moved_error(__name__, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __getattr__ = old_names(__name__, _MOVED, _moved_error)
 
 
 # --------------------------------------------------------------------------- values
@@ -549,11 +547,16 @@ class Device:
         return f"{self.kind}:{self.index}"
 
 
+#: the ``source`` of a device a simulated driver listed: ``sim:<profile>`` (:attr:`DeviceInfo.simulated`)
+SIM_SOURCE = "sim:"
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """What is known about one device without creating a context on it.
 
-    ``source`` names what listed the device (a binding, ``override``);
+    ``source`` names what listed the device (a binding, ``override``; ``sim:<profile>`` for a simulated
+    driver, see :attr:`simulated`);
     ``sources`` says, per field, where that field's value came from (e.g.
     ``("integrated", "cuda: cuDeviceGetAttribute(INTEGRATED)")``); a field
     with no entry kept its default because nothing answered.
@@ -575,6 +578,11 @@ class DeviceInfo:
     def source_of(self, name: str) -> str | None:
         """Where field ``name`` came from, or None when nothing answered for it."""
         return dict(self.sources).get(name)
+
+    @property
+    def simulated(self) -> bool:
+        """Listed by a simulated driver (its ``source`` is ``sim:<profile>``), not by a real one."""
+        return self.source.startswith(SIM_SOURCE)
 
 
 @dataclass(frozen=True)

@@ -170,11 +170,21 @@ def test_no_part_holds_the_manager(target):
     hands out (warm ranges, holds) holds what it uses -- never the manager, not through a bound method or a
     closure either -- so what replaces a manager's method changes that public call only."""
     policy, handed_out = busy_manager(Env(target))
-    parts = [v for k, v in vars(policy).items() if k != "session"]
+    parts = [v for k, v in vars(policy).items() if k != "session"] + [policy.policy]
     assert {type(p).__name__ for p in parts} >= {"Registry", "Eviction", "Unloading", "Contents", "Faulting",
                                                   "LoadBook", "ResidencyPolicy"}
     for obj in parts + handed_out:
         assert path_to(obj, policy) is None, f"{type(obj).__name__} reaches the manager: {path_to(obj, policy)}"
+
+
+def test_the_policy_is_the_registrys_and_cannot_be_swapped_past_the_parts():
+    mine = ResidencyPolicy()
+    manager = ResidencyManager(Env("host").session(), policy=mine)
+    assert manager.policy is mine and manager._registry.policy is mine and manager.policy_name == "membackend"
+    with pytest.raises(AttributeError):
+        manager.policy = ResidencyPolicy()  # the parts would go on with the old one
+    assert manager.policy is mine
+    manager.session.close()
 
 
 def test_the_walk_would_find_a_part_that_holds_the_manager():

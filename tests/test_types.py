@@ -56,3 +56,12 @@ def test_the_check_sees_an_error_class_outside_types(tmp_path):
         assert _exception_classes()["ProbeError"] == ["_errors_probe.py"]
     finally:
         probe.unlink()
+
+
+def test_a_device_listed_by_a_simulated_driver_says_so_and_a_real_one_does_not():
+    from membackend.lab.simulated import simulated_machine
+
+    machine = simulated_machine("h200")
+    assert [(str(d.device), d.source, d.simulated) for d in machine.gpus()] == [("cuda:0", "sim:h200", True)]
+    real = types.DeviceInfo(types.Device("cuda"), source="cuda: cuDeviceGetCount")
+    assert not real.simulated and not types.DeviceInfo(types.Device("cuda")).simulated

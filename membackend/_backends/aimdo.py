@@ -227,7 +227,7 @@ class AimdoBackend:
         if lacking:
             return Candidate(self.name, 0, f"{lacking[0].device} ({lacking[0].name or 'unnamed'}) does not support "
                                            "virtual memory management, which comfy-aimdo's VBARs need")
-        simulated = [d for d in gpus if d.source.startswith("sim:")]  # listed by a simulated driver (sim:<profile>)
+        simulated = [d for d in gpus if d.simulated]  # listed by a simulated driver (sim:<profile>)
         if simulated:
             return Candidate(self.name, 0, f"{simulated[0].device} is simulated ({simulated[0].source}), and comfy-aimdo "
                                            "drives the real CUDA or HIP driver, which does not know it")

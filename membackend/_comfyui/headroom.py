@@ -27,14 +27,14 @@ class Headroom:
     """The headroom of the devices the runtime serves, through its session and its residency manager: what it
     reads of the runtime is ``comfy_args`` (ComfyUI's parsed arguments, or None), ``session()`` (the session,
     None before the start), ``devices()`` (the served devices), ``links`` (the residency manager and why the
-    adapter switched itself off), ``device_named(name)``, ``policy()`` (the residency manager, or
+    adapter switched itself off), ``device_named(name)``, ``manager()`` (the residency manager, or
     ``RuntimeError``) and ``sample(force=, coalesce=)`` (a history sample)."""
 
     def __init__(self, comfy_args: Any, session: Callable[[], Any], devices: Callable[[], list[Device]],
-                 links: "RuntimeLinks", device_named: Callable[[Any], Device], policy: Callable[[], Any],
+                 links: "RuntimeLinks", device_named: Callable[[Any], Device], manager: Callable[[], Any],
                  sample: Callable[..., None]):
         self._args, self._session, self._devices, self._links = comfy_args, session, devices, links
-        self._device_named, self._policy, self._sample = device_named, policy, sample
+        self._device_named, self._manager, self._sample = device_named, manager, sample
         self._lock = threading.Lock()  # one live change at a time
         #: devices whose last fit left less free room than the headroom (a model of the run kept its pages):
         #: fitted again between nodes, and only those (a budget query per node otherwise)
@@ -142,7 +142,7 @@ class Headroom:
             self._short.discard(dev)
             return 0
         reason = f"headroom raised to {gb(b.headroom)} (live)"
-        residency = self._policy()
+        residency = self._manager()
         freed = residency.keep_warm(dev, reason=reason)
         b = session.budget_query(dev)
         if b.free < b.headroom:

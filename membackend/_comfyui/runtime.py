@@ -156,8 +156,8 @@ class Runtime:
         self.links = RuntimeLinks(residency=lambda: self.residency, fences=lambda: self.fences,
                                   aborted=lambda: self.aborted, vbars=self.vbars)
         self.headroom = Headroom(comfy_args, lambda: self.session, lambda: self.devices, self.links,
-                                 self.device_named, self.policy, self.sample)
-        self.unloader = Unloader(self.links, self.journal, policy=self.policy, session=lambda: self.session)
+                                 self.device_named, self.residency_manager, self.sample)
+        self.unloader = Unloader(self.links, self.journal, manager=self.residency_manager, session=lambda: self.session)
         self.classic = ClassicPath(self.links)  # wholly resident models on ComfyUI's classic path (issue 41)
         self.reuse = Reuse(self.links)  # weights already in VRAM copied on the device, not read again (issue 41)
         # the journal's records and the put-off unloads, under the names the wiring and the facade read and fill
@@ -342,7 +342,7 @@ class Runtime:
     def running(self) -> bool:
         return bool(self.started) and self.aborted is None
 
-    def policy(self) -> ResidencyManager:
+    def residency_manager(self) -> ResidencyManager:
         """The residency manager :meth:`start` made; what runs before it (or after a start that failed
         before making it) gets a ``RuntimeError``."""
         residency = self.residency
@@ -414,7 +414,7 @@ class Runtime:
         return self._give_back("every model unloaded") if self.residency is not None else 0
 
     def _give_back(self, why: str) -> int:
-        given = self.policy().on_idle()
+        given = self.residency_manager().on_idle()
         self.sample(force=True)
         if given:
             say(f"{why}: gave back {gb(given)} the backend kept for reuse")

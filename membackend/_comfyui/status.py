@@ -239,7 +239,7 @@ def _models(rt: "Runtime") -> dict[str, Any]:
     held = {id(v._model) for p in list(rt.keep.held.values())
             for v in (getattr(getattr(p, "model", None), "dynamic_vbars", None) or {}).values()
             if hasattr(v, "_model")}
-    residency, journal = rt.policy(), rt.journal
+    residency, journal = rt.residency_manager(), rt.journal
     stats = residency.stats()
     out: dict[str, Any] = {}
     for m in residency.models():

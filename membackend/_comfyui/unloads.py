@@ -56,14 +56,14 @@ class Unloader:
 
     What it reads of the runtime, handed to it when the runtime builds it (it never holds the runtime):
     ``links`` (the residency manager and the copy fences as they are now, the live VBARs), ``journal`` (the
-    model names and the unload records), ``policy()`` (the residency manager, or a ``RuntimeError`` before the
-    start made one: ``Runtime.policy``) and ``session()`` (the session now, None before the start)."""
+    model names and the unload records), ``manager()`` (the residency manager, or a ``RuntimeError`` before
+    the start made one: ``Runtime.residency_manager``) and ``session()`` (the session now, None before the start)."""
 
-    def __init__(self, links: "RuntimeLinks", journal: "Journal", *, policy: "Callable[[], ResidencyManager]",
+    def __init__(self, links: "RuntimeLinks", journal: "Journal", *, manager: "Callable[[], ResidencyManager]",
                  session: Callable[[], Any]):
         self._links = links
         self._journal = journal
-        self._policy = policy
+        self._manager = manager
         self._session = session
         #: VBARs whose full unload is put off until no page is pinned; changed through put_off/cancel_put_off
         #: (a WeakSet must not change while another thread copies it)
@@ -90,7 +90,7 @@ class Unloader:
         one line and retried at the next quiescent point. ``earlier``: bytes ComfyUI's own detach already
         freed from it (for the log line)."""
         model = vbar._model
-        policy = self._policy()
+        policy = self._manager()
         try:
             dropped = policy.full_unload_unless_pinned(model)
         except PartialFailure as exc:

@@ -223,7 +223,7 @@ def _get_free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Call
     """G3: free minus membackend's own headroom, not minus ComfyUI's --reserve-vram/--vram-headroom: ComfyUI
     accounts for those itself, and stock's figure does not change with them (``Session.free_for_host``)."""
     def free(d: Any) -> int:
-        residency = rt.policy()
+        residency = rt.residency_manager()
         if residency.cached(d):  # less room than the headroom (another process took it): the cache goes first
             b = rt.session.budget_query(d)
             if b.free < b.headroom:
@@ -249,15 +249,15 @@ def _free_memory(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Callable
         loaded = mm.current_loaded_models
         before = list(loaded)
         sizes = {id(v): v.loaded_size() for lm in before if not lm.is_dead() for v in _vbars_of(lm.model)}
-        if _ours(rt, mm, device) and rt.policy().cached(rt.device_for(device)):
+        if _ours(rt, mm, device) and rt.residency_manager().cached(rt.device_for(device)):
             dev = rt.device_for(device)  # the cache goes before ComfyUI's own choice of what to unload
             short = min(float(memory_required), 1e19) - rt.session.free_for_host(dev)
             if short > 0:
-                rt.policy().drop_cache(dev, short, "room for a load of ComfyUI's")
+                rt.residency_manager().drop_cache(dev, short, "room for a load of ComfyUI's")
         hide = []
         if memory_required < EVERYTHING and rt.keep.enabled:
             dev = rt.device_for(device)
-            room = rt.session.budget_query(dev).usable + rt.policy().evictable(dev)
+            room = rt.session.budget_query(dev).usable + rt.residency_manager().evictable(dev)
             if memory_required <= room:
                 hide = [lm for lm in before if not lm.is_dead() and _dynamic(lm)]
         if hide:
@@ -294,7 +294,7 @@ def _load_models_gpu(rt: Runtime, mm: Any, original: Callable[..., Any]) -> Call
             rt.cancel_put_off(v)
         _name(rt, models)
         if vbars:
-            rt.policy().use([v._model for v in vbars])
+            rt.residency_manager().use([v._model for v in vbars])
         rt.keep.hold([m for m in models if _vbars_of(m)])
         try:
             for m in models:

@@ -81,16 +81,12 @@ class ResidencyManager:
     the parts do. Every full unload runs the policy's hook (:meth:`ResidencyPolicy.full_unload_of`).
     """
 
-    #: the decisions this manager leaves to its policy: the constructor's ``policy``, else a
-    #: :class:`ResidencyPolicy` (membackend's own); its name is :attr:`policy_name`
-    policy: ResidencyPolicy
-
     def __init__(self, session: Session, *, policy: ResidencyPolicy | None = None,
                  tracer: TraceObserver | None = None):
         self.session = session
-        self.policy = policy if policy is not None else ResidencyPolicy()
         # the parts, composed here and only here: each gets the registry and the parts' callables it uses
-        self._registry = reg = Registry(session, self.policy, tracer if tracer is not None else session.tracer)
+        self._registry = reg = Registry(session, policy if policy is not None else ResidencyPolicy(),
+                                        tracer if tracer is not None else session.tracer)
         self._lock = reg.lock  # the registry's lock, one look-up nearer for every verb (and _tensors takes it)
         self._loads = loads = LoadBook()
         self._eviction = eviction = Eviction(reg, loads)
@@ -101,6 +97,13 @@ class ResidencyManager:
         #: bytes of dropped models kept as cache per device (:meth:`cache`): None, only as the budget allows;
         #: 0, none
         self.cache_limit: int | None = None
+
+    @property
+    def policy(self) -> ResidencyPolicy:
+        """The decisions this manager leaves to its policy: the constructor's ``policy``, else a
+        :class:`ResidencyPolicy` (membackend's own); its name is :attr:`policy_name`. Read-only: the parts
+        hold the same object through the registry, so another policy is another manager."""
+        return self._registry.policy
 
     @property
     def policy_name(self) -> str:

@@ -47,6 +47,7 @@ from .._drivers.open import (
     resolve_vendor,
 )
 from .._drivers.open import simulated_failures as _simulated_failures
+from .._lazy import old_names
 from .._ledger import Ledger
 from .._machine import gather_machine
 from .._session import Session
@@ -306,8 +307,4 @@ if TYPE_CHECKING:  # a type checker still reads the managers' old names for thei
     StockPolicy = StockManager
     AimdoLoadPolicy = AimdoLoadManager
 else:  # hidden from type checkers, so that a misspelt name is an error there and not Any
-
-    def __getattr__(name: str) -> Any:
-        if name in RENAMED:
-            return renamed(__name__, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __getattr__ = old_names(__name__, RENAMED, renamed)

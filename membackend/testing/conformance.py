@@ -802,8 +802,8 @@ def test_a_platform_fits_only_machines_it_serves_truthfully(membackend_session):
         note(target, "where the platform fits", f"its probe fits none of the simulated machines "
                                                 f"({', '.join(profile_names(vmm_only=True))})")
     if truth.free_low:  # one pool with the host
-        own = getattr(s.backend, "own_headroom", None)
-        room = own(dev, truth.total)[0] if callable(own) else s.budget_query(dev).headroom
+        own = s.members.own_headroom
+        room = own(dev, truth.total)[0] if own is not None else s.budget_query(dev).headroom
         probe = s.reserve(dev, 1)
         s.release_reservation(probe)
         assert room >= probe.page_size, \

@@ -811,8 +811,8 @@ def async_work(session: Session, r: Reservation, offset: int, size: int, seconds
                 return
             ctypes.memset(lo, 0x5A, size)
         return FutureToken(_copies.submit(copy))
-    driver, fence_token = getattr(backend, "driver", None), getattr(backend, "fence_token", None)
-    if driver is not None and callable(fence_token) and hasattr(driver, "memcpy_htod_async"):
+    driver, fence_token = getattr(backend, "driver", None), session.members.fence_token  # driver: not a row
+    if driver is not None and fence_token is not None and hasattr(driver, "memcpy_htod_async"):
         driver.set_device(r.device.index)
         stream = driver.stream_create()
         source = ctypes.create_string_buffer(size)  # a real driver reads it when the copy runs: kept with the token

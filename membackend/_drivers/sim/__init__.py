@@ -18,7 +18,7 @@ import os
 from typing import Any, Mapping
 
 from ..._hostmem import HostMemory
-from ...types import DriverError
+from ...types import SIM_SOURCE, DriverError
 from ..cuda import CudaDriver
 from ..discovery import torch_vendor_of
 from ..gpu import GpuDriver
@@ -182,7 +182,7 @@ class SimHost:
 
     def __init__(self, profile: str | Profile):
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
-        self.label = f"sim:{self.profile.name}"
+        self.label = f"{SIM_SOURCE}{self.profile.name}"
 
     def os_name(self) -> tuple[str, str]:
         return self.profile.os, f"{self.label}: the simulated OS"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ...types import SIM_SOURCE
 from ..gpu import host_address
 from .platform import SimError, SimPlatform
 
@@ -29,7 +30,7 @@ class SimApi:
 
     def __init__(self, platform: SimPlatform):
         self.platform = platform
-        self.label = f"sim:{platform.profile.name}"
+        self.label = f"{SIM_SOURCE}{platform.profile.name}"
         self._status = getattr(self.types, self.status_enum)
 
     def __getattr__(self, name: str) -> Any:

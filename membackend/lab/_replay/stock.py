@@ -21,6 +21,7 @@ from ..._backends.vmm.handles import HandleKeeper
 from ..._backends.vmm.pages import PageMapper
 from ..._backends.vmm.parts import Parts
 from ..._drivers.open import simulated_failures
+from ..._lazy import old_names
 from ..._residency import Model, ResidencyManager, ResidencyPolicy
 from ...platform import Platform
 from ...types import Candidate, Capabilities, Device, Score
@@ -241,8 +242,4 @@ if TYPE_CHECKING:  # a type checker still reads the old names for their last rel
     StockPolicy = StockManager
     AimdoLoadPolicy = AimdoLoadManager
 else:  # hidden from type checkers, so that a misspelt name is an error there and not Any
-
-    def __getattr__(name: str) -> Any:
-        if name in RENAMED:
-            return renamed(__name__, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __getattr__ = old_names(__name__, RENAMED, renamed)
