@@ -5,7 +5,7 @@
 
 1. Hot path: ``Session.fault`` on an already-resident page and ``Session.free``
    of nothing, each against calling the backend's method directly (and, for
-   orientation, against pluggy's generic dispatch). Target <= 2.5x.
+   orientation, against pluggy's generic dispatch). Targets <= 1.2x (fault), <= 1.25x (free).
 2. Host fault throughput on 1 GiB in 32 MiB pages against memset over
    already-resident memory (the zeroing limit). Target >= 0.35.
 3. One fault+free with 100k pages alive against 1k pages alive. Target <= 1.5.

@@ -70,6 +70,16 @@ def test_bench_file_read_prints_both_ways_and_their_ratio(capsys):
     assert "one thread" in out and "reader threads" in out and "ratio" in out
 
 
+def test_bench_fault_parts_prints_each_part_against_the_backend(capsys):
+    spec = importlib.util.spec_from_file_location("bench_fault_parts", BENCH.parent / "bench_fault_parts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--rounds", "1", "--calls", "20"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Session.fault of a resident page, part by part") and len(out) == 6
+    assert out[-1].lstrip().startswith("Session.fault itself") and "x  (+" in out[-1]
+
+
 def test_bench_descriptors_maps_past_the_limit_under_a_real_ulimit():
     """Issue 43, item 1, under this machine's real RLIMIT_NOFILE (a soft limit of 1,024 set in a shell of its
     own): the generic mechanism stops near 1,015 handles with out of memory, the rocm_linux plugin raises the soft

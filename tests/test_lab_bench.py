@@ -221,16 +221,17 @@ def test_the_public_face_benchmark_scripts_import():
     assert bench.measure_startup_cost is startup_cost.measure_startup
     assert bench.format_startup is startup_cost.format_startup
     assert not hasattr(bench, "measure_startup")
-    for name in ("bench_hot_path", "bench_fault_throughput", "bench_pages_alive", "bench_free_sync", "bench_startup",
+    for name in ("bench_hot_path", "bench_fault_parts", "bench_fault_throughput", "bench_pages_alive", "bench_free_sync", "bench_startup",
                  "run_bench", "replay", "measure_startup_cost"):
         assert name in bench.__all__ and f"{name}`" in bench.__doc__, name  # each is said in the docstring
 
 
 def test_benchmark_scripts_import_the_public_bench_module_only():
-    """The four scripts built on the suite import nothing internal (no module with a part starting with ``_``)."""
+    """The scripts built on the suite import nothing internal (no module with a part starting with ``_``)."""
     import ast
 
-    for script in ("bench_core.py", "bench_free_sync.py", "bench_comfyui_startup.py", "bench_trace_stream.py"):
+    for script in ("bench_core.py", "bench_free_sync.py", "bench_comfyui_startup.py", "bench_trace_stream.py",
+                   "bench_fault_parts.py"):
         source = BENCH_CORE.with_name(script).read_text()
         modules = [node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)]
         modules += [a.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import) for a in node.names]
@@ -238,3 +239,14 @@ def test_benchmark_scripts_import_the_public_bench_module_only():
         internal = [m for m in modules if m and m.startswith("membackend")
                     and any(part.startswith("_") for part in m.split("."))]
         assert internal == [] and "membackend._" not in source, (script, internal)
+
+
+def test_the_fault_parts_build_up_to_the_session_fault_itself():
+    rows = bench.bench_fault_parts(rounds=2, n=50)
+    assert [row["row"] for row in rows] == ["one more Python call", "+ the argument checks",
+                                           "+ the seat, the permit, the waiters",
+                                           "+ the re-check, Fault.mapped, the error wrappers", "Session.fault itself"]
+    assert all(_positive(row["ns"]) and _positive(row["ratio"]) for row in rows)
+    assert len({row["direct_ns"] for row in rows}) == 1  # one baseline, measured beside every row
+    lines = bench.format_fault_parts(rows)
+    assert len(lines) == 6 and "Session.fault itself" in lines[-1] and lines[-1].rstrip().endswith("ns)")

@@ -9,6 +9,11 @@ this runs on are shared and noisy; absolute times are printed only next to their
   of nothing on the host backend, each against calling the backend's method directly (pluggy's
   generic dispatch is shown for orientation). Two rows ``{"bench", "session_ns", "direct_ns",
   "ratio", "pluggy_generic_ratio", "target"}``. Targets <= 1.2 (fault) and <= 1.25 (free).
+* :func:`bench_fault_parts` ``(rounds, n)``: where ``Session.fault``'s time over the backend's method goes:
+  the verb's body rebuilt part by part (one more call; the argument checks; the seat, the permit and the
+  waiters; the re-check, ``Fault.mapped`` and the error wrappers), then ``Session.fault`` itself, each row
+  against the backend's method. Rows ``{"row", "ns", "direct_ns", "ratio"}``; :func:`format_fault_parts`
+  prints them. No target: it explains the hot-path row.
 * :func:`bench_fault_throughput` ``(total, page, rounds)``: faulting ``total`` bytes (1 GiB) in
   ``page`` pages (32 MiB) on the host backend against memset over already-resident memory (the
   zeroing limit). ``{"bench", "fault_GBps", "memset_GBps", "ratio", "target", "populate",
@@ -42,7 +47,8 @@ Re-exported for benchmark scripts, so they import from this module only:
   :func:`bench_startup` wraps, with every side's figures (``rounds``, ``bytecode_cache``), and
   its printed report.
 
-``benchmarks/bench_core.py`` is the command-line wrapper for the first three,
+``benchmarks/bench_core.py`` is the command-line wrapper for the hot path, the throughput and the pages
+alive, ``benchmarks/bench_fault_parts.py`` for the fault's parts,
 ``benchmarks/bench_free_sync.py`` for the free sync, ``benchmarks/bench_comfyui_startup.py`` for
 the start-up.
 """
@@ -78,6 +84,8 @@ __all__ = [
     "run_bench",
     "format_bench",
     "bench_hot_path",
+    "bench_fault_parts",
+    "format_fault_parts",
     "bench_fault_throughput",
     "bench_pages_alive",
     "bench_free_sync",
@@ -171,6 +179,107 @@ def bench_hot_path(n: int, rounds: int = 7) -> list[dict[str, Any]]:
                      "target": _target(entry)})
     s.close()
     return rows
+
+
+def _fault_rows(s: Session, backend: HostBackend, r: Any) -> list[tuple[str, Callable[..., Any]]]:
+    """The rows of :func:`bench_fault_parts` for reservation ``r`` alive in ``s``: each the verb's body up to a
+    part, in the order ``membackend/_session/hot.py`` runs them (its error paths raise plainly: none is taken)."""
+    bf = backend.membackend_fault
+    live, _ = r._seat  # the session's table of live reservations, as the seat names it
+    waiting: dict[int, int] = {}  # the session's is as empty: nobody waits in this benchmark
+
+    def call(reservation: Any, offset: int, size: int) -> Any:
+        return bf(reservation, offset, size)
+
+    def checks(reservation: Any, offset: int, size: int) -> Any:
+        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
+                or offset + size > reservation.size:
+            raise ValueError(offset, size)
+        return bf(reservation, offset, size)
+
+    def permit(reservation: Any, offset: int, size: int) -> Any:
+        table, held = reservation._seat
+        if table is not live:
+            raise ValueError(reservation)
+        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
+                or offset + size > reservation.size:
+            raise ValueError(offset, size)
+        held.pop()
+        try:
+            f = bf(reservation, offset, size)
+        finally:
+            held.append(True)
+            if waiting:
+                raise RuntimeError("nobody waits in this benchmark")
+        return f
+
+    def whole(reservation: Any, offset: int, size: int) -> Any:
+        try:
+            table, held = reservation._seat
+        except (AttributeError, TypeError):
+            raise
+        if table is not live:
+            raise ValueError(reservation)
+        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
+                or offset + size > reservation.size:
+            raise ValueError(offset, size)
+        try:
+            held.pop()
+        except IndexError:
+            raise
+        try:
+            if reservation.released:
+                raise ValueError(reservation)
+            try:
+                f = bf(reservation, offset, size)
+            except Exception:
+                raise
+            if f[3]:
+                raise RuntimeError("a resident page maps nothing")
+        finally:
+            held.append(True)
+            if waiting:
+                raise RuntimeError("nobody waits in this benchmark")
+        return f
+
+    return [("one more Python call", call), ("+ the argument checks", checks),
+            ("+ the seat, the permit, the waiters", permit),
+            ("+ the re-check, Fault.mapped, the error wrappers", whole), ("Session.fault itself", s.fault)]
+
+
+def bench_fault_parts(rounds: int = 200, n: int = 5000) -> list[dict[str, Any]]:
+    """One row per part of ``Session.fault`` on a resident page (see the module docstring): ``{"row", "ns",
+    "direct_ns", "ratio"}``, each function's best of ``rounds`` rounds of ``n`` calls, in rounds alternating with
+    the backend's own method."""
+    backend = HostBackend(page_size=2 * MiB)
+    s = _session_on(backend)
+    try:
+        r = s.reserve("cpu", 64 * MiB)
+        s.fault(r, 0, 64 * MiB)
+        fns: list[tuple[str, Callable[..., Any]]] = [("", backend.membackend_fault)] + _fault_rows(s, backend, r)
+        best = [math.inf] * len(fns)
+        offset = 4 * MiB
+        for _ in range(rounds):
+            for i, (_, fn) in enumerate(fns):
+                start = time.perf_counter()
+                for _ in range(n):
+                    fn(r, offset, 4096)
+                best[i] = min(best[i], (time.perf_counter() - start) / n)
+    finally:
+        s.close()
+    return [{"row": name, "ns": t * 1e9, "direct_ns": best[0] * 1e9, "ratio": t / best[0]}
+            for (name, _), t in zip(fns[1:], best[1:])]
+
+
+def format_fault_parts(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`bench_fault_parts`'s rows as lines: each row's ns, ratio and what it added to the row before."""
+    out = [f"Session.fault of a resident page, part by part, against the backend's method "
+           f"({rows[0]['direct_ns']:,.0f} ns):"]
+    before = rows[0]["direct_ns"]
+    for row in rows:
+        out.append(f"  {row['row']:<50} {row['ns']:7,.0f} ns  {row['ratio']:.3f}x  (+{row['ns'] - before:,.0f} ns)")
+        before = row["ns"]
+    return out
 
 
 def _size(n: int) -> str:
