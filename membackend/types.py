@@ -651,9 +651,10 @@ class Reservation:
     requested: int = 0
     id: int = field(default_factory=lambda: next(_reservation_ids))
     released: bool = False
-    #: ``(live table, permit)`` of the session that holds it alive (None otherwise): the hot verbs find both in
-    #: one attribute load, where a dict lookup was their largest single cost (docs/performance.md). Not an
-    #: argument, not compared, not shown, and a copy or a pickle leaves it behind (:meth:`__getstate__`).
+    #: the permit that serialises its verbs in the session that holds it alive (None otherwise), holding that
+    #: session's token while free: the hot verbs take it in one attribute load, where a dict lookup was their
+    #: largest single cost (docs/performance.md). Not an argument, not compared, not shown, and a copy or a
+    #: pickle leaves it behind (:meth:`__getstate__`).
     _seat: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:

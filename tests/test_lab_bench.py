@@ -244,8 +244,8 @@ def test_benchmark_scripts_import_the_public_bench_module_only():
 def test_the_fault_parts_build_up_to_the_session_fault_itself():
     rows = bench.bench_fault_parts(rounds=2, n=50)
     assert [row["row"] for row in rows] == ["one more Python call", "+ the argument checks",
-                                           "+ the seat, the permit, the waiters",
-                                           "+ the re-check, Fault.mapped, the error wrappers", "Session.fault itself"]
+                                           "+ the permit and its token, the waiters",
+                                           "+ Fault.mapped, the error wrappers", "Session.fault itself"]
     assert all(_positive(row["ns"]) and _positive(row["ratio"]) for row in rows)
     assert len({row["direct_ns"] for row in rows}) == 1  # one baseline, measured beside every row
     lines = bench.format_fault_parts(rows)

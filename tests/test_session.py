@@ -21,6 +21,7 @@ from membackend._ledger import Ledger
 from membackend._machine import gather_machine
 from membackend._manager import BackendManager
 from membackend._session import MAX_RESERVATION, Session
+from membackend._session.permits import RELEASED as _RELEASED
 from membackend._settings import load_settings
 from membackend._trace import TraceObserver
 from membackend.types import (
@@ -935,6 +936,90 @@ def test_verbs_on_one_reservation_never_overlap_in_the_backend_under_contention(
     assert backend.overlaps == 0
     assert s.ledger.resident(r) == backend.resident  # the ledger kept matching the backend
     s.close()
+
+
+class Gate(HostBackend):
+    """A host backend whose fault or release of a reservation blocks, holding its permit, until the test opens
+    the gate."""
+
+    def __init__(self):
+        super().__init__(page_size=64 * 1024)
+        self.inside, self.gate = threading.Event(), threading.Event()
+
+    def _hold(self):
+        self.inside.set()
+        assert self.gate.wait(30)
+
+    @hookimpl
+    def membackend_fault(self, reservation, offset, size):
+        self._hold()
+        return super().membackend_fault(reservation, offset, size)
+
+    @hookimpl
+    def membackend_release_reservation(self, reservation):
+        self._hold()
+        return super().membackend_release_reservation(reservation)
+
+
+@pytest.mark.parametrize("verb", ["fault", "free", "release_reservation"])
+def test_a_verb_waiting_on_a_reservation_that_is_released_meanwhile_is_told_it_was_released(verb):
+    # the release leaves RELEASED in the permit (Permits): whoever waited for the seat learns it there
+    backend = Gate()
+    s = Session(backend, machine=gather_machine())
+    r = s.reserve("cpu", 1 * MiB)
+    seat = r._seat
+    releaser = threading.Thread(target=s.release_reservation, args=(r,))
+    releaser.start()
+    assert backend.inside.wait(30)  # the release is in the backend, the permit taken
+    outcome: list[BaseException | object] = []
+
+    def waiter() -> None:
+        try:
+            outcome.append(getattr(s, verb)(r, 0, 64 * 1024) if verb != "release_reservation" else
+                           s.release_reservation(r))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    w = threading.Thread(target=waiter)
+    w.start()
+    while not s._books.permits.waiting:  # the waiter took the seat and sleeps on the permit
+        threading.Event().wait(0.001)
+    backend.gate.set()
+    releaser.join(30)
+    w.join(30)
+    assert r.released and r._seat is None and s.reservations() == []
+    assert len(outcome) == 1 and isinstance(outcome[0], ReservationReleased), outcome
+    assert seat == [_RELEASED] and s._books.permits.waiting == {}  # put back for the next; nobody left waiting
+    s.close()
+
+
+def test_another_sessions_reservation_held_by_its_owner_is_refused_once_free_and_left_as_it_was():
+    backend = Gate()
+    mine, theirs = Session(HostBackend(page_size=64 * 1024), machine=gather_machine()), \
+        Session(backend, machine=gather_machine())
+    r = theirs.reserve("cpu", 1 * MiB)
+    holder = threading.Thread(target=theirs.fault, args=(r, 0, 64 * 1024))
+    holder.start()
+    assert backend.inside.wait(30)
+    refused: list[BaseException] = []
+
+    def stranger() -> None:
+        try:
+            mine.fault(r, 0, 64 * 1024)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            refused.append(exc)
+
+    t = threading.Thread(target=stranger)
+    t.start()
+    while not mine._books.permits.waiting:
+        threading.Event().wait(0.001)
+    backend.gate.set()
+    holder.join(30)
+    t.join(30)
+    assert not t.is_alive() and len(refused) == 1 and isinstance(refused[0], ForeignReservation), refused
+    assert theirs.free(r) == 64 * 1024 and r._seat == [theirs._books.owner]  # the owner's, free again
+    mine.close()
+    theirs.close()
 
 
 def test_a_free_of_a_reservation_with_nothing_resident_skips_the_backend_but_not_the_fence():

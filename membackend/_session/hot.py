@@ -8,10 +8,12 @@ installs them as attributes of the instance, declared on the class as :class:`Fa
 session makes anywhere: the reservation alive here, the arguments, the permit (:class:`~.permits.Permits`),
 G2's fence before a free, the live views, the ledger.
 
-Why the seat: a reservation alive in a session carries ``(that session's live table, its permit)`` in
-``Reservation._seat`` (set by :mod:`.lifecycle`), and the hot verbs read it there, one attribute load, where the
-lookup in the live table was the largest single cost of ``Session.fault`` over the backend's method (about 70 of
-its 260 ns, ``docs/performance.md``). The table's identity says the reservation is alive *here*.
+Why the seat and the token: a reservation alive in a session carries its permit in ``Reservation._seat`` (set
+by :mod:`.lifecycle`), and the hot verbs take it there, one attribute load, where the lookup in the session's
+table of live reservations was the largest single cost of ``Session.fault`` over the backend's method (about 70
+of its 260 ns, ``docs/performance.md``). What the permit holds while free is the owning session's token (its
+``owner``), and :data:`~.permits.RELEASED` after the release: the ``pop()`` that takes it says in the same step
+whether the reservation is this session's and still alive.
 """
 
 from __future__ import annotations
@@ -46,91 +48,106 @@ class FreeVerb(Protocol):
         ...
 
 
-def hot_verbs(live: dict[Reservation, list[bool]], permits: Permits, ledger: Ledger, frees: dict[int, int],
+class Rare:
+    """What the hot verbs call only off their fast path, held behind one closure cell: every cell a closure
+    holds is copied into each call's frame, and these are many."""
+
+    __slots__ = ("refuse", "in_range", "wait", "wake", "give", "failed", "on_fault", "on_free", "check_quiet",
+                 "check_views", "wait_tokens")
+
+    def __init__(self, permits: Permits, ledger: Ledger, refuse: Callable[[Any, str], NoReturn],
+                 in_range: Callable[[Reservation, Any, Any], tuple[int, int]], failed: Callable[..., Any],
+                 check_views: Callable[[Reservation, int, int, str], None],
+                 wait_tokens: Callable[[Reservation], None]):
+        self.refuse, self.in_range, self.failed = refuse, in_range, failed
+        self.wait, self.wake, self.give = permits.wait, permits.wake, permits.give
+        self.on_fault, self.on_free, self.check_quiet = ledger.on_fault, ledger.on_free, ledger.check_quiet
+        self.check_views, self.wait_tokens = check_views, wait_tokens
+
+    def not_ours(self, reservation: Any, permit: list[Any], token: Any, verb: str) -> NoReturn:
+        """A permit taken that did not hold this session's token: put ``token`` back and raise the typed error
+        (:data:`~.permits.RELEASED`: released; another session's token: that session's reservation)."""
+        self.give(permit, token)
+        self.refuse(reservation, verb)
+
+
+def hot_verbs(owner: object, permits: Permits, ledger: Ledger, frees: dict[int, int],
               views: dict[Reservation, Any], check_views: Callable[[Reservation, int, int, str], None],
               wait_tokens: Callable[[Reservation], None], refuse: Callable[[Any, str], NoReturn],
               in_range: Callable[[Reservation, Any, Any], tuple[int, int]],
               failed: Callable[..., Any], backend_fault: Callable[..., Fault],
               backend_free: Callable[..., int]) -> tuple[FaultVerb, FreeVerb]:
-    """``(fault, free)`` over ``live`` (reservation -> its permit, of ``permits``; the identity a reservation's
-    seat names), the ``ledger``, ``frees``
-    (reservation id -> frees that reached the backend), the live ``views`` table and its ``check_views``,
-    ``wait_tokens`` (G2), ``refuse`` and ``in_range`` (the checks), ``failed`` (the typed-error wrapper) and
-    the bound ``backend_fault`` and ``backend_free``."""
+    """``(fault, free)`` for the session whose token in its reservations' permits is ``owner`` (of ``permits``),
+    over the ``ledger``, ``frees`` (reservation id -> frees that reached the backend), the live ``views`` table
+    and its ``check_views``, ``wait_tokens`` (G2), ``refuse`` and ``in_range`` (the checks), ``failed`` (the
+    typed-error wrapper) and the bound ``backend_fault`` and ``backend_free``."""
     waiting = permits.waiting  # looked at by every release
     pending_ids, resident_by_id, sanitize = ledger.pending_ids, ledger.resident_by_id, ledger.sanitize
-    check_alive, on_fault, on_free, check_quiet = ledger.check_alive, ledger.on_fault, ledger.on_free, \
-        ledger.check_quiet
-    wait, wake = permits.wait, permits.wake
+    rare = Rare(permits, ledger, refuse, in_range, failed, check_views, wait_tokens)
+    exact = int  # one cell, not a builtins look-up per check
 
     def fault(reservation: Reservation, offset: int, size: int) -> Fault:
-        try:
-            table, permit = reservation._seat
-        except (AttributeError, TypeError):  # not a Reservation, or alive in no session
-            refuse(reservation, "fault")
-        if table is not live:
-            refuse(reservation, "fault")
-        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
-                or offset + size > reservation.size:
-            offset, size = in_range(reservation, offset, size)
-        try:  # take the permit, inlined (see Permits)
-            permit.pop()
+        try:  # take the permit, inlined (see Permits): its token says whose the reservation is
+            permit = reservation._seat
+            token = permit.pop()
         except IndexError:
-            wait(permit)
+            token = rare.wait(permit)
+        except AttributeError:  # not a Reservation, or alive in no session (no seat)
+            rare.refuse(reservation, "fault")
+        if token is not owner:
+            rare.not_ours(reservation, permit, token, "fault")
         try:
-            if reservation.released:  # released by another thread while this one waited
-                check_alive(reservation, "fault")
+            if offset.__class__ is not exact or size.__class__ is not exact or offset < 0 or size <= 0 \
+                    or offset + size > reservation.size:
+                offset, size = rare.in_range(reservation, offset, size)
             try:
                 f: Fault = backend_fault(reservation, offset, size)
             except Exception as exc:
-                if (untyped := failed("fault", exc, reservation)) is None:
+                if (untyped := rare.failed("fault", exc, reservation)) is None:
                     raise
                 raise untyped from exc
             if f[3]:  # f.mapped: an index costs less than a name on a tuple subclass
-                on_fault(reservation, f[3])
+                rare.on_fault(reservation, f[3])
         finally:
-            permit.append(True)  # give it back, inlined
+            permit.append(owner)  # give it back, inlined
             if waiting:
-                wake()
+                rare.wake()
         return f
 
     def free(reservation: Reservation, offset: int = 0, size: int | None = None) -> int:
         try:
-            table, permit = reservation._seat
-        except (AttributeError, TypeError):
-            refuse(reservation, "free")
-        if table is not live:
-            refuse(reservation, "free")
-        if size is None:
-            if offset.__class__ is not int:
-                offset = as_int(offset, "offset", f"an int from 0 to {reservation.size - 1}")
-            if not 0 <= offset < reservation.size:
-                raise OutOfRange(f"offset {offset} is outside reservation #{reservation.id} of "
-                                 f"{reservation.size} bytes; accepted: 0 <= offset < {reservation.size}")
-            size = reservation.size - offset
-        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
-                or offset + size > reservation.size:
-            offset, size = in_range(reservation, offset, size)
-        ps = reservation.page_size
-        end = offset + size
-        if offset % ps or end % ps:
-            if offset % ps or end < reservation.requested:
-                raise Misaligned(f"free range [{offset}, {end}) must start on a page boundary and end on one "
-                                 f"(or at the end of the reservation); page size {ps}")
-            size = reservation.size - offset  # the tail page holds only this caller's bytes
-        try:  # take the permit, inlined (see Permits)
-            permit.pop()
+            permit = reservation._seat
+            token = permit.pop()
         except IndexError:
-            wait(permit)
+            token = rare.wait(permit)
+        except AttributeError:
+            rare.refuse(reservation, "free")
+        if token is not owner:
+            rare.not_ours(reservation, permit, token, "free")
         try:
-            if reservation.released:
-                check_alive(reservation, "free")
+            if size is None:
+                if offset.__class__ is not exact:
+                    offset = as_int(offset, "offset", f"an int from 0 to {reservation.size - 1}")
+                if not 0 <= offset < reservation.size:
+                    raise OutOfRange(f"offset {offset} is outside reservation #{reservation.id} of "
+                                     f"{reservation.size} bytes; accepted: 0 <= offset < {reservation.size}")
+                size = reservation.size - offset
+            if offset.__class__ is not exact or size.__class__ is not exact or offset < 0 or size <= 0 \
+                    or offset + size > reservation.size:
+                offset, size = rare.in_range(reservation, offset, size)
+            ps = reservation.page_size
+            end = offset + size
+            if offset % ps or end % ps:
+                if offset % ps or end < reservation.requested:
+                    raise Misaligned(f"free range [{offset}, {end}) must start on a page boundary and end on one "
+                                     f"(or at the end of the reservation); page size {ps}")
+                size = reservation.size - offset  # the tail page holds only this caller's bytes
             if reservation in views:
-                check_views(reservation, offset, size, "free")
+                rare.check_views(reservation, offset, size, "free")
             if reservation.id in pending_ids:
-                wait_tokens(reservation)
+                rare.wait_tokens(reservation)
             if sanitize:
-                check_quiet(reservation, "free")
+                rare.check_quiet(reservation, "free")
             if not resident_by_id.get(reservation.id):
                 return 0  # the ledger holds no byte of it resident: nothing for the backend to drop
             # counted before the call: one that raises may have dropped pages too (backing_changes)
@@ -138,15 +155,15 @@ def hot_verbs(live: dict[Reservation, list[bool]], permits: Permits, ledger: Led
             try:
                 dropped: int = backend_free(reservation, offset, size)
             except Exception as exc:
-                if (untyped := failed("free", exc, reservation)) is None:
+                if (untyped := rare.failed("free", exc, reservation)) is None:
                     raise
                 raise untyped from exc
             if dropped:
-                on_free(reservation, dropped)
+                rare.on_free(reservation, dropped)
         finally:
-            permit.append(True)  # give it back, inlined
+            permit.append(owner)  # give it back, inlined
             if waiting:
-                wake()
+                rare.wake()
         return dropped
 
     return fault, free

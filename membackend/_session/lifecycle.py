@@ -3,35 +3,36 @@ session's close, which releases what is still alive."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from .._ledger import Ledger
 from ..types import Device, InvalidSize, MembackendError, PartialFailure, PluginError, Reservation, ReservationReleased
 from .checks import MAX_RESERVATION, as_int
+from .permits import RELEASED, Permits
 
 log = logging.getLogger("membackend._session")
 
 
 class Lifecycle:
-    """Reserve and release for backend ``name``: ``live`` (reservation -> its permit), ``views`` (the live views
-    table) and ``check_views`` (:meth:`.views.Views.check`), ``moving`` and ``frees`` (the fences' and frees'
-    counts per reservation id), the ``ledger``, ``lock_of`` (the reservation's lock), ``wait_tokens`` (G2),
-    ``device`` (a served device), ``failed`` (the typed-error wrapper) and the bound ``backend_reserve`` and
+    """Reserve and release for backend ``name``: ``live`` (reservation -> its permit), ``owner`` (this session's
+    token in those permits, of ``permits``), ``views`` (the live views table) and ``check_views``
+    (:meth:`.views.Views.check`), ``moving`` and ``frees`` (the fences' and frees' counts per reservation id),
+    the ``ledger``, ``wait_tokens`` (G2), ``device`` (a served device), ``refuse`` (the typed error for a
+    reservation not alive here), ``failed`` (the typed-error wrapper) and the bound ``backend_reserve`` and
     ``backend_release``."""
 
-    def __init__(self, name: str, live: dict[Reservation, list[bool]], views: dict[Reservation, Any],
-                 check_views: Callable[[Reservation, int, int, str], None], moving: dict[int, int],
-                 frees: dict[int, int], ledger: Ledger,
-                 lock_of: Callable[[Any, str], contextlib.AbstractContextManager[None]],
+    def __init__(self, name: str, live: dict[Reservation, list[Any]], owner: object, permits: Permits,
+                 views: dict[Reservation, Any], check_views: Callable[[Reservation, int, int, str], None],
+                 moving: dict[int, int], frees: dict[int, int], ledger: Ledger,
                  wait_tokens: Callable[[Reservation], None], device: Callable[[Any], Device],
-                 failed: Callable[..., PluginError | None], backend_reserve: Callable[..., Any],
-                 backend_release: Callable[..., int]):
+                 refuse: Callable[[Any, str], NoReturn], failed: Callable[..., PluginError | None],
+                 backend_reserve: Callable[..., Any], backend_release: Callable[..., int]):
         self._name = name
-        self._live, self._views, self._check_views = live, views, check_views
+        self._live, self._owner, self._permits = live, owner, permits
+        self._views, self._check_views = views, check_views
         self._moving, self._frees, self._ledger = moving, frees, ledger
-        self._lock_of, self._wait_tokens, self._device, self._failed = lock_of, wait_tokens, device, failed
+        self._wait_tokens, self._device, self._refuse, self._failed = wait_tokens, device, refuse, failed
         self._backend_reserve, self._backend_release = backend_reserve, backend_release
 
     def reserve(self, device: Any, size: Any) -> Reservation:
@@ -58,18 +59,24 @@ class Lifecycle:
                 raise PluginError(f"backend {self._name!r} broke the contract: reserve({device}, {size}) returned "
                                   f"{r!r}")
             self._ledger.on_reserve(r)
-            permit = [True]
+            permit = [self._owner]  # free, and this session's (see Permits)
             self._live[r] = permit
-            r._seat = (self._live, permit)  # what the hot verbs read (Reservation._seat)
+            r._seat = permit  # where the hot verbs take it (Reservation._seat)
         except BaseException:
             self.give_back(r)
             raise
         return r
 
     def release(self, reservation: Reservation) -> int:
-        """``Session.release_reservation``: under its lock, views checked, fenced, released, forgotten."""
-        with self._lock_of(reservation, "release_reservation"):
-            if reservation.released:  # a concurrent release won
+        """``Session.release_reservation``: under its permit, views checked, fenced, released, forgotten; the
+        permit then holds :data:`~.permits.RELEASED` for whoever took the reservation's seat before."""
+        try:
+            permit = self._live[reservation]
+        except (KeyError, TypeError):
+            self._refuse(reservation, "release_reservation")
+        token = self._permits.take(permit)
+        try:
+            if token is not self._owner:  # a concurrent release won
                 self._ledger.check_alive(reservation, "release_reservation")
             if reservation in self._views:
                 self._check_views(reservation, 0, reservation.size, "release_reservation")
@@ -85,11 +92,14 @@ class Lifecycle:
                 raise untyped from exc
             reservation.released = True
             reservation._seat = None
+            token = RELEASED  # what the permit holds from now on
             self._ledger.on_release(reservation)
             self._live.pop(reservation, None)
             self._views.pop(reservation, None)
             self._moving.pop(reservation.id, None)
             self._frees.pop(reservation.id, None)
+        finally:
+            self._permits.give(permit, token)
         return dropped
 
     def give_back(self, r: Any) -> None:

@@ -37,7 +37,7 @@ from .hot import FaultVerb, FreeVerb, hot_verbs
 from .lifecycle import Lifecycle
 from .members import Members
 from .optional import Optional
-from .permits import Permits, locker
+from .permits import PERMITS, Permits, locker
 from .views import Views
 
 
@@ -51,9 +51,12 @@ class Books:
     checks: Checks
     ledger: Ledger
     headrooms: HeadroomByDevice
-    #: live reservations -> the permit (see Permits) that serialises verbs on each
-    live: dict[Reservation, list[bool]] = field(default_factory=dict)
-    permits: Permits = field(default_factory=Permits)
+    #: live reservations -> the permit (see Permits) that serialises verbs on each; the permit is also the
+    #: reservation's seat (``Reservation._seat``), where the hot verbs find it
+    live: dict[Reservation, list[Any]] = field(default_factory=dict)
+    #: this session's token in its live reservations' permits (see Permits)
+    owner: object = field(default_factory=object)
+    permits: Permits = field(default_factory=lambda: PERMITS)
     #: reservations with (or recently with) live tensor views -> {view key: (offset, end)}
     view_table: dict[Reservation, dict[int, tuple[int, int]]] = field(default_factory=dict)
     #: reservation id -> how often a fence began and ended taking its waited tokens off (odd: under way)
@@ -92,11 +95,11 @@ def compose(books: Books, observers: list[Any]) -> Parts:
         checks.call("fence", bound.fence, device, reservation)
 
     fencing = Fencing(books.live, books.permits, ledger, books.moving, books.lock_of, checks.device, backend_fence)
-    fault, free = hot_verbs(books.live, books.permits, ledger, books.frees, books.view_table, books.views.check,
+    fault, free = hot_verbs(books.owner, books.permits, ledger, books.frees, books.view_table, books.views.check,
                             fencing.wait_tokens, checks.refuse, in_range, checks.failed, bound.fault, bound.free)
-    lifecycle = Lifecycle(books.name, books.live, books.view_table, books.views.check, books.moving, books.frees,
-                          ledger, books.lock_of, fencing.wait_tokens, checks.device, checks.failed, bound.reserve,
-                          bound.release_reservation)
+    lifecycle = Lifecycle(books.name, books.live, books.owner, books.permits, books.view_table, books.views.check,
+                          books.moving, books.frees, ledger, fencing.wait_tokens, checks.device, checks.refuse,
+                          checks.failed, bound.reserve, bound.release_reservation)
     headroom = SessionHeadroom(books.headrooms, checks.device, checks.budget, bound.budget_query,
                                books.backend.membackend_budget_query)
     optional = Optional(books.name, books.members, bound.trim, bound.inspect, checks.device, checks.call,

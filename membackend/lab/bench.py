@@ -10,8 +10,9 @@ this runs on are shared and noisy; absolute times are printed only next to their
   generic dispatch is shown for orientation). Two rows ``{"bench", "session_ns", "direct_ns",
   "ratio", "pluggy_generic_ratio", "target"}``. Targets <= 1.2 (fault) and <= 1.25 (free).
 * :func:`bench_fault_parts` ``(rounds, n)``: where ``Session.fault``'s time over the backend's method goes:
-  the verb's body rebuilt part by part (one more call; the argument checks; the seat, the permit and the
-  waiters; the re-check, ``Fault.mapped`` and the error wrappers), then ``Session.fault`` itself, each row
+  the verb's body rebuilt part by part (one more call; the argument checks; the permit, whose token says whose
+  the reservation is and whether it is alive, and the waiters; ``Fault.mapped`` and the error wrappers), then
+  ``Session.fault`` itself, each row
   against the backend's method. Rows ``{"row", "ns", "direct_ns", "ratio"}``; :func:`format_fault_parts`
   prints them. No target: it explains the hot-path row.
 * :func:`bench_fault_throughput` ``(total, page, rounds)``: faulting ``total`` bytes (1 GiB) in
@@ -185,51 +186,48 @@ def _fault_rows(s: Session, backend: HostBackend, r: Any) -> list[tuple[str, Cal
     """The rows of :func:`bench_fault_parts` for reservation ``r`` alive in ``s``: each the verb's body up to a
     part, in the order ``membackend/_session/hot.py`` runs them (its error paths raise plainly: none is taken)."""
     bf = backend.membackend_fault
-    live, _ = r._seat  # the session's table of live reservations, as the seat names it
+    owner = r._seat[0]  # the session's token, which the free permit holds
     waiting: dict[int, int] = {}  # the session's is as empty: nobody waits in this benchmark
+    exact = int
 
     def call(reservation: Any, offset: int, size: int) -> Any:
         return bf(reservation, offset, size)
 
     def checks(reservation: Any, offset: int, size: int) -> Any:
-        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
+        if offset.__class__ is not exact or size.__class__ is not exact or offset < 0 or size <= 0 \
                 or offset + size > reservation.size:
             raise ValueError(offset, size)
         return bf(reservation, offset, size)
 
     def permit(reservation: Any, offset: int, size: int) -> Any:
-        table, held = reservation._seat
-        if table is not live:
+        held = reservation._seat
+        if held.pop() is not owner:
             raise ValueError(reservation)
-        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
-                or offset + size > reservation.size:
-            raise ValueError(offset, size)
-        held.pop()
         try:
+            if offset.__class__ is not exact or size.__class__ is not exact or offset < 0 or size <= 0 \
+                    or offset + size > reservation.size:
+                raise ValueError(offset, size)
             f = bf(reservation, offset, size)
         finally:
-            held.append(True)
+            held.append(owner)
             if waiting:
                 raise RuntimeError("nobody waits in this benchmark")
         return f
 
     def whole(reservation: Any, offset: int, size: int) -> Any:
         try:
-            table, held = reservation._seat
-        except (AttributeError, TypeError):
-            raise
-        if table is not live:
-            raise ValueError(reservation)
-        if offset.__class__ is not int or size.__class__ is not int or offset < 0 or size <= 0 \
-                or offset + size > reservation.size:
-            raise ValueError(offset, size)
-        try:
-            held.pop()
+            held = reservation._seat
+            token = held.pop()
         except IndexError:
             raise
+        except AttributeError:
+            raise
+        if token is not owner:
+            raise ValueError(reservation)
         try:
-            if reservation.released:
-                raise ValueError(reservation)
+            if offset.__class__ is not exact or size.__class__ is not exact or offset < 0 or size <= 0 \
+                    or offset + size > reservation.size:
+                raise ValueError(offset, size)
             try:
                 f = bf(reservation, offset, size)
             except Exception:
@@ -237,14 +235,14 @@ def _fault_rows(s: Session, backend: HostBackend, r: Any) -> list[tuple[str, Cal
             if f[3]:
                 raise RuntimeError("a resident page maps nothing")
         finally:
-            held.append(True)
+            held.append(owner)
             if waiting:
                 raise RuntimeError("nobody waits in this benchmark")
         return f
 
     return [("one more Python call", call), ("+ the argument checks", checks),
-            ("+ the seat, the permit, the waiters", permit),
-            ("+ the re-check, Fault.mapped, the error wrappers", whole), ("Session.fault itself", s.fault)]
+            ("+ the permit and its token, the waiters", permit),
+            ("+ Fault.mapped, the error wrappers", whole), ("Session.fault itself", s.fault)]
 
 
 def bench_fault_parts(rounds: int = 200, n: int = 5000) -> list[dict[str, Any]]:
